@@ -1,0 +1,141 @@
+//! Clade benchmarks. Each prints its figures (medians, percentiles, ratios)
+//! for docs/benchmarks.md; none asserts a time.
+//!
+//!   cargo run --release -p clade-bench -- vm [--boots 5] [--execs 200]
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clade_host::image::Progress;
+use clade_host::{HostConfig, VmRuntime, VmSpec};
+use clade_proto::{Command, ExecRequest};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Cold boot, exec round trip, file throughput, idle QEMU memory and CPU.
+    Vm {
+        #[arg(long, default_value_t = 5)]
+        boots: usize,
+        #[arg(long, default_value_t = 200)]
+        execs: usize,
+        #[arg(long, default_value_t = 50)]
+        file_mib: usize,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        match cli.bench {
+            Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
+        }
+    })
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+async fn vm(boots: usize, execs: usize, file_mib: usize) -> anyhow::Result<()> {
+    let data = std::env::temp_dir().join(format!("clade-bench-{}", std::process::id()));
+    let config = HostConfig { data_dir: data.clone(), ..HostConfig::from_env().map_err(anyhow::Error::msg)? };
+    let runtime = VmRuntime::new(config)?;
+    let store = runtime.images().clone();
+    let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
+    println!("# clade-bench vm — accel {}, 1 vCPU, 512 MiB, image {}", runtime.accel(), image.name);
+
+    // Cold boot to the first agent answer.
+    let mut times = Vec::new();
+    for _ in 0..boots {
+        let start = Instant::now();
+        let vm = runtime.boot(VmSpec::new(image.clone())).await.context("boot")?;
+        vm.agent().ping().await?;
+        times.push(start.elapsed());
+        vm.stop().await?;
+    }
+    times.sort();
+    println!("cold boot to agent-ready: median {} (min {}, max {}, n={boots})", ms(times[boots / 2]), ms(times[0]), ms(times[boots - 1]));
+
+    let vm = runtime.boot(VmSpec::new(image.clone())).await?;
+    let agent = vm.agent().clone();
+
+    // Agent round trip, and a full exec of `true`.
+    let mut pings = Vec::new();
+    for _ in 0..execs {
+        pings.push(agent.ping().await?);
+    }
+    pings.sort();
+    println!("agent ping round trip: p50 {} p99 {} (n={execs})", ms(percentile(&pings, 50.0)), ms(percentile(&pings, 99.0)));
+    let mut runs = Vec::new();
+    for _ in 0..execs {
+        let start = Instant::now();
+        let out = agent.run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
+        anyhow::ensure!(out.exit_code() == 0, "true failed");
+        runs.push(start.elapsed());
+    }
+    runs.sort();
+    println!("exec `true` round trip: p50 {} p99 {} (n={execs})", ms(percentile(&runs, 50.0)), ms(percentile(&runs, 99.0)));
+
+    // File throughput, host -> guest and back (the guest writes to its disk overlay).
+    let data_bytes: Vec<u8> = (0..file_mib << 20).map(|_| rand::random::<u8>()).collect();
+    let start = Instant::now();
+    agent.write_file("/root/bench.bin", &data_bytes).await?;
+    let write = start.elapsed();
+    let start = Instant::now();
+    let back = agent.read_file("/root/bench.bin").await?;
+    let read = start.elapsed();
+    anyhow::ensure!(back == data_bytes, "file read back differs");
+    let rate = |d: Duration| file_mib as f64 / d.as_secs_f64();
+    println!("file write {file_mib} MiB: {:.0} MiB/s; read: {:.0} MiB/s", rate(write), rate(read));
+    agent.remove("/root/bench.bin", false).await?;
+
+    // Idle QEMU: resident memory and CPU over 10 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pid = vm.vmm().pid;
+    let (rss, pss) = memory_kib(pid)?;
+    let cpu_before = cpu_ticks(pid)?;
+    let wall = Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let ticks = cpu_ticks(pid)? - cpu_before;
+    let hz = 100.0; // USER_HZ on Linux x86-64
+    let cpu_pct = ticks as f64 / hz / wall.elapsed().as_secs_f64() * 100.0;
+    println!("idle VM QEMU process: RSS {:.1} MiB, PSS {:.1} MiB, CPU {cpu_pct:.2} % of a core", rss as f64 / 1024.0, pss as f64 / 1024.0);
+    println!("ratio cold boot / exec p50: {:.0}x", times[boots / 2].as_secs_f64() / percentile(&runs, 50.0).as_secs_f64());
+    vm.stop().await?;
+    let _ = std::fs::remove_dir_all(data);
+    Ok(())
+}
+
+fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
+    let field = |name: &str| {
+        rollup
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok((field("Rss:"), field("Pss:")))
+}
+
+fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = &stat[stat.rfind(')').context("stat")? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 after the state.
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}

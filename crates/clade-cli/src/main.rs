@@ -1,0 +1,86 @@
+//! `clade`: the command line. Argument parsing and terminal handling live
+//! here; everything else is in the library crates.
+
+mod images;
+mod term;
+mod vm;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use clade_host::{AccelChoice, HostConfig};
+
+/// Exit code for clade's own failures (as opposed to the command's).
+pub const CLADE_FAILED: u8 = 125;
+
+#[derive(Parser)]
+#[command(name = "clade", version, about = "MicroVM sandboxes for AI agents")]
+struct Cli {
+    /// Runtime state (VM directories). Env: CLADE_DATA_DIR.
+    #[arg(long, global = true, env = "CLADE_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Built kernels and images. Env: CLADE_CACHE_DIR.
+    #[arg(long, global = true, env = "CLADE_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// auto (KVM when the host has hardware virtualization, else TCG), kvm or tcg. Env: CLADE_ACCEL.
+    #[arg(long, global = true, env = "CLADE_ACCEL")]
+    accel: Option<AccelChoice>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Single VMs on this host, without a server.
+    #[command(subcommand)]
+    Vm(vm::VmCommand),
+    /// Guest images (kernel and root filesystem).
+    #[command(subcommand)]
+    Images(images::ImagesCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+
+    let mut config = match HostConfig::from_env() {
+        Ok(config) => config,
+        Err(e) => return fail(anyhow::anyhow!(e)),
+    };
+    if let Some(dir) = cli.data_dir {
+        config.data_dir = dir;
+    }
+    if let Some(dir) = cli.cache_dir {
+        config.cache_dir = dir;
+    }
+    if let Some(accel) = cli.accel {
+        config.accel = accel;
+    }
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let outcome = runtime.block_on(async move {
+        match cli.command {
+            Command::Vm(command) => vm::run(command, config).await,
+            Command::Images(command) => images::run(command, config).await,
+        }
+    });
+    // Don't wait for stdin readers or other blocking tasks still parked.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    match outcome {
+        Ok(code) => code,
+        Err(e) => fail(e),
+    }
+}
+
+fn fail(e: anyhow::Error) -> ExitCode {
+    eprintln!("clade: {e:#}");
+    ExitCode::from(CLADE_FAILED)
+}

@@ -1,0 +1,1148 @@
+//! `Request::Exec`: runs one command and relays its life over a substream.
+//!
+//! Each command gets its own session and process group (and cgroup where
+//! cgroup v2 is mounted). Whatever ends the exec (exit, timeout, cancel, the
+//! host going away), nothing the command started outlives it: the group is
+//! SIGKILLed and the cgroup emptied before `Exited` is sent.
+//!
+//! Tasks per exec: one reads host frames, one writes guest frames (so a host
+//! that stops reading never blocks timeouts or cancellation), one pump per
+//! output stream, one feeds stdin. The supervising loop owns the decisions.
+
+use std::ffi::CString;
+use std::path::Path;
+use std::process::{Command as StdCommand, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clade_proto::{
+    read_frame, write_frame, Command, ErrorKind, ExecRequest, ExitStatus, GuestError, GuestFrame,
+    HostFrame, OutputStream, CHUNK_SIZE, DEFAULT_OUTPUT_LIMIT,
+};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::cgroup::{CgroupError, ExecCgroup};
+use crate::pty::{self, PtyError, PtyMaster};
+use crate::reaper::ProcessExit;
+use crate::server::Agent;
+use crate::spawn::{ChildSetup, Credentials};
+use crate::users::{self, User, UsersError};
+
+/// The search path every command starts with.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// How long output is still collected after the command exits: a background
+/// grandchild may hold the pipes open forever.
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
+/// What StdinEof types into a terminal: VEOF (^D) of a default termios.
+const TERMINAL_EOF: u8 = 0x04;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("the command is empty")]
+    EmptyCommand,
+    #[error("{0}: paths must be absolute")]
+    RelativeCwd(String),
+    #[error("working directory {path}")]
+    Cwd {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("working directory {0}: not a directory")]
+    CwdNotADirectory(String),
+    #[error("invalid environment variable {0:?}")]
+    BadEnv(String),
+    #[error("argument contains a NUL byte")]
+    NulByte,
+    #[error(transparent)]
+    User(#[from] UsersError),
+    #[error(transparent)]
+    Pty(#[from] PtyError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("cannot set up the child's stdio")]
+    Stdio(#[source] std::io::Error),
+    #[error("{program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ExecError {
+    /// The one place launch failures become protocol errors.
+    pub fn to_guest_error(&self) -> GuestError {
+        let kind = match self {
+            Self::EmptyCommand | Self::RelativeCwd(_) | Self::BadEnv(_) | Self::NulByte => {
+                ErrorKind::InvalidInput
+            }
+            Self::User(UsersError::Unknown(_)) => ErrorKind::InvalidInput,
+            Self::CwdNotADirectory(_) => ErrorKind::NotADirectory,
+            Self::Cwd { path, source } => return GuestError::from_io(source, path),
+            Self::Spawn { program, source } => return GuestError::from_io(source, program),
+            Self::User(_) | Self::Pty(_) | Self::Cgroup(_) | Self::Stdio(_) => ErrorKind::Io,
+        };
+        GuestError::new(kind, crate::error_chain(self))
+    }
+}
+
+/// Runs the exec of one substream to its end. Failures to launch are
+/// answered with `GuestFrame::Error`; a host that goes away is a cancel.
+pub async fn run<S>(agent: Arc<Agent>, req: ExecRequest, stream: S, session: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    match launch(&agent, &req).await {
+        Ok(running) => supervise(running, &req, rd, wr, session).await,
+        Err(err) => {
+            tracing::debug!("exec refused: {err}");
+            let _ = write_frame(&mut wr, &GuestFrame::Error(err.to_guest_error())).await;
+            let _ = wr.shutdown().await;
+            crate::server::drain_until_closed(&mut rd, &session).await;
+        }
+    }
+}
+
+/// A spawned command and the agent's ends of its stdio.
+struct Running {
+    pid: i32,
+    exit: oneshot::Receiver<ProcessExit>,
+    io: ChildIo,
+    cgroup: Option<ExecCgroup>,
+}
+
+enum ChildIo {
+    Pipes {
+        stdin: Option<pipe::Sender>,
+        stdout: pipe::Receiver,
+        stderr: pipe::Receiver,
+    },
+    Pty(Arc<PtyMaster>),
+}
+
+async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> {
+    let user = users::lookup(req.user.as_deref())?;
+    let (program, args): (String, Vec<String>) = match &req.command {
+        Command::Argv(argv) => match argv.split_first() {
+            Some((program, args)) => (program.clone(), args.to_vec()),
+            None => return Err(ExecError::EmptyCommand),
+        },
+        Command::Shell(script) => ("/bin/sh".into(), vec!["-c".into(), script.clone()]),
+    };
+    if program.contains('\0') || args.iter().any(|a| a.contains('\0')) {
+        return Err(ExecError::NulByte);
+    }
+    let cwd = working_dir(req.cwd.as_deref(), &user)?;
+    let env = environment(&user, req.pty.is_some(), &req.env)?;
+
+    let mut cmd = StdCommand::new(&program);
+    cmd.args(&args).env_clear().envs(env);
+    let pty = match req.pty {
+        Some(size) => {
+            let pty = pty::open(size)?;
+            // Like login(1): the user owns their terminal, so programs that
+            // reopen it by name (/dev/pts/N) can.
+            let tty_gid = users::group_id("tty").unwrap_or(user.gid);
+            let _ = nix::unistd::fchown(
+                std::os::fd::AsRawFd::as_raw_fd(&pty.slave),
+                Some(nix::unistd::Uid::from_raw(user.uid)),
+                Some(nix::unistd::Gid::from_raw(tty_gid)),
+            );
+            let slave = || {
+                pty.slave
+                    .try_clone()
+                    .map(Stdio::from)
+                    .map_err(ExecError::Stdio)
+            };
+            cmd.stdin(slave()?).stdout(slave()?).stderr(slave()?);
+            Some(pty)
+        }
+        None => {
+            cmd.stdin(if req.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            None
+        }
+    };
+
+    let cgroup = agent.cgroups().map(|c| c.create()).transpose()?;
+    let cgroup_procs = cgroup.as_ref().map(|c| path_cstring(&c.procs_path()));
+    let switch_user =
+        user.uid != nix::unistd::geteuid().as_raw() || user.gid != nix::unistd::getegid().as_raw();
+    ChildSetup {
+        controlling_tty: pty.is_some(),
+        cgroup_procs,
+        credentials: switch_user.then(|| Credentials {
+            uid: user.uid,
+            gid: user.gid,
+            groups: user.groups.clone(),
+        }),
+        cwd: path_cstring(Path::new(&cwd)),
+    }
+    .install(&mut cmd);
+
+    let reaper = agent.reaper().clone();
+    // Fork and exec block; the Command (holding our copies of the pty
+    // slave) is dropped on that thread once the child has it.
+    let spawned = tokio::task::spawn_blocking(move || reaper.spawn(&mut cmd))
+        .await
+        .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
+    let (mut child, exit) = match spawned {
+        Ok(spawned) => spawned,
+        Err(source) => {
+            if let Some(cgroup) = cgroup {
+                cgroup.remove().await;
+            }
+            return Err(ExecError::Spawn { program, source });
+        }
+    };
+    let pid = child.id() as i32;
+    let io = match pty {
+        Some(pty) => {
+            drop(pty.slave);
+            ChildIo::Pty(Arc::new(pty.master))
+        }
+        None => {
+            let taken = (child.stdin.take(), child.stdout.take(), child.stderr.take());
+            let (Some(stdout), Some(stderr)) = (taken.1, taken.2) else {
+                unreachable!("stdout and stderr were configured as pipes");
+            };
+            let stdin = taken
+                .0
+                .map(|s| pipe::Sender::from_owned_fd(s.into()))
+                .transpose();
+            let stdout = pipe::Receiver::from_owned_fd(stdout.into());
+            let stderr = pipe::Receiver::from_owned_fd(stderr.into());
+            match (stdin, stdout, stderr) {
+                (Ok(stdin), Ok(stdout), Ok(stderr)) => ChildIo::Pipes {
+                    stdin,
+                    stdout,
+                    stderr,
+                },
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                    kill_everything(Pid::from_raw(pid), cgroup.as_ref());
+                    if let Some(cgroup) = cgroup {
+                        cgroup.remove().await;
+                    }
+                    return Err(ExecError::Stdio(e));
+                }
+            }
+        }
+    };
+    Ok(Running {
+        pid,
+        exit,
+        io,
+        cgroup,
+    })
+}
+
+/// The explicit directory (absolute, must exist), or the user's home, or `/`
+/// when the home does not exist (as login(1) does; `nobody`'s is /nonexistent).
+fn working_dir(requested: Option<&str>, user: &User) -> Result<String, ExecError> {
+    let Some(path) = requested else {
+        return Ok(if Path::new(&user.home).is_dir() {
+            user.home.clone()
+        } else {
+            "/".into()
+        });
+    };
+    if !path.starts_with('/') {
+        return Err(ExecError::RelativeCwd(path.into()));
+    }
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => Ok(path.into()),
+        Ok(_) => Err(ExecError::CwdNotADirectory(path.into())),
+        Err(source) => Err(ExecError::Cwd {
+            path: path.into(),
+            source,
+        }),
+    }
+}
+
+/// The defaults every command gets, overridden by the request's variables.
+fn environment(
+    user: &User,
+    pty: bool,
+    extra: &[(String, String)],
+) -> Result<Vec<(String, String)>, ExecError> {
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("LANG".into(), "C.UTF-8".into()),
+        ("HOME".into(), user.home.clone()),
+        ("USER".into(), user.name.clone()),
+        ("LOGNAME".into(), user.name.clone()),
+        ("SHELL".into(), user.shell.clone()),
+    ];
+    if pty {
+        env.push(("TERM".into(), "xterm-256color".into()));
+    }
+    for (key, value) in extra {
+        if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+            return Err(ExecError::BadEnv(key.clone()));
+        }
+        match env.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value.clone(),
+            None => env.push((key.clone(), value.clone())),
+        }
+    }
+    Ok(env)
+}
+
+fn path_cstring(path: &Path) -> CString {
+    use std::os::unix::ffi::OsStrExt;
+    // Paths come from the filesystem or were checked for NUL bytes by std::fs already.
+    CString::new(path.as_os_str().as_bytes()).unwrap_or_default()
+}
+
+/// Why the agent killed the command, if it did.
+#[derive(Default)]
+struct KillReason {
+    timed_out: bool,
+    cancelled: bool,
+}
+
+async fn supervise<R, W>(
+    running: Running,
+    req: &ExecRequest,
+    mut rd: R,
+    wr: W,
+    session: CancellationToken,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let Running {
+        pid,
+        mut exit,
+        io,
+        cgroup,
+    } = running;
+    let pgid = Pid::from_raw(pid);
+
+    let (frames, frames_rx) = mpsc::channel::<GuestFrame>(32);
+    let writer = tokio::spawn(write_frames(wr, frames_rx));
+    let _ = frames.send(GuestFrame::Started { pid: pid as u32 }).await;
+
+    let limit = req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT);
+    let dropped = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let mut pumps = JoinSet::new();
+    let (sink, terminal) = match io {
+        ChildIo::Pipes {
+            stdin,
+            stdout,
+            stderr,
+        } => {
+            pumps.spawn(pump(
+                Source::Pipe(stdout),
+                OutputStream::Stdout,
+                limit,
+                frames.clone(),
+                dropped.clone(),
+            ));
+            pumps.spawn(pump(
+                Source::Pipe(stderr),
+                OutputStream::Stderr,
+                limit,
+                frames.clone(),
+                dropped.clone(),
+            ));
+            (stdin.map(StdinSink::Pipe), None)
+        }
+        ChildIo::Pty(master) => {
+            pumps.spawn(pump(
+                Source::Pty(master.clone()),
+                OutputStream::Stdout,
+                limit,
+                frames.clone(),
+                dropped.clone(),
+            ));
+            (Some(StdinSink::Pty(master.clone())), Some(master))
+        }
+    };
+    let (mut stdin, feeder) = match sink {
+        Some(sink) => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            (Some(tx), Some(tokio::spawn(feed_stdin(sink, rx))))
+        }
+        None => (None, None),
+    };
+
+    // Stdin is queued without bound so that a Cancel behind it is always
+    // seen; the host is trusted not to flood a command that does not read.
+    let (host_tx, mut host_rx) = mpsc::unbounded_channel::<Option<HostFrame>>();
+    let host_reader = tokio::spawn(async move {
+        loop {
+            match read_frame::<_, HostFrame>(&mut rd).await {
+                Ok(Some(frame)) => {
+                    if host_tx.send(Some(frame)).is_err() {
+                        break;
+                    }
+                }
+                Ok(None) | Err(_) => {
+                    let _ = host_tx.send(None);
+                    break;
+                }
+            }
+        }
+    });
+
+    let timeout = req.timeout_ms.map(Duration::from_millis);
+    let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(100 * 365 * 86400)));
+    tokio::pin!(deadline);
+    let mut reason = KillReason::default();
+    let mut killed = false;
+    let mut host_open = true;
+    let exited = loop {
+        tokio::select! {
+            status = &mut exit => break status.ok(),
+            frame = host_rx.recv(), if host_open => match frame.flatten() {
+                Some(HostFrame::Stdin(data)) => {
+                    if let Some(tx) = &stdin {
+                        let _ = tx.send(StdinMsg::Data(data));
+                    }
+                }
+                Some(HostFrame::StdinEof) => {
+                    if let Some(tx) = &stdin {
+                        let _ = tx.send(StdinMsg::Eof);
+                    }
+                }
+                Some(HostFrame::Resize(size)) => {
+                    if let Some(master) = &terminal {
+                        if let Err(e) = master.resize(size) {
+                            tracing::debug!("pty resize: {e}");
+                        }
+                    }
+                }
+                Some(HostFrame::Signal(signo)) => match Signal::try_from(signo) {
+                    Ok(signal) => {
+                        let _ = killpg(pgid, signal);
+                    }
+                    Err(_) => tracing::debug!(signo, "ignoring an invalid signal number"),
+                },
+                Some(HostFrame::Cancel) => {
+                    reason.cancelled = true;
+                    kill_everything(pgid, cgroup.as_ref());
+                    killed = true;
+                }
+                Some(HostFrame::Chunk(_) | HostFrame::End) => tracing::debug!("ignoring a file frame on an exec"),
+                None => {
+                    host_open = false;
+                    if !killed {
+                        reason.cancelled = true;
+                        kill_everything(pgid, cgroup.as_ref());
+                        killed = true;
+                    }
+                }
+            },
+            _ = &mut deadline, if timeout.is_some() && !killed => {
+                reason.timed_out = true;
+                kill_everything(pgid, cgroup.as_ref());
+                killed = true;
+            }
+            _ = session.cancelled(), if !killed => {
+                reason.cancelled = true;
+                kill_everything(pgid, cgroup.as_ref());
+                killed = true;
+            }
+        }
+    };
+
+    stdin.take();
+    let drain_until = tokio::time::Instant::now() + DRAIN_GRACE;
+    loop {
+        tokio::select! {
+            done = pumps.join_next() => if done.is_none() { break },
+            _ = tokio::time::sleep_until(drain_until) => {
+                pumps.abort_all();
+                while pumps.join_next().await.is_some() {}
+                break;
+            }
+        }
+    }
+    if let Some(feeder) = feeder {
+        feeder.abort();
+    }
+    drop(terminal);
+    // Nothing the command started may outlive it, even after a normal exit.
+    kill_everything(pgid, cgroup.as_ref());
+
+    let last = match exited {
+        Some(exit) => GuestFrame::Exited(ExitStatus {
+            code: exit.code,
+            signal: exit.signal,
+            timed_out: reason.timed_out,
+            cancelled: reason.cancelled,
+            stdout_dropped: dropped[0].load(Ordering::Relaxed),
+            stderr_dropped: dropped[1].load(Ordering::Relaxed),
+        }),
+        None => GuestFrame::Error(GuestError::new(
+            ErrorKind::Io,
+            "lost track of the process's exit status",
+        )),
+    };
+    let _ = frames.send(last).await;
+    drop(frames);
+    let _ = writer.await;
+    if let Some(cgroup) = cgroup {
+        cgroup.remove().await;
+    }
+    // Keep reading until the host closes the substream: a host still
+    // sending stdin to a command that has exited must not block on flow
+    // control (see `server::drain_until_closed`).
+    if host_open {
+        tokio::select! {
+            _ = async { while let Some(Some(_)) = host_rx.recv().await {} } => {}
+            _ = session.cancelled() => {}
+        }
+    }
+    host_reader.abort();
+}
+
+/// SIGKILLs the command's process group and, through its cgroup, whatever left the group.
+fn kill_everything(pgid: Pid, cgroup: Option<&ExecCgroup>) {
+    let _ = killpg(pgid, Signal::SIGKILL);
+    if let Some(cgroup) = cgroup {
+        cgroup.kill();
+    }
+}
+
+/// Writes guest frames in order. After a write error (the host is gone) it
+/// keeps taking frames, so that producers never block on a dead stream.
+async fn write_frames<W: AsyncWrite + Unpin>(mut wr: W, mut frames: mpsc::Receiver<GuestFrame>) {
+    let mut open = true;
+    while let Some(frame) = frames.recv().await {
+        if open && write_frame(&mut wr, &frame).await.is_err() {
+            open = false;
+        }
+    }
+    if open {
+        let _ = wr.shutdown().await;
+    }
+}
+
+enum Source {
+    Pipe(pipe::Receiver),
+    Pty(Arc<PtyMaster>),
+}
+
+impl Source {
+    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Source::Pipe(p) => p.read(buf).await,
+            Source::Pty(m) => m.read(buf).await,
+        }
+    }
+}
+
+/// Forwards one output stream as it comes, up to `limit` bytes; past that it
+/// announces the truncation once and counts what it drops, still draining
+/// the pipe so the command never blocks on a full one.
+async fn pump(
+    mut source: Source,
+    stream: OutputStream,
+    limit: u64,
+    frames: mpsc::Sender<GuestFrame>,
+    dropped: Arc<[AtomicU64; 2]>,
+) {
+    let mut buf = vec![0u8; CHUNK_SIZE];
+    let mut forwarded = 0u64;
+    let mut truncated = false;
+    loop {
+        let n = match source.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::debug!("reading {stream:?}: {e}");
+                break;
+            }
+        };
+        let keep = (n as u64).min(limit.saturating_sub(forwarded)) as usize;
+        if keep > 0 {
+            forwarded += keep as u64;
+            let data = buf[..keep].to_vec();
+            let frame = match stream {
+                OutputStream::Stdout => GuestFrame::Stdout(data),
+                OutputStream::Stderr => GuestFrame::Stderr(data),
+            };
+            let _ = frames.send(frame).await;
+        }
+        if keep < n {
+            if !truncated {
+                truncated = true;
+                let _ = frames
+                    .send(GuestFrame::OutputTruncated { stream, limit })
+                    .await;
+            }
+            let slot = match stream {
+                OutputStream::Stdout => 0,
+                OutputStream::Stderr => 1,
+            };
+            dropped[slot].fetch_add((n - keep) as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+enum StdinSink {
+    Pipe(pipe::Sender),
+    Pty(Arc<PtyMaster>),
+}
+
+enum StdinMsg {
+    Data(Vec<u8>),
+    Eof,
+}
+
+/// Feeds host input to the command. EOF closes a pipe, or types ^D into a
+/// terminal. Input after EOF or a broken pipe is dropped.
+async fn feed_stdin(sink: StdinSink, mut input: mpsc::UnboundedReceiver<StdinMsg>) {
+    let mut sink = Some(sink);
+    while let Some(msg) = input.recv().await {
+        let result = match (&mut sink, msg) {
+            (None, _) => continue,
+            (Some(StdinSink::Pipe(_)), StdinMsg::Eof) => Err(()),
+            (Some(StdinSink::Pipe(pipe)), StdinMsg::Data(data)) => {
+                pipe.write_all(&data).await.map_err(drop)
+            }
+            (Some(StdinSink::Pty(master)), StdinMsg::Data(data)) => {
+                master.write_all(&data).await.map_err(drop)
+            }
+            (Some(StdinSink::Pty(master)), StdinMsg::Eof) => {
+                master.write_all(&[TERMINAL_EOF]).await.map_err(drop)
+            }
+        };
+        if result.is_err() {
+            sink = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::testing::{assert_no_survivors, collect, next, send, Harness};
+    use clade_proto::{GuestFrame, PtySize, Request};
+    use std::time::Instant;
+
+    fn shell(script: &str) -> ExecRequest {
+        ExecRequest::new(Command::Shell(script.into()))
+    }
+
+    fn argv(args: &[&str]) -> ExecRequest {
+        ExecRequest::new(Command::Argv(args.iter().map(|s| s.to_string()).collect()))
+    }
+
+    #[tokio::test]
+    async fn exit_code_and_separate_streams() {
+        let h = Harness::start().await;
+        let out = h.exec(shell("echo out; echo err >&2; exit 3")).await;
+        assert_eq!(out.exited().code, Some(3));
+        assert_eq!(out.exited().signal, None);
+        assert!(out.pid.is_some());
+        assert_eq!(out.stdout, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn stdin_is_piped_through_and_closed_on_eof() {
+        let h = Harness::start().await;
+        let mut req = argv(&["cat"]);
+        req.stdin = true;
+        let mut s = h.open(&Request::Exec(req)).await;
+        send(&mut s, HostFrame::Stdin(b"hello ".to_vec())).await;
+        send(&mut s, HostFrame::Stdin(vec![0, 255, b'\n'])).await;
+        send(&mut s, HostFrame::StdinEof).await;
+        let out = collect(&mut s).await;
+        assert_eq!(out.stdout, b"hello \0\xff\n");
+        assert_eq!(out.exited().code, Some(0));
+        // Without `stdin`, the command reads /dev/null.
+        let out = h.exec(argv(&["cat"])).await;
+        assert_eq!((out.stdout.len(), out.exited().code), (0, Some(0)));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn stdin_sent_after_the_command_exited_does_not_block_the_host() {
+        let h = Harness::start().await;
+        let mut req = shell("exit 0");
+        req.stdin = true;
+        let mut s = h.open(&Request::Exec(req)).await;
+        let sent = tokio::time::timeout(Duration::from_secs(20), async {
+            // Far more than yamux's window, written before reading anything.
+            for _ in 0..64 {
+                send(&mut s, HostFrame::Stdin(vec![b'x'; 128 * 1024])).await;
+            }
+            send(&mut s, HostFrame::StdinEof).await;
+        });
+        sent.await.expect("the host's writes never block");
+        assert_eq!(collect(&mut s).await.exited().code, Some(0));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn non_utf8_output_is_byte_exact() {
+        let h = Harness::start().await;
+        let out = h.exec(argv(&["printf", r"\377\000\376\200x"])).await;
+        assert_eq!(out.stdout, b"\xff\x00\xfe\x80x");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn output_is_streamed_while_the_command_runs() {
+        let h = Harness::start().await;
+        let start = Instant::now();
+        let mut s = h
+            .open(&Request::Exec(shell(
+                "for i in 1 2 3; do echo $i; sleep 1; done",
+            )))
+            .await;
+        loop {
+            match next(&mut s).await.unwrap() {
+                GuestFrame::Started { .. } => continue,
+                GuestFrame::Stdout(data) => {
+                    assert_eq!(data, b"1\n");
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let first = start.elapsed();
+        assert!(
+            first < Duration::from_millis(1500),
+            "first chunk after {first:?}"
+        );
+        let rest = collect(&mut s).await;
+        assert_eq!(rest.stdout, b"2\n3\n");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_whole_group() {
+        let h = Harness::start().await;
+        let mut req = shell("sleep 1000.123 & sleep 1000.123");
+        req.timeout_ms = Some(300);
+        let out = h.exec(req).await;
+        let status = out.exited();
+        assert!(status.timed_out && !status.cancelled, "{status:?}");
+        assert_eq!(status.signal, Some(9));
+        assert_no_survivors("sleep 1000.123").await;
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn timeout_without_cgroups_still_kills_the_group() {
+        let h = Harness::with_cgroups(None).await;
+        let mut req = shell("sleep 1000.133 & sleep 1000.133");
+        req.timeout_ms = Some(200);
+        assert!(h.exec(req).await.exited().timed_out);
+        assert_no_survivors("sleep 1000.133").await;
+        h.shutdown().await;
+    }
+
+    async fn started(s: &mut clade_proto::mux::Substream) {
+        match next(s).await {
+            Some(GuestFrame::Started { .. }) => {}
+            other => panic!("expected Started, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn cancel_kills_the_whole_group() {
+        let h = Harness::start().await;
+        let mut s = h
+            .open(&Request::Exec(shell("sleep 1000.124 & sleep 1000.124")))
+            .await;
+        started(&mut s).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        send(&mut s, HostFrame::Cancel).await;
+        let out = collect(&mut s).await;
+        assert!(out.exited().cancelled && !out.exited().timed_out);
+        assert_no_survivors("sleep 1000.124").await;
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn dropping_the_substream_cancels() {
+        let h = Harness::start().await;
+        let mut s = h
+            .open(&Request::Exec(shell("sleep 1000.125 & sleep 1000.125")))
+            .await;
+        started(&mut s).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!crate::testing::processes_with("sleep 1000.125").is_empty());
+        drop(s);
+        assert_no_survivors("sleep 1000.125").await;
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn ending_the_session_kills_its_execs() {
+        let h = Harness::start().await;
+        let mut s = h.open(&Request::Exec(shell("sleep 1000.126"))).await;
+        started(&mut s).await;
+        let start = Instant::now();
+        h.shutdown().await;
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "wind-down took {:?}",
+            start.elapsed()
+        );
+        assert_no_survivors("sleep 1000.126").await;
+    }
+
+    #[tokio::test]
+    async fn signals_go_to_the_group() {
+        let h = Harness::start().await;
+        let mut s = h.open(&Request::Exec(argv(&["sleep", "1000.127"]))).await;
+        started(&mut s).await;
+        send(&mut s, HostFrame::Signal(15)).await;
+        let out = collect(&mut s).await;
+        assert_eq!(out.exited().signal, Some(15));
+        assert!(!out.exited().cancelled);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn escapees_from_the_group_are_killed_through_the_cgroup() {
+        if crate::testing::host_cgroup_root().is_none() {
+            eprintln!("skipped: this host has no cgroup v2 hierarchy");
+            return;
+        }
+        let h = Harness::start().await;
+        // setsid leaves the process group; only the cgroup still holds it.
+        let out = h
+            .exec(shell(
+                "setsid sleep 1000.128 > /dev/null 2>&1 & echo started",
+            ))
+            .await;
+        assert_eq!(out.stdout, b"started\n");
+        assert_no_survivors("sleep 1000.128").await;
+        let mut s = h
+            .open(&Request::Exec(shell(
+                "setsid sleep 1000.129 & sleep 1000.129",
+            )))
+            .await;
+        started(&mut s).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        send(&mut s, HostFrame::Cancel).await;
+        assert!(collect(&mut s).await.exited().cancelled);
+        assert_no_survivors("sleep 1000.129").await;
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn background_holders_of_the_pipes_do_not_hold_up_exited() {
+        let h = Harness::with_cgroups(None).await;
+        let start = Instant::now();
+        let out = h.exec(shell("sleep 1000.130 & echo done")).await;
+        assert_eq!(
+            (out.stdout.as_slice(), out.exited().code),
+            (&b"done\n"[..], Some(0))
+        );
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert_no_survivors("sleep 1000.130").await;
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn output_cap_truncates_once_and_counts_the_rest() {
+        let h = Harness::start().await;
+        let mut req = shell("head -c 300000 /dev/zero; head -c 10 /dev/zero >&2");
+        req.output_limit = Some(1000);
+        let out = h.exec(req).await;
+        assert_eq!(out.stdout.len(), 1000);
+        assert_eq!(out.stderr.len(), 10);
+        assert_eq!(
+            out.truncated,
+            vec![GuestFrame::OutputTruncated {
+                stream: OutputStream::Stdout,
+                limit: 1000
+            }]
+        );
+        assert_eq!(
+            (out.exited().stdout_dropped, out.exited().stderr_dropped),
+            (299_000, 0)
+        );
+        assert_eq!(out.exited().code, Some(0));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn runs_as_another_user() {
+        let h = Harness::start().await;
+        let mut req = shell("id -u; id -g; echo $USER $HOME; pwd");
+        req.user = Some("nobody".into());
+        let out = h.exec(req).await;
+        assert_eq!(out.stdout_text(), "65534\n65534\nnobody /nonexistent\n/\n");
+        let mut req = argv(&["true"]);
+        req.user = Some("no-such-user".into());
+        assert_eq!(
+            h.exec(req).await.error.unwrap().kind,
+            ErrorKind::InvalidInput
+        );
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn env_and_cwd_are_applied() {
+        let h = Harness::start().await;
+        let mut req = shell("echo $FOO $LANG; pwd");
+        req.env = vec![("FOO".into(), "bar".into())];
+        req.cwd = Some("/tmp".into());
+        assert_eq!(h.exec(req).await.stdout_text(), "bar C.UTF-8\n/tmp\n");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn launch_failures_are_errors_not_exits() {
+        let h = Harness::start().await;
+        let kind = |out: crate::testing::ExecOutcome| {
+            assert!(out.exit.is_none() && out.pid.is_none(), "{out:?}");
+            out.error.unwrap().kind
+        };
+        assert_eq!(
+            kind(h.exec(argv(&["no-such-command-xyz"])).await),
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            kind(h.exec(argv(&["/etc/passwd"])).await),
+            ErrorKind::PermissionDenied
+        );
+        assert_eq!(kind(h.exec(argv(&[])).await), ErrorKind::InvalidInput);
+        let mut req = argv(&["true"]);
+        req.cwd = Some("/no/such/dir".into());
+        assert_eq!(kind(h.exec(req).await), ErrorKind::NotFound);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn pty_exec_has_a_terminal_that_can_be_resized() {
+        let h = Harness::start().await;
+        let mut req = shell("tty; stty size; read line; stty size");
+        req.pty = Some(PtySize { rows: 24, cols: 80 });
+        let mut s = h.open(&Request::Exec(req)).await;
+        started(&mut s).await;
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains("24 80") {
+            match next(&mut s).await.unwrap() {
+                GuestFrame::Stdout(data) => seen.extend(data),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let text = String::from_utf8_lossy(&seen).into_owned();
+        assert!(text.starts_with("/dev/pts/"), "{text:?}");
+        send(
+            &mut s,
+            HostFrame::Resize(PtySize {
+                rows: 50,
+                cols: 132,
+            }),
+        )
+        .await;
+        send(&mut s, HostFrame::Stdin(b"\n".to_vec())).await;
+        let rest = collect(&mut s).await;
+        assert!(
+            rest.stdout_text().contains("50 132"),
+            "{:?}",
+            rest.stdout_text()
+        );
+        assert_eq!(rest.exited().code, Some(0));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn pty_sets_term_and_eof_ends_input() {
+        let h = Harness::start().await;
+        let mut req = shell("echo $TERM; cat");
+        req.pty = Some(PtySize { rows: 24, cols: 80 });
+        let mut s = h.open(&Request::Exec(req)).await;
+        send(&mut s, HostFrame::StdinEof).await;
+        let out = collect(&mut s).await;
+        assert!(
+            out.stdout_text().starts_with("xterm-256color\r\n"),
+            "{:?}",
+            out.stdout_text()
+        );
+        assert_eq!(out.exited().code, Some(0));
+        h.shutdown().await;
+    }
+
+    /// Set for the child test process that may reap every child it has.
+    const ANY_CHILD_ENV: &str = "CLADE_GUESTD_TEST_ANY_CHILD";
+
+    /// PID 1's reaping (`waitpid(-1)`) would steal the statuses other tests
+    /// wait for, so it runs in a test process of its own.
+    #[test]
+    fn reaping_every_child_in_a_separate_process() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "exec::tests::reaping_every_child_inner",
+                "--ignored",
+                "--test-threads=1",
+            ])
+            .env(ANY_CHILD_ENV, "1")
+            .output()
+            .unwrap();
+        // Its output is shown only on failure: its summary line would read
+        // like this test binary's own.
+        assert!(
+            output.status.success(),
+            "the child test process failed: {}\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    #[tokio::test]
+    #[ignore = "run by reaping_every_child_in_a_separate_process"]
+    async fn reaping_every_child_inner() {
+        assert!(
+            std::env::var_os(ANY_CHILD_ENV).is_some(),
+            "run through its parent test"
+        );
+        // Orphans come to us as they would to PID 1.
+        nix::sys::prctl::set_child_subreaper(true).unwrap();
+        let config = crate::AgentConfig {
+            reap_scope: crate::reaper::ReapScope::AnyChild,
+            cgroup_root: crate::testing::host_cgroup_root(),
+        };
+        let h = std::sync::Arc::new(Harness::with_config(config).await);
+        let mut tasks = Vec::new();
+        for i in 0..60 {
+            let h = h.clone();
+            tasks.push(tokio::spawn(async move {
+                // Orphans exit around the same time as the execs are spawned and reaped.
+                let script = format!("(sleep 0.0{} &) ; exit {}", i % 10, i % 7);
+                let out = h.exec(shell(&script)).await;
+                assert_eq!(out.exited().code, Some(i % 7), "{out:?}");
+                let out = h.exec(argv(&["no-such-command-xyz"])).await;
+                assert_eq!(out.error.unwrap().kind, ErrorKind::NotFound);
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        // Every orphan was reaped: no zombie children are left.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let me = std::process::id().to_string();
+        let zombies: Vec<String> = std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("stat")).ok())
+            .filter(|stat| {
+                let rest = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+                let fields: Vec<&str> = rest.split(' ').collect();
+                fields.get(1) == Some(&"Z") && fields.get(2) == Some(&me.as_str())
+            })
+            .map(|stat| stat.split(' ').next().unwrap_or("").to_string())
+            .collect();
+        assert!(zombies.is_empty(), "unreaped children: {zombies:?}");
+        std::sync::Arc::try_unwrap(h)
+            .ok()
+            .expect("no other handles")
+            .shutdown()
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_hundred_concurrent_execs() {
+        let h = std::sync::Arc::new(Harness::start().await);
+        let mut tasks = Vec::new();
+        for i in 0..100 {
+            let h = h.clone();
+            tasks.push(tokio::spawn(async move {
+                let out = h.exec(shell(&format!("echo {i}"))).await;
+                assert_eq!(out.stdout_text(), format!("{i}\n"));
+                assert_eq!(out.exited().code, Some(0));
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        std::sync::Arc::try_unwrap(h)
+            .ok()
+            .expect("no other handles")
+            .shutdown()
+            .await;
+    }
+
+    fn alice() -> User {
+        User {
+            name: "alice".into(),
+            uid: 1000,
+            gid: 1000,
+            home: "/home/alice".into(),
+            shell: "/bin/bash".into(),
+            groups: vec![1000],
+        }
+    }
+
+    #[test]
+    fn request_env_overrides_defaults_and_is_validated() {
+        let env = environment(
+            &alice(),
+            true,
+            &[("PATH".into(), "/x".into()), ("FOO".into(), "1".into())],
+        )
+        .unwrap();
+        let get = |k: &str| {
+            env.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("PATH"), Some("/x"));
+        assert_eq!(get("HOME"), Some("/home/alice"));
+        assert_eq!(get("LOGNAME"), Some("alice"));
+        assert_eq!(get("TERM"), Some("xterm-256color"));
+        assert_eq!(get("FOO"), Some("1"));
+        assert!(environment(&alice(), false, &[])
+            .unwrap()
+            .iter()
+            .all(|(k, _)| k != "TERM"));
+        assert!(matches!(
+            environment(&alice(), false, &[("A=B".into(), "1".into())]),
+            Err(ExecError::BadEnv(_))
+        ));
+    }
+
+    #[test]
+    fn working_dir_rules() {
+        let user = User {
+            home: "/nonexistent-home".into(),
+            ..alice()
+        };
+        assert_eq!(working_dir(None, &user).unwrap(), "/");
+        assert_eq!(working_dir(Some("/tmp"), &user).unwrap(), "/tmp");
+        let kind = |r: Result<String, ExecError>| r.unwrap_err().to_guest_error().kind;
+        assert_eq!(
+            kind(working_dir(Some("tmp"), &user)),
+            ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            kind(working_dir(Some("/no/such/dir"), &user)),
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            kind(working_dir(Some("/etc/passwd"), &user)),
+            ErrorKind::NotADirectory
+        );
+    }
+}

@@ -1,0 +1,85 @@
+//! `clade-guestd`, the agent inside every Clade VM.
+//!
+//! It runs as PID 1 (`init=/sbin/clade-guestd`): it prepares the system
+//! ([`init`]), reaps orphans ([`reaper`]), and serves the host over a
+//! virtio-serial port ([`port`]) with the `clade-proto` protocol: one
+//! session at a time ([`server`]), one task per operation ([`exec`],
+//! [`files`], [`info`]). It is linked statically, so nothing here may use
+//! NSS: accounts are read from /etc directly ([`users`]).
+
+pub mod cgroup;
+pub mod exec;
+pub mod files;
+pub mod info;
+pub mod init;
+pub mod port;
+mod pty;
+pub mod reaper;
+pub mod server;
+mod spawn;
+pub mod users;
+
+#[cfg(test)]
+mod testing;
+
+use std::time::Duration;
+
+pub use server::{serve_connection, Agent, AgentConfig, ServerError};
+
+/// The agent's version, as reported to the host.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Runs as the guest's init: prepares the system and serves the host.
+/// Never returns: PID 1 exiting panics the kernel, so every failure is
+/// logged and retried.
+pub fn run_init() -> ! {
+    init::prepare_system();
+    serve_forever(AgentConfig::init())
+}
+
+/// Runs as an ordinary process (for development): serves the port without init duties.
+pub fn run_agent() -> ! {
+    serve_forever(AgentConfig::unprivileged())
+}
+
+fn serve_forever(config: AgentConfig) -> ! {
+    loop {
+        let runtime = match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                tracing::error!("cannot start the runtime: {e}");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let config = config.clone();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            runtime.block_on(async move {
+                match Agent::new(config) {
+                    Ok(agent) => port::serve_forever(agent).await,
+                    Err(e) => tracing::error!("cannot start the agent: {}", error_chain(&e)),
+                }
+            })
+        }));
+        if outcome.is_err() {
+            tracing::error!("the agent panicked; restarting it");
+        }
+        drop(runtime);
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// An error and its causes on one line, for logs and for messages to the host.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}

@@ -1,0 +1,501 @@
+//! The virtio-serial port the host talks to, and the loop that serves it.
+//!
+//! A virtio-serial port reads EOF and polls POLLHUP for as long as no host
+//! is connected, and its writes would block. So the port is opened once and
+//! kept; a session attempt that sees EOF waits for SIGIO (which the driver
+//! sends to the port's owner when a host connects) or 100 ms, whichever is
+//! first, and tries again. That keeps an idle guest idle.
+
+#![allow(unsafe_code)]
+
+use std::fs::OpenOptions;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use clade_proto::handshake::HandshakeError;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+use crate::server::{serve_connection, Agent, ServerError};
+
+/// How often a disconnected port is retried when no SIGIO comes.
+const RETRY: Duration = Duration::from_millis(100);
+
+#[derive(Debug, thiserror::Error)]
+pub enum PortError {
+    #[error("no virtio-serial port named {0:?}")]
+    NotFound(String),
+    #[error("cannot open {path}")]
+    Open {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot arm SIGIO on the port")]
+    Async(#[source] io::Error),
+}
+
+/// Finds the device of the virtio-serial port called `name`, e.g. `/dev/vport0p1`.
+pub fn find(name: &str) -> Result<PathBuf, PortError> {
+    find_in(
+        Path::new("/sys/class/virtio-ports"),
+        Path::new("/dev"),
+        name,
+    )
+}
+
+fn find_in(class: &Path, dev: &Path, name: &str) -> Result<PathBuf, PortError> {
+    let not_found = || PortError::NotFound(name.to_string());
+    let entries = std::fs::read_dir(class).map_err(|_| not_found())?;
+    for entry in entries.filter_map(Result::ok) {
+        let Ok(port_name) = std::fs::read_to_string(entry.path().join("name")) else {
+            continue;
+        };
+        if port_name.trim_end() == name {
+            return Ok(dev.join(entry.file_name()));
+        }
+    }
+    Err(not_found())
+}
+
+/// A byte channel that outlives sessions, such as the agent port.
+pub trait SessionChannel: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Makes the channel ready for a new session attempt.
+    fn renew(&mut self) -> io::Result<()>;
+}
+
+/// An open virtio-serial port as a tokio byte stream.
+///
+/// tokio never forgets a hang-up it has seen on a registration (closed
+/// readiness is final for sockets and pipes), but the port hangs up every
+/// time the host disconnects and comes back when it reconnects. So the fd
+/// is registered afresh before each session ([`SessionChannel::renew`]), and
+/// within a session a hang-up is final: a read that would block after one
+/// reads as EOF and a write fails, which ends the session. (Retrying instead
+/// would spin: the stale hang-up makes every readiness wait return at once.)
+pub struct Port {
+    path: PathBuf,
+    /// `None` only after a failed re-registration; `renew` reopens then.
+    fd: Option<AsyncFd<OwnedFd>>,
+}
+
+impl Port {
+    /// Opens the port non-blocking and asks for SIGIO when the host connects.
+    /// Register a SIGIO handler before calling this: SIGIO's default action
+    /// terminates the process (outside PID 1).
+    pub fn open(path: &Path) -> Result<Self, PortError> {
+        let open_err = |source| PortError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        // std adds O_CLOEXEC itself.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(open_err)?;
+        let fd: OwnedFd = file.into();
+        arm_sigio(&fd).map_err(PortError::Async)?;
+        let fd = register(fd).map_err(open_err)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            fd: Some(fd),
+        })
+    }
+
+    fn fd(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        self.fd
+            .as_ref()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
+    }
+}
+
+impl SessionChannel for Port {
+    fn renew(&mut self) -> io::Result<()> {
+        match self.fd.take() {
+            Some(registered) => self.fd = Some(register(registered.into_inner())?),
+            None => *self = Port::open(&self.path).map_err(io::Error::other)?,
+        }
+        Ok(())
+    }
+}
+
+fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: an OwnedFd is a valid open fd, and it stays owned (never
+    // closed or swapped) by the AsyncFd until the AsyncFd is dropped or
+    // taken apart with into_inner.
+    let registered = unsafe { AsyncFd::register(fd) };
+    registered.map_err(|e| e.into_parts().1)
+}
+
+/// Makes the driver signal this process (F_SETOWN) on port events (O_ASYNC).
+fn arm_sigio(fd: &OwnedFd) -> io::Result<()> {
+    let raw = fd.as_raw_fd();
+    // SAFETY: `raw` is an open fd for the duration of the call; F_SETOWN takes a pid by value.
+    if unsafe { libc::fcntl(raw, libc::F_SETOWN, libc::getpid()) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above; F_GETFL takes no argument.
+    let flags = unsafe { libc::fcntl(raw, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above; F_SETFL takes the flags by value.
+    if unsafe { libc::fcntl(raw, libc::F_SETFL, flags | libc::O_ASYNC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl AsyncRead for Port {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let fd = self.fd()?;
+        loop {
+            let mut guard = ready!(fd.poll_read_ready(cx))?;
+            let hung_up = guard.ready().is_read_closed();
+            let unfilled = buf.initialize_unfilled();
+            match guard
+                .try_io(|fd| nix::unistd::read(fd.as_raw_fd(), unfilled).map_err(io::Error::from))
+            {
+                Ok(Ok(n)) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                // The host hung up during this session: it is over.
+                Err(_would_block) if hung_up => return Poll::Ready(Ok(())),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Port {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let fd = self.fd()?;
+        loop {
+            let mut guard = ready!(fd.poll_write_ready(cx))?;
+            let hung_up = guard.ready().is_write_closed();
+            match guard.try_io(|fd| {
+                nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)
+            }) {
+                Ok(Ok(n)) => return Poll::Ready(Ok(n)),
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) if hung_up => {
+                    return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
+                }
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The port outlives sessions; the host sees a session end through yamux.
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Finds and opens the agent port (waiting for it to appear), then serves
+/// sessions on it forever.
+pub async fn serve_forever(agent: Arc<Agent>) -> ! {
+    // Before the port is armed, so that SIGIO never hits its default action.
+    let mut wait = match signal(SignalKind::io()) {
+        Ok(sigio) => HostWait { sigio: Some(sigio) },
+        Err(e) => {
+            tracing::warn!("cannot watch SIGIO, polling the port instead: {e}");
+            HostWait { sigio: None }
+        }
+    };
+    let mut port = open_when_present().await;
+    eprintln!("clade-guestd {}: ready", crate::VERSION);
+    serve_channel(&agent, &mut port, &mut wait).await
+}
+
+/// Serves one session after another on a channel that reads EOF while no
+/// host is connected, as a virtio-serial port does.
+pub async fn serve_channel<T: SessionChannel>(
+    agent: &Arc<Agent>,
+    channel: &mut T,
+    wait: &mut HostWait,
+) -> ! {
+    loop {
+        if let Err(e) = channel.renew() {
+            tracing::warn!("cannot renew the agent channel: {e}");
+            tokio::time::sleep(RETRY).await;
+            continue;
+        }
+        match serve_connection(agent, &mut *channel).await {
+            Ok(()) => {}
+            Err(ServerError::Handshake(HandshakeError::Closed)) => wait.next().await,
+            Err(e) => {
+                tracing::warn!("{}", crate::error_chain(&e));
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+    }
+}
+
+/// Waits for a host to connect: SIGIO from the port, or the retry period.
+pub struct HostWait {
+    sigio: Option<Signal>,
+}
+
+impl HostWait {
+    /// Without SIGIO: retries every 100 ms.
+    pub fn polling() -> Self {
+        Self { sigio: None }
+    }
+
+    async fn next(&mut self) {
+        match &mut self.sigio {
+            Some(sigio) => {
+                tokio::select! {
+                    _ = sigio.recv() => {}
+                    _ = tokio::time::sleep(RETRY) => {}
+                }
+            }
+            None => tokio::time::sleep(RETRY).await,
+        }
+    }
+}
+
+/// Names a device to serve instead of the virtio port found by name (for
+/// development, e.g. a pty slave bridged to a socket).
+pub const PORT_OVERRIDE_ENV: &str = "CLADE_GUESTD_PORT";
+
+async fn open_when_present() -> Port {
+    let mut logged = false;
+    loop {
+        let path = match std::env::var_os(PORT_OVERRIDE_ENV) {
+            Some(path) => Ok(PathBuf::from(path)),
+            None => find(clade_proto::AGENT_PORT_NAME),
+        };
+        match path.and_then(|path| Port::open(&path)) {
+            Ok(port) => return port,
+            Err(e) => {
+                if !logged {
+                    tracing::warn!("{}; retrying", crate::error_chain(&e));
+                    logged = true;
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn finds_the_port_by_name() {
+        let sys = tempfile::tempdir().unwrap();
+        for (dev, name) in [
+            ("vport0p1", "org.qemu.guest_agent.0"),
+            ("vport0p2", "clade.agent"),
+        ] {
+            std::fs::create_dir(sys.path().join(dev)).unwrap();
+            std::fs::write(sys.path().join(dev).join("name"), format!("{name}\n")).unwrap();
+        }
+        let found = find_in(sys.path(), Path::new("/dev"), "clade.agent").unwrap();
+        assert_eq!(found, Path::new("/dev/vport0p2"));
+        assert!(matches!(
+            find_in(sys.path(), Path::new("/dev"), "nope"),
+            Err(PortError::NotFound(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_pipe_reads_and_writes_through_the_port_wrapper() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut port = Port {
+            path: PathBuf::new(),
+            fd: Some(register(OwnedFd::from(a)).unwrap()),
+        };
+        let mut b = tokio::net::UnixStream::from_std({
+            b.set_nonblocking(true).unwrap();
+            b
+        })
+        .unwrap();
+        port.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        b.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        b.write_all(b"pong").await.unwrap();
+        drop(b);
+        let mut all = Vec::new();
+        port.read_to_end(&mut all).await.unwrap();
+        assert_eq!(all, b"pong");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hang_up_ends_the_session_and_renew_starts_afresh() {
+        use std::io::Write;
+        // A pty master behaves like the port: the slave closing is a
+        // hang-up, reopening it a new connection.
+        let pty = crate::pty::open(clade_proto::PtySize { rows: 24, cols: 80 }).unwrap();
+        let slave_path =
+            std::fs::read_link(format!("/proc/self/fd/{}", pty.slave.as_raw_fd())).unwrap();
+        let mut port = Port {
+            path: PathBuf::new(),
+            fd: Some(register(pty.master.into_fd()).unwrap()),
+        };
+        drop(pty.slave);
+        let mut buf = [0u8; 16];
+        // A master without a slave reads EIO; the runtime has seen the hang-up by now.
+        assert!(port.read(&mut buf).await.is_err());
+        let mut slave = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOCTTY)
+            .open(&slave_path)
+            .unwrap();
+        // Nothing to read, and a hang-up on record: EOF rather than a busy loop.
+        let read = tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            let n = port.read(&mut buf).await;
+            (port, n)
+        });
+        let (mut port, n) = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("the read spins")
+            .unwrap();
+        assert_eq!(n.unwrap(), 0);
+        // A fresh registration waits for data like any other.
+        port.renew().unwrap();
+        let pending = tokio::time::timeout(Duration::from_millis(200), port.read(&mut buf)).await;
+        assert!(
+            pending.is_err(),
+            "a renewed port with nothing to read must wait"
+        );
+        slave.write_all(b"hi").unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), port.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf[..n], b"hi");
+    }
+
+    /// A stand-in for a virtio-serial port: EOF while no host is connected,
+    /// the current host's bytes otherwise; writes without a host are lost.
+    struct FakePort {
+        hosts: tokio::sync::mpsc::UnboundedReceiver<tokio::io::DuplexStream>,
+        current: Option<tokio::io::DuplexStream>,
+    }
+
+    impl AsyncRead for FakePort {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            if self.current.is_none() {
+                self.current = self.hosts.try_recv().ok();
+            }
+            let Some(current) = self.current.as_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            let before = buf.filled().len();
+            ready!(Pin::new(current).poll_read(cx, buf))?;
+            if buf.filled().len() == before {
+                self.current = None; // The host hung up.
+            }
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl SessionChannel for FakePort {
+        fn renew(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl AsyncWrite for FakePort {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            data: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            match self.current.as_mut() {
+                Some(current) => Pin::new(current).poll_write(cx, data),
+                None => Poll::Ready(Ok(data.len())),
+            }
+        }
+        fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn hosts_can_come_and_go() {
+        use crate::reaper::ReapScope;
+        use crate::server::AgentConfig;
+        use clade_proto::{handshake, mux::MuxClient, write_frame, GuestFrame, Reply, Request};
+
+        let agent = Agent::new(AgentConfig {
+            reap_scope: ReapScope::Registered,
+            cgroup_root: None,
+        })
+        .unwrap();
+        let (connect, hosts) = tokio::sync::mpsc::unbounded_channel();
+        let loop_task = tokio::spawn(async move {
+            let mut port = FakePort {
+                hosts,
+                current: None,
+            };
+            serve_channel(&agent, &mut port, &mut HostWait::polling()).await
+        });
+        // Nobody is connected for a while: the loop must wait, not fail.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        for nonce in 0..3 {
+            let (mut host, guest_end) = tokio::io::duplex(1 << 16);
+            if nonce == 1 {
+                // Stale bytes, as a restored snapshot may leave in the port.
+                host.write_all(b"\0\0old session bytes\n").await.unwrap();
+            }
+            connect.send(guest_end).unwrap();
+            let (link, _) =
+                tokio::time::timeout(Duration::from_secs(5), handshake::host(host, nonce))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            let client = MuxClient::spawn(link);
+            let mut s = client.open().await.unwrap();
+            write_frame(&mut s, &Request::Ping).await.unwrap();
+            let reply: Option<GuestFrame> = clade_proto::read_frame(&mut s).await.unwrap();
+            assert!(matches!(reply, Some(GuestFrame::Reply(Reply::Pong { .. }))));
+            // Dropping the client drops the link: the agent reads EOF.
+            drop(s);
+            drop(client);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        loop_task.abort();
+    }
+}

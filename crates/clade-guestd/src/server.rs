@@ -1,0 +1,327 @@
+//! Sessions: the handshake, then one task per substream, dispatched on the
+//! substream's first frame.
+//!
+//! [`serve_connection`] works on any byte stream, so tests drive it through
+//! an in-memory pipe; the port loop in `port` feeds it the virtio-serial port.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clade_proto::handshake::{self, HandshakeError};
+use clade_proto::mux::{MuxError, MuxServer, Substream};
+use clade_proto::{read_frame, write_frame, ErrorKind, GuestError, GuestFrame, Reply, Request};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::cgroup::{CgroupError, Cgroups};
+use crate::files::{self, FilesError};
+use crate::info;
+use crate::reaper::{ReapScope, Reaper, ReaperError};
+
+/// How long a finished session waits for its execs to kill their commands and report.
+const SESSION_WIND_DOWN: Duration = Duration::from_secs(3);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("handshake failed")]
+    Handshake(#[from] HandshakeError),
+    #[error("session failed")]
+    Mux(#[from] MuxError),
+    #[error(transparent)]
+    Reaper(#[from] ReaperError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+}
+
+/// How the agent is set up.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// [`ReapScope::AnyChild`] only when the agent is PID 1.
+    pub reap_scope: ReapScope,
+    /// Where a cgroup v2 hierarchy may be mounted; execs get a cgroup each when it is.
+    pub cgroup_root: Option<PathBuf>,
+}
+
+impl AgentConfig {
+    /// As PID 1 of a guest.
+    pub fn init() -> Self {
+        Self {
+            reap_scope: ReapScope::AnyChild,
+            cgroup_root: Some("/sys/fs/cgroup".into()),
+        }
+    }
+
+    /// As an ordinary process (development, tests): reaps only its own children.
+    pub fn unprivileged() -> Self {
+        Self {
+            reap_scope: ReapScope::Registered,
+            cgroup_root: Some("/sys/fs/cgroup".into()),
+        }
+    }
+}
+
+/// State shared by every session and operation.
+pub struct Agent {
+    version: String,
+    reaper: Reaper,
+    cgroups: Option<Cgroups>,
+}
+
+impl Agent {
+    /// Starts the reaper; must be called inside a tokio runtime.
+    pub fn new(config: AgentConfig) -> Result<Arc<Self>, ServerError> {
+        let cgroups = match &config.cgroup_root {
+            Some(root) => Cgroups::detect(root)?,
+            None => None,
+        };
+        if cgroups.is_none() {
+            tracing::info!("no cgroup v2 hierarchy: execs are tracked by process group only");
+        }
+        Ok(Arc::new(Self {
+            version: crate::VERSION.to_string(),
+            reaper: Reaper::start(config.reap_scope)?,
+            cgroups,
+        }))
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    pub(crate) fn reaper(&self) -> &Reaper {
+        &self.reaper
+    }
+
+    pub(crate) fn cgroups(&self) -> Option<&Cgroups> {
+        self.cgroups.as_ref()
+    }
+}
+
+/// Runs one session on `io`: waits for the host's hello, then serves
+/// substreams until the host goes away. Returns
+/// `Err(ServerError::Handshake(HandshakeError::Closed))` when the channel
+/// is at EOF before any hello (no host connected). Execs still running when
+/// the session ends are killed.
+pub async fn serve_connection<T>(agent: &Arc<Agent>, io: T) -> Result<(), ServerError>
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let channel = handshake::guest(io, &agent.version).await?;
+    tracing::info!("host connected");
+    let mut mux = MuxServer::new(channel);
+    let session = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let outcome = loop {
+        tokio::select! {
+            next = mux.next() => match next {
+                Ok(Some(stream)) => {
+                    tasks.spawn(handle_substream(agent.clone(), stream, session.child_token()));
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            },
+            // Finished tasks are collected as we go, so a long session does not accumulate them.
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    };
+    // Closes every substream (their reads end, their writes fail) so no
+    // task waits on a peer that is gone.
+    drop(mux);
+    session.cancel();
+    // Execs kill their commands and finish promptly once cancelled; dropping
+    // the set would abort them before they could.
+    let _ = tokio::time::timeout(SESSION_WIND_DOWN, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    tasks.detach_all();
+    tracing::info!("host disconnected");
+    Ok(outcome?)
+}
+
+async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: CancellationToken) {
+    let request = match read_frame::<_, Request>(&mut stream).await {
+        Ok(Some(request)) => request,
+        Ok(None) => return,
+        Err(e) => {
+            let error = GuestError::new(ErrorKind::Protocol, format!("bad request frame: {e}"));
+            let _ = write_frame(&mut stream, &GuestFrame::Error(error)).await;
+            let _ = stream.shutdown().await;
+            drain_until_closed(&mut stream, &session).await;
+            return;
+        }
+    };
+    tracing::debug!(?request, "request");
+    let result = match request {
+        Request::Exec(req) => {
+            // Owns the stream from here, including closing it.
+            crate::exec::run(agent, req, stream, session).await;
+            return;
+        }
+        Request::Ping => match info::uptime_ms() {
+            Ok(uptime_ms) => {
+                reply(
+                    &mut stream,
+                    Reply::Pong {
+                        agent_version: agent.version.clone(),
+                        uptime_ms,
+                    },
+                )
+                .await
+            }
+            Err(e) => Err(GuestError::new(ErrorKind::Io, e.to_string()).into()),
+        },
+        Request::Info => {
+            let version = agent.version.clone();
+            match blocking(move || {
+                info::collect(&version).map_err(|e| GuestError::new(ErrorKind::Io, e.to_string()))
+            })
+            .await
+            {
+                Ok(info) => reply(&mut stream, Reply::Info(info)).await,
+                Err(e) => Err(e.into()),
+            }
+        }
+        Request::ReadFile(req) => files::read_file(&mut stream, req).await,
+        Request::WriteFile(req) => files::write_file(&mut stream, req).await,
+        Request::ListDir { path } => simple(&mut stream, move || files::list_dir(&path)).await,
+        Request::Stat { path } => simple(&mut stream, move || files::stat(&path)).await,
+        Request::Remove { path, recursive } => {
+            simple(&mut stream, move || files::remove(&path, recursive)).await
+        }
+        Request::Rename { from, to } => {
+            simple(&mut stream, move || files::rename(&from, &to)).await
+        }
+        Request::Chmod { path, mode } => {
+            simple(&mut stream, move || files::chmod(&path, mode)).await
+        }
+        Request::Mkdir { path } => simple(&mut stream, move || files::mkdir(&path)).await,
+    };
+    match result {
+        Ok(()) => {}
+        Err(FilesError::Refused(error)) => {
+            let _ = write_frame(&mut stream, &GuestFrame::Error(error)).await;
+        }
+        Err(FilesError::Channel(e)) => tracing::debug!("substream failed: {e}"),
+    }
+    let _ = stream.shutdown().await;
+    drain_until_closed(&mut stream, &session).await;
+}
+
+/// Reads and drops whatever the host still sends until it closes the
+/// substream. A host may send a whole upload before reading the answer
+/// (for instance a refusal): if we stopped reading, yamux flow control
+/// would block its writes forever.
+pub(crate) async fn drain_until_closed<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    session: &CancellationToken,
+) {
+    let mut sink = tokio::io::sink();
+    tokio::select! {
+        _ = tokio::io::copy(stream, &mut sink) => {}
+        _ = session.cancelled() => {}
+    }
+}
+
+async fn reply(stream: &mut Substream, reply: Reply) -> Result<(), FilesError> {
+    write_frame(stream, &GuestFrame::Reply(reply)).await?;
+    Ok(())
+}
+
+/// Runs a blocking filesystem call off the runtime's threads and sends its reply.
+async fn simple<F>(stream: &mut Substream, op: F) -> Result<(), FilesError>
+where
+    F: FnOnce() -> Result<Reply, GuestError> + Send + 'static,
+{
+    let answer = blocking(op).await?;
+    reply(stream, answer).await
+}
+
+async fn blocking<T, F>(op: F) -> Result<T, GuestError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, GuestError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(op).await.unwrap_or_else(|e| {
+        Err(GuestError::new(
+            ErrorKind::Io,
+            format!("operation panicked: {e}"),
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{next, Harness};
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn ping_and_info() {
+        let h = Harness::start().await;
+        match h.call(Request::Ping).await {
+            GuestFrame::Reply(Reply::Pong {
+                agent_version,
+                uptime_ms,
+            }) => {
+                assert_eq!(agent_version, crate::VERSION);
+                assert!(uptime_ms > 0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match h.call(Request::Info).await {
+            GuestFrame::Reply(Reply::Info(info)) => {
+                assert_eq!(info.agent_version, crate::VERSION);
+                assert!(
+                    info.cpus >= 1 && info.disk_total_bytes > 0 && info.mem_available_bytes > 0
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_garbled_request_is_a_protocol_error_and_the_agent_carries_on() {
+        let h = Harness::start().await;
+        let mut s = h.client.open().await.unwrap();
+        // A well-framed body that is no Request (variant 200 does not exist).
+        s.write_all(&[2, 0, 0, 0, 200, 1]).await.unwrap();
+        match next(&mut s).await {
+            Some(GuestFrame::Error(e)) => assert_eq!(e.kind, ErrorKind::Protocol),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(
+            next(&mut s).await,
+            None,
+            "the substream is closed after the error"
+        );
+        // A frame claiming an absurd length.
+        let mut s = h.client.open().await.unwrap();
+        s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+        assert!(matches!(next(&mut s).await, Some(GuestFrame::Error(_))));
+        assert!(matches!(
+            h.call(Request::Ping).await,
+            GuestFrame::Reply(Reply::Pong { .. })
+        ));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_closed_channel_before_any_hello_is_reported_as_closed() {
+        let agent = Agent::new(AgentConfig {
+            reap_scope: ReapScope::Registered,
+            cgroup_root: None,
+        })
+        .unwrap();
+        let (host, guest) = tokio::io::duplex(64);
+        drop(host);
+        let err = serve_connection(&agent, guest).await.unwrap_err();
+        assert!(
+            matches!(err, ServerError::Handshake(HandshakeError::Closed)),
+            "{err:?}"
+        );
+    }
+}

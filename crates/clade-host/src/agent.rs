@@ -1,0 +1,400 @@
+//! The client of `clade-guestd`: one session per connection to the VM's
+//! agent socket, every operation on its own substream.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clade_proto::handshake::{self, HandshakeError};
+use clade_proto::mux::{MuxClient, MuxError, Substream};
+use clade_proto::{
+    read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame,
+    GuestInfo, HostFrame, OutputStream, PtySize, ReadFileRequest, Reply, Request, WriteFileRequest, CHUNK_SIZE,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::UnixStream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("connecting to the agent socket {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("agent handshake failed")]
+    Handshake(#[from] HandshakeError),
+    #[error("the agent did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("agent session lost")]
+    Session(#[from] MuxError),
+    #[error("agent channel error")]
+    Frame(#[from] FrameError),
+    /// The guest carried out the operation and it failed (not found, …).
+    #[error(transparent)]
+    Guest(#[from] GuestError),
+    #[error("the agent ended the operation without an answer")]
+    Eof,
+    #[error("the agent answered {got} where {expected} was expected")]
+    Unexpected { expected: &'static str, got: String },
+    #[error("local i/o")]
+    Local(#[source] std::io::Error),
+}
+
+impl AgentError {
+    /// True when the session itself is gone (the VM died or hung up), as
+    /// opposed to one operation failing.
+    pub fn is_session_lost(&self) -> bool {
+        matches!(self, Self::Session(_) | Self::Frame(_) | Self::Eof)
+    }
+
+    fn unexpected(expected: &'static str, got: &GuestFrame) -> Self {
+        let mut got = format!("{got:?}");
+        got.truncate(80);
+        Self::Unexpected { expected, got }
+    }
+}
+
+/// A connected agent. Cheap to clone; all clones share one session.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    mux: MuxClient,
+    agent_version: Arc<str>,
+}
+
+impl AgentClient {
+    /// Connects to the agent socket and completes the handshake, retrying the
+    /// connection until `timeout` (the guest may still be booting).
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
+        let deadline = Instant::now() + timeout;
+        let stream = loop {
+            match UnixStream::connect(socket).await {
+                Ok(stream) => break stream,
+                Err(source) if Instant::now() >= deadline => {
+                    return Err(AgentError::Connect { path: socket.display().to_string(), source });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        let nonce = rand::random::<u64>();
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let (channel, hello) = tokio::time::timeout(remaining, handshake::host(stream, nonce))
+            .await
+            .map_err(|_| AgentError::Timeout(timeout))??;
+        Ok(Self { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() })
+    }
+
+    pub fn agent_version(&self) -> &str {
+        &self.agent_version
+    }
+
+    /// Resolves when the session ends (the guest died or the socket closed).
+    pub async fn closed(&self) -> MuxError {
+        self.mux.closed().await
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.mux.is_closed()
+    }
+
+    async fn open(&self, request: &Request) -> Result<Substream, AgentError> {
+        let mut stream = self.mux.open().await?;
+        write_frame(&mut stream, request).await?;
+        Ok(stream)
+    }
+
+    async fn simple(&self, request: Request) -> Result<Reply, AgentError> {
+        let mut stream = self.open(&request).await?;
+        match read_frame::<_, GuestFrame>(&mut stream).await? {
+            Some(GuestFrame::Reply(reply)) => Ok(reply),
+            Some(GuestFrame::Error(e)) => Err(e.into()),
+            Some(other) => Err(AgentError::unexpected("a reply", &other)),
+            None => Err(AgentError::Eof),
+        }
+    }
+
+    /// Round trip to the agent; returns the time it took.
+    pub async fn ping(&self) -> Result<Duration, AgentError> {
+        let start = Instant::now();
+        match self.simple(Request::Ping).await? {
+            Reply::Pong { .. } => Ok(start.elapsed()),
+            other => Err(AgentError::Unexpected { expected: "pong", got: format!("{other:?}") }),
+        }
+    }
+
+    /// Starts a command; its output arrives through the returned session.
+    pub async fn exec(&self, request: ExecRequest) -> Result<ExecSession, AgentError> {
+        let stream = self.open(&Request::Exec(request)).await?;
+        let (mut reader, writer) = tokio::io::split(stream);
+        match read_frame::<_, GuestFrame>(&mut reader).await? {
+            Some(GuestFrame::Started { pid }) => Ok(ExecSession {
+                pid,
+                reader,
+                input: ExecInput(Arc::new(tokio::sync::Mutex::new(writer))),
+                finished: false,
+            }),
+            Some(GuestFrame::Error(e)) => Err(e.into()),
+            Some(other) => Err(AgentError::unexpected("started", &other)),
+            None => Err(AgentError::Eof),
+        }
+    }
+
+    /// Runs a command to completion and collects its output.
+    pub async fn run(&self, request: ExecRequest) -> Result<ExecOutput, AgentError> {
+        self.exec(request).await?.collect().await
+    }
+
+    /// Runs a command with `stdin` as its standard input.
+    pub async fn run_with_stdin(&self, mut request: ExecRequest, stdin: &[u8]) -> Result<ExecOutput, AgentError> {
+        request.stdin = true;
+        let session = self.exec(request).await?;
+        let input = session.input();
+        let data = stdin.to_vec();
+        let feeder = tokio::spawn(async move {
+            for chunk in data.chunks(CHUNK_SIZE) {
+                input.stdin(chunk).await?;
+            }
+            input.close_stdin().await
+        });
+        let output = session.collect().await?;
+        // A command may exit without reading all of its input; that is not an error.
+        let _ = feeder.await;
+        Ok(output)
+    }
+
+    /// Reads a whole file into memory.
+    pub async fn read_file(&self, path: &str) -> Result<Vec<u8>, AgentError> {
+        let mut out = Vec::new();
+        self.read_file_to(path, &mut out).await?;
+        Ok(out)
+    }
+
+    /// Streams a file into `sink`; returns its metadata.
+    pub async fn read_file_to<W: AsyncWrite + Unpin>(&self, path: &str, sink: &mut W) -> Result<FileStat, AgentError> {
+        let request = Request::ReadFile(ReadFileRequest { path: path.to_string(), offset: 0, length: None });
+        let mut stream = self.open(&request).await?;
+        let stat = match read_frame::<_, GuestFrame>(&mut stream).await? {
+            Some(GuestFrame::FileInfo(stat)) => stat,
+            Some(GuestFrame::Error(e)) => return Err(e.into()),
+            Some(other) => return Err(AgentError::unexpected("file info", &other)),
+            None => return Err(AgentError::Eof),
+        };
+        loop {
+            match read_frame::<_, GuestFrame>(&mut stream).await? {
+                Some(GuestFrame::Chunk(data)) => sink.write_all(&data).await.map_err(AgentError::Local)?,
+                Some(GuestFrame::End) => break,
+                Some(GuestFrame::Error(e)) => return Err(e.into()),
+                Some(other) => return Err(AgentError::unexpected("a chunk", &other)),
+                None => return Err(AgentError::Eof),
+            }
+        }
+        sink.flush().await.map_err(AgentError::Local)?;
+        Ok(stat)
+    }
+
+    /// Writes a file (atomically replacing it), creating missing parents.
+    pub async fn write_file(&self, path: &str, data: &[u8]) -> Result<u64, AgentError> {
+        self.write_file_from(WriteFileRequest { path: path.to_string(), mode: None, create_parents: true, append: false }, data)
+            .await
+    }
+
+    /// Streams `source` into a file.
+    pub async fn write_file_from<R: AsyncRead + Unpin>(
+        &self,
+        request: WriteFileRequest,
+        mut source: R,
+    ) -> Result<u64, AgentError> {
+        let stream = self.open(&Request::WriteFile(request)).await?;
+        let (mut reader, mut writer) = tokio::io::split(stream);
+        let mut buf = vec![0u8; CHUNK_SIZE];
+        let sent: Result<(), AgentError> = async {
+            loop {
+                let n = source.read(&mut buf).await.map_err(AgentError::Local)?;
+                if n == 0 {
+                    break;
+                }
+                write_frame(&mut writer, &HostFrame::Chunk(buf[..n].to_vec())).await?;
+            }
+            write_frame(&mut writer, &HostFrame::End).await?;
+            Ok(())
+        }
+        .await;
+        // The guest may have refused early (e.g. a directory in the way): its
+        // answer explains a failed send better than the send error does.
+        let answer = read_frame::<_, GuestFrame>(&mut reader).await;
+        match (answer, sent) {
+            (Ok(Some(GuestFrame::Reply(Reply::Written { bytes }))), Ok(())) => Ok(bytes),
+            (Ok(Some(GuestFrame::Error(e))), _) => Err(e.into()),
+            (_, Err(e)) => Err(e),
+            (Ok(Some(other)), Ok(())) => Err(AgentError::unexpected("written", &other)),
+            (Ok(None), Ok(())) => Err(AgentError::Eof),
+            (Err(e), Ok(())) => Err(e.into()),
+        }
+    }
+
+    pub async fn stat(&self, path: &str) -> Result<FileStat, AgentError> {
+        match self.simple(Request::Stat { path: path.to_string() }).await? {
+            Reply::Stat(stat) => Ok(stat),
+            other => Err(AgentError::Unexpected { expected: "stat", got: format!("{other:?}") }),
+        }
+    }
+
+    pub async fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>, AgentError> {
+        match self.simple(Request::ListDir { path: path.to_string() }).await? {
+            Reply::Entries(entries) => Ok(entries),
+            other => Err(AgentError::Unexpected { expected: "entries", got: format!("{other:?}") }),
+        }
+    }
+
+    pub async fn remove(&self, path: &str, recursive: bool) -> Result<(), AgentError> {
+        self.done(Request::Remove { path: path.to_string(), recursive }).await
+    }
+
+    pub async fn rename(&self, from: &str, to: &str) -> Result<(), AgentError> {
+        self.done(Request::Rename { from: from.to_string(), to: to.to_string() }).await
+    }
+
+    pub async fn chmod(&self, path: &str, mode: u32) -> Result<(), AgentError> {
+        self.done(Request::Chmod { path: path.to_string(), mode }).await
+    }
+
+    pub async fn mkdir(&self, path: &str) -> Result<(), AgentError> {
+        self.done(Request::Mkdir { path: path.to_string() }).await
+    }
+
+    pub async fn info(&self) -> Result<GuestInfo, AgentError> {
+        match self.simple(Request::Info).await? {
+            Reply::Info(info) => Ok(info),
+            other => Err(AgentError::Unexpected { expected: "info", got: format!("{other:?}") }),
+        }
+    }
+
+    async fn done(&self, request: Request) -> Result<(), AgentError> {
+        match self.simple(request).await? {
+            Reply::Done => Ok(()),
+            other => Err(AgentError::Unexpected { expected: "done", got: format!("{other:?}") }),
+        }
+    }
+}
+
+/// What a running command produces, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// The stream hit its output limit; later bytes of it are dropped.
+    Truncated { stream: OutputStream, limit: u64 },
+    Exited(ExitStatus),
+}
+
+/// A running command. Dropping it before it exits cancels the command: the
+/// guest kills its whole process group.
+#[derive(Debug)]
+pub struct ExecSession {
+    pid: u32,
+    reader: ReadHalf<Substream>,
+    input: ExecInput,
+    finished: bool,
+}
+
+impl ExecSession {
+    /// The command's pid inside the guest.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// A handle for stdin, signals and cancellation, usable from another task.
+    pub fn input(&self) -> ExecInput {
+        self.input.clone()
+    }
+
+    /// The next event; `Ok(None)` after [`ExecEvent::Exited`].
+    pub async fn next(&mut self) -> Result<Option<ExecEvent>, AgentError> {
+        if self.finished {
+            return Ok(None);
+        }
+        let event = match read_frame::<_, GuestFrame>(&mut self.reader).await? {
+            Some(GuestFrame::Stdout(data)) => ExecEvent::Stdout(data),
+            Some(GuestFrame::Stderr(data)) => ExecEvent::Stderr(data),
+            Some(GuestFrame::OutputTruncated { stream, limit }) => ExecEvent::Truncated { stream, limit },
+            Some(GuestFrame::Exited(status)) => {
+                self.finished = true;
+                ExecEvent::Exited(status)
+            }
+            Some(GuestFrame::Error(e)) => return Err(e.into()),
+            Some(other) => return Err(AgentError::unexpected("exec output", &other)),
+            None => return Err(AgentError::Eof),
+        };
+        Ok(Some(event))
+    }
+
+    /// Waits for the exit, collecting all output.
+    pub async fn collect(mut self) -> Result<ExecOutput, AgentError> {
+        let mut out = ExecOutput::default();
+        while let Some(event) = self.next().await? {
+            match event {
+                ExecEvent::Stdout(data) => out.stdout.extend_from_slice(&data),
+                ExecEvent::Stderr(data) => out.stderr.extend_from_slice(&data),
+                ExecEvent::Truncated { .. } => {}
+                ExecEvent::Exited(status) => out.status = Some(status),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Sends input to a running command.
+#[derive(Debug, Clone)]
+pub struct ExecInput(Arc<tokio::sync::Mutex<WriteHalf<Substream>>>);
+
+impl ExecInput {
+    async fn send(&self, frame: HostFrame) -> Result<(), AgentError> {
+        let mut writer = self.0.lock().await;
+        write_frame(&mut *writer, &frame).await?;
+        Ok(())
+    }
+
+    pub async fn stdin(&self, data: &[u8]) -> Result<(), AgentError> {
+        self.send(HostFrame::Stdin(data.to_vec())).await
+    }
+
+    pub async fn close_stdin(&self) -> Result<(), AgentError> {
+        self.send(HostFrame::StdinEof).await
+    }
+
+    pub async fn resize(&self, size: PtySize) -> Result<(), AgentError> {
+        self.send(HostFrame::Resize(size)).await
+    }
+
+    pub async fn signal(&self, signal: i32) -> Result<(), AgentError> {
+        self.send(HostFrame::Signal(signal)).await
+    }
+
+    /// Kills the command's process group; the session still reports the exit.
+    pub async fn cancel(&self) -> Result<(), AgentError> {
+        self.send(HostFrame::Cancel).await
+    }
+}
+
+/// A finished command's output.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Always set when returned by [`ExecSession::collect`].
+    pub status: Option<ExitStatus>,
+}
+
+impl ExecOutput {
+    pub fn exit_code(&self) -> i32 {
+        self.status.as_ref().map_or(255, ExitStatus::shell_code)
+    }
+
+    pub fn stdout_str(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    pub fn stderr_str(&self) -> String {
+        String::from_utf8_lossy(&self.stderr).into_owned()
+    }
+}

@@ -1,0 +1,242 @@
+//! Guest images: the kernel and the root filesystem images VMs boot from.
+//!
+//! Every artifact is built by a script that ships inside this binary (from
+//! `images/` in the repository) and is cached under `cache_dir` by the hash of
+//! everything that shapes it, so it is rebuilt exactly when an input changes:
+//!
+//! ```text
+//! kernel/<hash>/vmlinux         config fragment + build script + linux-source version
+//! rootfs/<hash>/tree/           package list + build script + injected CAs
+//! images/<hash>/rootfs.ext4     rootfs hash + clade-guestd binary  (read-only)
+//! ```
+//!
+//! Builds take a lock per artifact kind, so concurrent first uses build once.
+//! Results are written under a temporary name and renamed into place: an
+//! interrupted build never leaves a half-made artifact behind.
+
+mod build;
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+pub use build::Progress;
+
+const KERNEL_FRAGMENT: &str = include_str!("../../../../images/kernel/clade.config");
+const KERNEL_BUILD: &str = include_str!("../../../../images/kernel/build.sh");
+const ROOTFS_BUILD: &str = include_str!("../../../../images/rootfs/build.sh");
+const HOST_DEPS: &str = include_str!("../../../../scripts/install-host-deps");
+
+/// Root filesystem recipes known to this build: (name, package list).
+const RECIPES: &[(&str, &str)] = &[("base", include_str!("../../../../images/rootfs/base/packages"))];
+
+/// Apparent size of a root filesystem image (sparse: only data takes space).
+const IMAGE_SIZE: &str = "4G";
+
+/// Where the agent lives inside every image (and the kernel's `init=`).
+pub const GUESTD_PATH_IN_GUEST: &str = "/sbin/clade-guestd";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("unknown image {name:?}; available: {available}")]
+    UnknownImage { name: String, available: String },
+    #[error("clade-guestd was not found (set CLADE_GUESTD, or build it with scripts/build)")]
+    GuestdMissing,
+    #[error("{what} failed (exit {code:?}); its output is in {log}")]
+    BuildFailed { what: String, code: Option<i32>, log: PathBuf },
+    #[error("{context}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError {
+    let context = context.into();
+    move |source| ImageError::Io { context, source }
+}
+
+/// A bootable guest: a kernel and a root filesystem image, both read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestImage {
+    pub name: String,
+    pub kernel: PathBuf,
+    pub rootfs: PathBuf,
+    /// Content hash of kernel + image: what a snapshot of this guest depends on.
+    pub id: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    cache_dir: PathBuf,
+    guestd: Option<PathBuf>,
+}
+
+impl ImageStore {
+    pub fn new(cache_dir: impl Into<PathBuf>, guestd: Option<PathBuf>) -> Self {
+        Self { cache_dir: cache_dir.into(), guestd }
+    }
+
+    pub fn available() -> Vec<&'static str> {
+        RECIPES.iter().map(|(name, _)| *name).collect()
+    }
+
+    /// The image, if everything it needs is already built.
+    pub fn cached(&self, name: &str) -> Result<Option<GuestImage>, ImageError> {
+        let plan = self.plan(name)?;
+        Ok(plan.is_built().then(|| plan.image()))
+    }
+
+    /// The image, building whatever is missing (minutes the first time).
+    /// Blocking: call it from a blocking context.
+    pub fn ensure(&self, name: &str, progress: &Progress) -> Result<GuestImage, ImageError> {
+        let plan = self.plan(name)?;
+        if plan.is_built() {
+            return Ok(plan.image());
+        }
+        build::host_deps(&self.cache_dir, progress)?;
+        // The kernel version is only known once linux-source is installed.
+        let plan = self.plan(name)?;
+        build::kernel(&self.cache_dir, &plan.kernel_dir, progress)?;
+        build::rootfs_tree(&self.cache_dir, &plan.tree_dir, plan.packages, progress)?;
+        build::image(&self.cache_dir, &plan.tree_dir, &plan.guestd, &plan.image_dir, IMAGE_SIZE, progress)?;
+        Ok(plan.image())
+    }
+
+    fn plan(&self, name: &str) -> Result<Plan, ImageError> {
+        let packages = RECIPES.iter().find(|(n, _)| *n == name).map(|(_, p)| *p).ok_or_else(|| {
+            ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") }
+        })?;
+        let guestd = self.guestd.clone().or_else(find_guestd).ok_or(ImageError::GuestdMissing)?;
+        let guestd_bytes = std::fs::read(&guestd).map_err(io_err(format!("reading {}", guestd.display())))?;
+
+        let kernel_key = hash(&[b"kernel/1", KERNEL_FRAGMENT.as_bytes(), KERNEL_BUILD.as_bytes(), linux_source_version().as_bytes()]);
+        let tree_key = hash(&[b"rootfs/1", packages.as_bytes(), ROOTFS_BUILD.as_bytes(), &injected_ca_bytes()]);
+        let image_key = hash(&[b"image/1", tree_key.as_bytes(), &guestd_bytes, IMAGE_SIZE.as_bytes()]);
+        Ok(Plan {
+            name: name.to_string(),
+            packages,
+            guestd,
+            kernel_dir: self.cache_dir.join("kernel").join(&kernel_key),
+            tree_dir: self.cache_dir.join("rootfs").join(&tree_key),
+            image_dir: self.cache_dir.join("images").join(&image_key),
+            id: hash(&[kernel_key.as_bytes(), image_key.as_bytes()]),
+        })
+    }
+}
+
+struct Plan {
+    name: String,
+    packages: &'static str,
+    guestd: PathBuf,
+    kernel_dir: PathBuf,
+    tree_dir: PathBuf,
+    image_dir: PathBuf,
+    id: String,
+}
+
+impl Plan {
+    fn is_built(&self) -> bool {
+        self.kernel_dir.join("vmlinux").is_file() && self.image_dir.join("rootfs.ext4").is_file()
+    }
+
+    fn image(&self) -> GuestImage {
+        GuestImage {
+            name: self.name.clone(),
+            kernel: self.kernel_dir.join("vmlinux"),
+            rootfs: self.image_dir.join("rootfs.ext4"),
+            id: self.id.clone(),
+        }
+    }
+}
+
+fn hash(parts: &[&[u8]]) -> String {
+    let mut h = Sha256::new();
+    for part in parts {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    hex::encode(&h.finalize()[..12])
+}
+
+/// The installed linux-source-6.1 package version ("" when not installed).
+fn linux_source_version() -> String {
+    std::process::Command::new("dpkg-query")
+        .args(["-W", "-f=${Version}", "linux-source-6.1"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The host CAs an image build injects (see images/rootfs/build.sh), so a
+/// changed CA rebuilds the image.
+fn injected_ca_bytes() -> Vec<u8> {
+    if std::env::var("CLADE_INJECT_HOST_CA").as_deref() == Ok("0") {
+        return b"no-ca".to_vec();
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir("/usr/local/share/ca-certificates")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "crt"))
+        .collect();
+    files.sort();
+    files.iter().flat_map(|p| std::fs::read(p).unwrap_or_default()).collect()
+}
+
+/// `clade-guestd` next to the running binary, or in the static build's target
+/// directory of a source checkout (`target/x86_64-unknown-linux-gnu/release`).
+fn find_guestd() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    for dir in exe.ancestors().skip(1) {
+        for candidate in [
+            dir.join("clade-guestd"),
+            dir.join("x86_64-unknown-linux-gnu/release/clade-guestd"),
+            dir.join("target/x86_64-unknown-linux-gnu/release/clade-guestd"),
+        ] {
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    None
+}
+
+pub(crate) fn script_path(cache_dir: &Path, name: &str, body: &str) -> Result<PathBuf, ImageError> {
+    let dir = cache_dir.join("scripts");
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    let path = dir.join(format!("{}-{name}", hash(&[body.as_bytes()])));
+    if !path.exists() {
+        let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+        std::fs::write(&tmp, body).map_err(io_err(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, &path).map_err(io_err(format!("writing {}", path.display())))?;
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_change_with_any_input_and_unknown_images_are_refused() {
+        assert_ne!(hash(&[b"a", b"bc"]), hash(&[b"ab", b"c"]));
+        let dir = tempfile::tempdir().unwrap();
+        let guestd = dir.path().join("guestd");
+        std::fs::write(&guestd, b"v1").unwrap();
+        let store = ImageStore::new(dir.path(), Some(guestd.clone()));
+        let first = store.plan("base").unwrap();
+        std::fs::write(&guestd, b"v2").unwrap();
+        let second = store.plan("base").unwrap();
+        assert_eq!(first.kernel_dir, second.kernel_dir, "the agent does not shape the kernel");
+        assert_eq!(first.tree_dir, second.tree_dir, "nor the package tree");
+        assert_ne!(first.image_dir, second.image_dir, "but it does shape the image");
+        assert!(store.cached("base").unwrap().is_none());
+        let err = store.plan("nope").err().unwrap();
+        assert!(err.to_string().contains("available: base"), "{err}");
+    }
+}

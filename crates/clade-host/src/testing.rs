@@ -1,0 +1,118 @@
+//! Support for tests that boot real VMs (used by this crate's and the CLI's
+//! integration tests).
+//!
+//! A test that needs root, QEMU or the guest images calls [`vm_env`]: on a
+//! developer machine without them it skips with the reason; when `CI` is set
+//! the same condition fails the test, so CI can never pass by skipping.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::config::HostConfig;
+use crate::image::{GuestImage, Progress};
+use crate::vm::VmRuntime;
+
+/// Whether we run in CI (`CI` set to anything but `false`/`0`/empty).
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// Skips (returns `None`) or, in CI, fails the calling test.
+#[track_caller]
+pub fn skip<T>(reason: &str) -> Option<T> {
+    if in_ci() {
+        panic!("required for this test in CI: {reason}");
+    }
+    eprintln!("SKIPPED: {reason}");
+    None
+}
+
+/// A VM runtime over a private data directory, with the `base` image built.
+#[derive(Debug)]
+pub struct VmTestEnv {
+    pub runtime: VmRuntime,
+    pub image: GuestImage,
+    pub config: HostConfig,
+    data_dir: PathBuf,
+}
+
+impl VmTestEnv {
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+}
+
+impl Drop for VmTestEnv {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}
+
+/// The environment for VM tests, or a reasoned skip. Builds the kernel and
+/// image on first use if they are missing (the README's test command builds
+/// them beforehand).
+pub fn vm_env() -> Option<VmTestEnv> {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("VM tests need root (QEMU, image builds)");
+    }
+    let base = HostConfig::from_env().expect("valid CLADE_* environment");
+    let image = match image_once(&base) {
+        Ok(image) => image,
+        Err(reason) => return skip(&reason),
+    };
+    if std::process::Command::new(&base.qemu_binary).arg("--version").output().is_err() {
+        return skip(&format!("{} is not installed (scripts/install-host-deps)", base.qemu_binary.display()));
+    }
+    static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let root = std::env::temp_dir().join("clade-tests");
+    if n == 0 {
+        remove_dead_runs(&root);
+    }
+    let data_dir = root.join(format!("{}-{n}", std::process::id()));
+    let config = HostConfig { data_dir: data_dir.clone(), ..base };
+    let runtime = VmRuntime::new(config.clone()).expect("VM runtime");
+    Some(VmTestEnv { runtime, image, config, data_dir })
+}
+
+/// Test data directories are named `<pid>-<n>`; a static VM is never dropped,
+/// so each test process removes what dead earlier ones left.
+fn remove_dead_runs(root: &Path) {
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        if pid.is_some_and(|pid| crate::vm::ProcessId::of(pid).is_none()) {
+            for vm in std::fs::read_dir(entry.path().join("vms")).into_iter().flatten().flatten() {
+                crate::vm::record_cleanup(&vm.path());
+            }
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+fn image_once(config: &HostConfig) -> Result<GuestImage, String> {
+    static IMAGE: OnceLock<Result<GuestImage, String>> = OnceLock::new();
+    IMAGE
+        .get_or_init(|| {
+            let store = crate::image::ImageStore::new(&config.cache_dir, config.guestd.clone());
+            store.ensure("base", &Progress::Quiet).map_err(|e| {
+                let mut reason = format!("the base image is not available: {e}");
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    reason.push_str(&format!(": {s}"));
+                    source = s.source();
+                }
+                reason
+            })
+        })
+        .clone()
+}
+
+/// One multi-threaded runtime shared by the tests of a binary, so a VM booted
+/// once can serve many tests (its agent session lives on this runtime).
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("tokio runtime")
+    })
+}

@@ -1,0 +1,233 @@
+//! The QEMU command line, and starting the process.
+//!
+//! QEMU runs the `microvm` machine without ACPI or PCI: the kernel is an
+//! uncompressed PVH vmlinux, devices are virtio-mmio (QEMU appends their
+//! `virtio_mmio.device=` parameters to the kernel command line itself).
+
+#![allow(unsafe_code)]
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::OnceLock;
+
+use crate::accel::Accel;
+
+/// Everything that decides a VM's QEMU command line.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub id: String,
+    pub dir: PathBuf,
+    pub kernel: PathBuf,
+    pub disk: PathBuf,
+    pub memory_mb: u32,
+    pub vcpus: u32,
+    pub accel: Accel,
+    /// Host TSC kHz for TCG guests (no HPET or PM timer to calibrate against).
+    pub tsc_khz: Option<u64>,
+    pub hostname: String,
+}
+
+pub fn console_log(dir: &Path) -> PathBuf {
+    dir.join("console.log")
+}
+pub fn agent_socket(dir: &Path) -> PathBuf {
+    dir.join("agent.sock")
+}
+pub fn qmp_socket(dir: &Path) -> PathBuf {
+    dir.join("qmp.sock")
+}
+
+pub fn kernel_cmdline(spec: &LaunchSpec) -> String {
+    let mut args = vec![
+        "console=ttyS0".to_string(),
+        // Any reboot or panic ends the QEMU process (-no-reboot): a dead guest is a dead VM.
+        "reboot=t".into(),
+        "panic=-1".into(),
+        "quiet".into(),
+        "root=/dev/vda".into(),
+        "rw".into(),
+        "rootfstype=ext4".into(),
+        format!("init={}", crate::image::GUESTD_PATH_IN_GUEST),
+        format!("clade.hostname={}", spec.hostname),
+    ];
+    if spec.accel == Accel::Tcg {
+        // Without these, TCG boots can hang in TSC calibration, or the clocksource
+        // watchdog marks the TSC unstable and the guest falls back to jiffies.
+        if let Some(khz) = spec.tsc_khz {
+            args.push(format!("tsc_early_khz={khz}"));
+        }
+        args.push("tsc=reliable".into());
+    }
+    args.join(" ")
+}
+
+pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
+    let dir = &spec.dir;
+    let path = |p: PathBuf| p.display().to_string();
+    let mut args: Vec<String> = vec![
+        "-name".into(),
+        format!("clade-{},debug-threads=on", spec.id),
+        "-machine".into(),
+        "microvm,x-option-roms=off,rtc=off,acpi=off".into(),
+        "-accel".into(),
+        spec.accel.to_string(),
+        "-cpu".into(),
+        match spec.accel {
+            Accel::Kvm => "host".into(),
+            Accel::Tcg => "max".into(),
+        },
+        "-m".into(),
+        format!("{}M", spec.memory_mb),
+        "-smp".into(),
+        spec.vcpus.to_string(),
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        "-no-reboot".into(),
+        // Seccomp: no obsolete syscalls, no privilege gain, no spawning, no resource changes.
+        "-sandbox".into(),
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        "-kernel".into(),
+        path(spec.kernel.clone()),
+        "-append".into(),
+        kernel_cmdline(spec),
+        "-chardev".into(),
+        format!("file,id=console,path={}", path(console_log(dir))),
+        "-serial".into(),
+        "chardev:console".into(),
+        "-blockdev".into(),
+        format!(
+            r#"{{"driver":"qcow2","node-name":"root","discard":"unmap","file":{{"driver":"file","filename":"{}"}}}}"#,
+            path(spec.disk.clone())
+        ),
+        "-device".into(),
+        "virtio-blk-device,drive=root".into(),
+        "-object".into(),
+        "rng-random,id=rng,filename=/dev/urandom".into(),
+        "-device".into(),
+        "virtio-rng-device,rng=rng".into(),
+        "-device".into(),
+        "virtio-serial-device,max_ports=2".into(),
+        "-chardev".into(),
+        format!("socket,id=agent,path={},server=on,wait=off", path(agent_socket(dir))),
+        "-device".into(),
+        format!("virtserialport,chardev=agent,name={}", clade_proto::AGENT_PORT_NAME),
+        "-chardev".into(),
+        format!("socket,id=qmp,path={},server=on,wait=off", path(qmp_socket(dir))),
+        "-mon".into(),
+        "chardev=qmp,mode=control".into(),
+    ];
+    args.shrink_to_fit();
+    args.into_iter().map(OsString::from).collect()
+}
+
+/// A spawn request for the launcher thread.
+struct SpawnRequest {
+    command: Command,
+    die_with_owner: bool,
+    reply: mpsc::Sender<std::io::Result<Child>>,
+}
+
+/// Starts `command` in its own session (a terminal's Ctrl-C reaches us, not
+/// QEMU). With `die_with_owner`, the kernel kills it when this process dies,
+/// however it dies.
+///
+/// The parent-death signal fires when the *thread* that forked exits, so every
+/// spawn happens on one launcher thread that lives as long as the process.
+pub fn spawn(command: Command, die_with_owner: bool) -> std::io::Result<Child> {
+    static LAUNCHER: OnceLock<std::sync::Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    let launcher = LAUNCHER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("clade-vmm-launcher".into())
+            .spawn(move || {
+                for request in rx {
+                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner));
+                }
+            })
+            .expect("starting the VMM launcher thread");
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, outcome) = mpsc::channel();
+    launcher
+        .lock()
+        .expect("launcher lock")
+        .send(SpawnRequest { command, die_with_owner, reply })
+        .map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?;
+    outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
+}
+
+fn spawn_here(mut command: Command, die_with_owner: bool) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    let owner = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // async-signal-safe functions (setsid, prctl, getppid, _exit); it touches
+    // no locks and allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if die_with_owner {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The owner may have died between fork and prctl.
+                if libc::getppid() != owner {
+                    libc::_exit(1);
+                }
+            }
+            Ok(())
+        });
+    }
+    command.stdin(Stdio::null()).spawn()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(accel: Accel) -> LaunchSpec {
+        LaunchSpec {
+            id: "abc".into(),
+            dir: "/var/lib/clade/vms/abc".into(),
+            kernel: "/k/vmlinux".into(),
+            disk: "/var/lib/clade/vms/abc/disk.qcow2".into(),
+            memory_mb: 512,
+            vcpus: 1,
+            accel,
+            tsc_khz: Some(2_596_000),
+            hostname: "sandbox".into(),
+        }
+    }
+
+    #[test]
+    fn tcg_gets_its_clock_parameters_and_kvm_does_not() {
+        let tcg = kernel_cmdline(&spec(Accel::Tcg));
+        assert!(tcg.contains("tsc_early_khz=2596000") && tcg.contains("tsc=reliable"), "{tcg}");
+        assert!(tcg.contains("init=/sbin/clade-guestd"));
+        let kvm = kernel_cmdline(&spec(Accel::Kvm));
+        assert!(!kvm.contains("tsc"), "{kvm}");
+    }
+
+    #[test]
+    fn command_line_names_every_device_and_the_accelerator() {
+        let args: Vec<String> = qemu_args(&spec(Accel::Kvm)).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let joined = args.join(" ");
+        for needle in [
+            "-accel kvm",
+            "-cpu host",
+            "virtio-blk-device,drive=root",
+            "virtserialport,chardev=agent,name=clade.agent",
+            "virtio-rng-device",
+            "-no-reboot",
+            "-sandbox on",
+            "path=/var/lib/clade/vms/abc/agent.sock",
+        ] {
+            assert!(joined.contains(needle), "missing {needle:?} in {joined}");
+        }
+    }
+}

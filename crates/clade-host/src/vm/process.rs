@@ -1,0 +1,79 @@
+//! Process identity on the host: a pid plus its start time, so that a
+//! recycled pid is never mistaken for the process we started.
+
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProcessId {
+    pub pid: u32,
+    /// Start time in clock ticks since boot (/proc/PID/stat field 22).
+    pub start_ticks: u64,
+}
+
+impl ProcessId {
+    /// The identity of a live process, or `None` when it does not exist.
+    pub fn of(pid: u32) -> Option<Self> {
+        start_ticks(pid).map(|start_ticks| Self { pid, start_ticks })
+    }
+
+    pub fn current() -> Self {
+        Self::of(std::process::id()).expect("our own /proc entry exists")
+    }
+
+    /// Whether this very process is still running (not merely its pid).
+    /// A zombie counts as gone.
+    pub fn is_alive(&self) -> bool {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+        match parse_stat(&stat) {
+            Some((state, start)) => start == self.start_ticks && state != 'Z' && state != 'X',
+            None => false,
+        }
+    }
+
+    /// SIGKILL, only if it is still the same process.
+    pub fn kill(&self) {
+        if self.is_alive() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), nix::sys::signal::SIGKILL);
+        }
+    }
+
+    /// Whether its command line mentions `path` (our VMs name their directory).
+    pub fn cmdline_mentions(&self, path: &Path) -> bool {
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.pid)).unwrap_or_default();
+        let needle = path.display().to_string();
+        String::from_utf8_lossy(&cmdline).contains(&needle)
+    }
+}
+
+fn start_ticks(pid: u32) -> Option<u64> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|(_, start)| start)
+}
+
+/// (state, start time) from a /proc/PID/stat line; the command name may hold spaces and parens.
+fn parse_stat(stat: &str) -> Option<(char, u64)> {
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 3 is the state; the start time is field 22, i.e. 19 fields later.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn we_are_alive_and_a_wrong_start_time_is_not() {
+        let me = ProcessId::current();
+        assert!(me.is_alive());
+        assert!(!ProcessId { start_ticks: me.start_ticks + 1, ..me }.is_alive());
+        assert!(ProcessId::of(u32::MAX - 1).is_none());
+    }
+
+    #[test]
+    fn stat_parsing_survives_odd_command_names() {
+        let line = "42 (a) b (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19";
+        assert_eq!(parse_stat(line), Some(('S', 777)));
+    }
+}

@@ -1,0 +1,138 @@
+//! The on-disk record of a VM (`vm.json` in its directory), and the sweep that
+//! removes what dead owners left behind.
+//!
+//! An *ephemeral* VM belongs to the process that started it: when that
+//! process is gone for good, the VM is stopped and its directory removed (its
+//! QEMU also carries a parent-death signal, so this is the backstop). A
+//! *persistent* VM outlives its manager, which re-adopts it from this record.
+
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::process::ProcessId;
+use crate::accel::Accel;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Lifetime {
+    /// Stopped and removed when the owning process goes away.
+    Ephemeral,
+    /// Keeps running when the owner goes away; re-adopted on restart.
+    Persistent,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: String,
+    pub lifetime: Lifetime,
+    pub owner: ProcessId,
+    /// Set once QEMU runs.
+    pub vmm: Option<ProcessId>,
+    pub image: String,
+    pub accel: Accel,
+    pub memory_mb: u32,
+    pub vcpus: u32,
+    pub created_unix_ms: u64,
+}
+
+const RECORD: &str = "vm.json";
+
+impl VmRecord {
+    /// Writes the record atomically (temporary file, then rename).
+    pub fn save(&self, dir: &Path) -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{RECORD}.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, dir.join(RECORD))
+    }
+
+    pub fn load(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&std::fs::read(dir.join(RECORD)).ok()?).ok()
+    }
+}
+
+/// A directory younger than this without a record may be mid-creation by another process.
+const CREATION_GRACE: Duration = Duration::from_secs(30);
+
+/// Stops and removes every ephemeral VM whose owner is gone, and directories
+/// that never got a record. Returns the ids removed.
+pub fn sweep(vms_dir: &Path) -> Vec<String> {
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(vms_dir) else { return removed };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        let orphaned = match VmRecord::load(&dir) {
+            Some(record) => record.lifetime == Lifetime::Ephemeral && !record.owner.is_alive(),
+            None => age(&dir).is_some_and(|age| age > CREATION_GRACE),
+        };
+        if orphaned {
+            stop_leftover(&dir);
+            removed.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    removed
+}
+
+/// Kills the VM's QEMU if it still runs, then removes the directory.
+pub fn stop_leftover(dir: &Path) {
+    if let Some(vmm) = VmRecord::load(dir).and_then(|r| r.vmm) {
+        if vmm.cmdline_mentions(dir) {
+            vmm.kill();
+            for _ in 0..100 {
+                if !vmm.is_alive() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn age(dir: &Path) -> Option<Duration> {
+    SystemTime::now().duration_since(std::fs::metadata(dir).ok()?.modified().ok()?).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(owner: ProcessId, lifetime: Lifetime) -> VmRecord {
+        VmRecord {
+            id: "x".into(),
+            lifetime,
+            owner,
+            vmm: None,
+            image: "base".into(),
+            accel: Accel::Tcg,
+            memory_mb: 512,
+            vcpus: 1,
+            created_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn sweep_removes_only_ephemeral_vms_of_dead_owners() {
+        let vms = tempfile::tempdir().unwrap();
+        let me = ProcessId::current();
+        let dead = ProcessId { start_ticks: me.start_ticks + 12345, ..me };
+        for (name, owner, lifetime) in [
+            ("alive-owner", me, Lifetime::Ephemeral),
+            ("dead-owner", dead, Lifetime::Ephemeral),
+            ("persistent", dead, Lifetime::Persistent),
+        ] {
+            let dir = vms.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            record(owner, lifetime).save(&dir).unwrap();
+        }
+        std::fs::create_dir(vms.path().join("fresh-no-record")).unwrap();
+        assert_eq!(sweep(vms.path()), vec!["dead-owner".to_string()]);
+        assert!(vms.path().join("alive-owner").exists());
+        assert!(vms.path().join("persistent").exists());
+        assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");
+    }
+}

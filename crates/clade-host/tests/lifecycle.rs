@@ -1,0 +1,65 @@
+//! VM lifecycle: clean stops, and guests that die or hang are detected,
+//! reported with their console, and cleaned up.
+
+mod common;
+
+use std::time::Duration;
+
+use clade_host::testing::vm_env;
+use clade_host::vm::{FailureKind, Watchdog};
+use clade_host::{VmError, VmSpec};
+use common::{block_on, sh};
+
+fn assert_cleaned_up(dir: &std::path::Path, vmm: clade_host::vm::ProcessId) {
+    assert!(!vmm.is_alive(), "QEMU still runs");
+    assert!(!dir.exists(), "VM directory left behind: {}", dir.display());
+}
+
+#[test]
+fn a_stopped_vm_leaves_no_process_socket_or_file() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let vm = env.runtime.boot(VmSpec::new(env.image.clone())).await.unwrap();
+        let (dir, vmm) = (vm.dir().to_path_buf(), vm.vmm());
+        assert!(dir.join("agent.sock").exists() && dir.join("qmp.sock").exists());
+        vm.agent().ping().await.unwrap();
+        vm.stop().await.unwrap();
+        assert_cleaned_up(&dir, vmm);
+        assert_eq!(std::fs::read_dir(env.runtime.vms_dir()).unwrap().count(), 0);
+    });
+}
+
+#[test]
+fn a_guest_panic_is_reported_with_its_console_and_cleaned_up() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let vm = env.runtime.boot(VmSpec::new(env.image.clone())).await.unwrap();
+        let (dir, vmm) = (vm.dir().to_path_buf(), vm.vmm());
+        let err = vm.run(sh("echo c > /proc/sysrq-trigger")).await.unwrap_err();
+        let VmError::Failed(failure) = err else { panic!("expected a VM failure, got {err:?}") };
+        assert_eq!(failure.kind, FailureKind::Exited);
+        assert!(failure.console_tail.contains("Kernel panic"), "console tail: {}", failure.console_tail);
+        assert!(failure.to_string().contains("sysrq"), "{failure}");
+        assert_cleaned_up(&dir, vmm);
+    });
+}
+
+#[test]
+fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let mut spec = VmSpec::new(env.image.clone());
+        spec.watchdog =
+            Some(Watchdog { interval: Duration::from_millis(500), timeout: Duration::from_secs(1), misses: 2 });
+        let vm = env.runtime.boot(spec).await.unwrap();
+        let (dir, vmm) = (vm.dir().to_path_buf(), vm.vmm());
+        // Freeze the guest's CPU behind the VM's back: to the host it simply stops answering.
+        vm.qmp().execute("stop", None).await.unwrap();
+        let failure = tokio::time::timeout(Duration::from_secs(30), vm.failed()).await.expect("hang detected");
+        assert_eq!(failure.kind, FailureKind::Unresponsive, "{failure}");
+        assert!(failure.console_tail.contains("clade-guestd"), "console tail: {}", failure.console_tail);
+        assert_cleaned_up(&dir, vmm);
+        let err = vm.run(sh("true")).await.unwrap_err();
+        assert!(matches!(err, VmError::Failed(_)), "{err:?}");
+    });
+}

@@ -1,0 +1,266 @@
+//! The messages of the agent protocol. Postcard encodes enums by variant index:
+//! append new variants and fields-carrying types only at the end.
+
+use serde::{Deserialize, Serialize};
+
+/// The first frame of every substream, sent by the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// Answered with [`Reply::Pong`].
+    Ping,
+    /// Runs a process; see [`ExecRequest`] for the frames that follow.
+    Exec(ExecRequest),
+    /// Answered with [`GuestFrame::FileInfo`], then [`GuestFrame::Chunk`]s, then [`GuestFrame::End`].
+    ReadFile(ReadFileRequest),
+    /// Followed by [`HostFrame::Chunk`]s and [`HostFrame::End`]; answered with [`Reply::Written`].
+    WriteFile(WriteFileRequest),
+    /// Answered with [`Reply::Entries`].
+    ListDir { path: String },
+    /// Answered with [`Reply::Stat`] (of the path itself: symlinks are not followed).
+    Stat { path: String },
+    /// Answered with [`Reply::Done`]. A directory needs `recursive` unless empty.
+    Remove { path: String, recursive: bool },
+    /// Answered with [`Reply::Done`]; replaces `to` if it is a file.
+    Rename { from: String, to: String },
+    /// Answered with [`Reply::Done`]; `mode` holds permission bits only.
+    Chmod { path: String, mode: u32 },
+    /// Creates a directory and its parents; answered with [`Reply::Done`].
+    Mkdir { path: String },
+    /// Answered with [`Reply::Info`].
+    Info,
+}
+
+/// What to run: an argv vector (no shell involved) or a `/bin/sh -c` string.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    Argv(Vec<String>),
+    Shell(String),
+}
+
+/// Runs a process in its own session and process group (and cgroup, where
+/// available). The guest answers [`GuestFrame::Started`], streams
+/// [`GuestFrame::Stdout`]/[`GuestFrame::Stderr`] as they come, and ends with
+/// [`GuestFrame::Exited`]. The host may send [`HostFrame::Stdin`],
+/// [`HostFrame::StdinEof`], [`HostFrame::Resize`], [`HostFrame::Signal`] and
+/// [`HostFrame::Cancel`]. A host that closes the substream cancels the command:
+/// the whole process group is killed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub command: Command,
+    /// Added to (and overriding) the default environment.
+    pub env: Vec<(String, String)>,
+    /// Working directory; the user's home when absent.
+    pub cwd: Option<String>,
+    /// A user name from the guest's /etc/passwd; root when absent.
+    pub user: Option<String>,
+    /// Whether the host sends stdin; otherwise stdin is /dev/null.
+    pub stdin: bool,
+    /// Killed (the whole group) after this long; [`ExitStatus::timed_out`] is set.
+    pub timeout_ms: Option<u64>,
+    /// Bytes forwarded per output stream before [`GuestFrame::OutputTruncated`];
+    /// the guest default ([`DEFAULT_OUTPUT_LIMIT`]) when absent.
+    pub output_limit: Option<u64>,
+    /// Runs on a pseudo-terminal of this size: stdout carries the terminal's output.
+    pub pty: Option<PtySize>,
+}
+
+/// Output a command may send per stream when the request names no limit.
+pub const DEFAULT_OUTPUT_LIMIT: u64 = 64 << 20;
+
+impl ExecRequest {
+    /// A request with defaults for everything but the command.
+    pub fn new(command: Command) -> Self {
+        Self {
+            command,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            stdin: false,
+            timeout_ms: None,
+            output_limit: None,
+            pty: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadFileRequest {
+    pub path: String,
+    pub offset: u64,
+    /// Read to the end when absent.
+    pub length: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteFileRequest {
+    pub path: String,
+    /// Permission bits of a new file (0644 when absent); an existing file keeps its own.
+    pub mode: Option<u32>,
+    /// Create missing parent directories.
+    pub create_parents: bool,
+    /// Append instead of replacing. A replacement is atomic: readers see the old or the new content.
+    pub append: bool,
+}
+
+/// Frames the host sends after its [`Request`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum HostFrame {
+    Stdin(#[serde(with = "serde_bytes")] Vec<u8>),
+    StdinEof,
+    Resize(PtySize),
+    /// Sends a signal to the command's process group.
+    Signal(i32),
+    /// Kills the command's process group; the guest still answers [`GuestFrame::Exited`].
+    Cancel,
+    Chunk(#[serde(with = "serde_bytes")] Vec<u8>),
+    End,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+/// Frames the guest sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum GuestFrame {
+    Started { pid: u32 },
+    Stdout(#[serde(with = "serde_bytes")] Vec<u8>),
+    Stderr(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// The explicit marker that a stream reached its output limit: later bytes
+    /// of that stream are dropped (the command keeps running).
+    OutputTruncated { stream: OutputStream, limit: u64 },
+    Exited(ExitStatus),
+    FileInfo(FileStat),
+    Chunk(#[serde(with = "serde_bytes")] Vec<u8>),
+    End,
+    Reply(Reply),
+    Error(GuestError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitStatus {
+    /// The exit code, when the process exited by itself.
+    pub code: Option<i32>,
+    /// The signal that killed it, otherwise.
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub cancelled: bool,
+    /// Bytes dropped from stdout and stderr by the output limit.
+    pub stdout_dropped: u64,
+    pub stderr_dropped: u64,
+}
+
+impl ExitStatus {
+    /// The shell convention: the code, or 128 + the signal number.
+    pub fn shell_code(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(code), _) => code,
+            (None, Some(signal)) => 128 + signal,
+            (None, None) => 255,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    Pong { agent_version: String, uptime_ms: u64 },
+    Stat(FileStat),
+    Entries(Vec<DirEntry>),
+    Written { bytes: u64 },
+    Done,
+    Info(GuestInfo),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (and setuid/setgid/sticky).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+    pub symlink_target: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub stat: FileStat,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuestInfo {
+    pub agent_version: String,
+    pub kernel_release: String,
+    pub hostname: String,
+    pub uptime_ms: u64,
+    pub cpus: u32,
+    pub load_avg: [f64; 3],
+    pub mem_total_bytes: u64,
+    pub mem_available_bytes: u64,
+    /// Of the root filesystem.
+    pub disk_total_bytes: u64,
+    pub disk_available_bytes: u64,
+    pub processes: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    NotFound,
+    PermissionDenied,
+    AlreadyExists,
+    NotADirectory,
+    IsADirectory,
+    DirectoryNotEmpty,
+    InvalidInput,
+    Io,
+    Protocol,
+}
+
+/// An operation's failure, as the guest reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct GuestError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl GuestError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into() }
+    }
+
+    /// Maps an OS error on `path` to the protocol's kinds, keeping the OS text.
+    pub fn from_io(err: &std::io::Error, path: &str) -> Self {
+        use std::io::ErrorKind as K;
+        let kind = match err.kind() {
+            K::NotFound => ErrorKind::NotFound,
+            K::PermissionDenied => ErrorKind::PermissionDenied,
+            K::AlreadyExists => ErrorKind::AlreadyExists,
+            K::NotADirectory => ErrorKind::NotADirectory,
+            K::IsADirectory => ErrorKind::IsADirectory,
+            K::DirectoryNotEmpty => ErrorKind::DirectoryNotEmpty,
+            K::InvalidInput | K::InvalidFilename => ErrorKind::InvalidInput,
+            _ => ErrorKind::Io,
+        };
+        Self::new(kind, format!("{path}: {err}"))
+    }
+}
