@@ -102,7 +102,10 @@ async fn vm(boots: usize, execs: usize, file_mib: usize) -> anyhow::Result<()> {
     println!("file write {file_mib} MiB: {:.0} MiB/s; read: {:.0} MiB/s", rate(write), rate(read));
     agent.remove("/root/bench.bin", false).await?;
 
-    // Idle QEMU: resident memory and CPU over 10 s.
+    vm.stop().await?;
+
+    // Idle QEMU, on a fresh VM: resident memory and CPU over 10 s.
+    let vm = runtime.boot(VmSpec::new(image.clone())).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vm.vmm().pid;
     let (rss, pss) = memory_kib(pid)?;

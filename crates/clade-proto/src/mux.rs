@@ -23,6 +23,15 @@ pub enum MuxError {
     Connection(String),
 }
 
+/// Buffer sizes on the channel: yamux reads frame headers and bodies
+/// separately and writes frame by frame; without buffering every one is a
+/// syscall, and in a guest under TCG every syscall on the port is expensive.
+const CHANNEL_BUFFER: usize = 256 * 1024;
+
+fn buffered<T: AsyncRead + AsyncWrite>(io: T) -> tokio::io::BufStream<T> {
+    tokio::io::BufStream::with_capacity(CHANNEL_BUFFER, CHANNEL_BUFFER, io)
+}
+
 fn config() -> yamux::Config {
     let mut cfg = yamux::Config::default();
     cfg.set_max_num_streams(1024);
@@ -46,7 +55,7 @@ impl MuxClient {
     {
         let (open_tx, mut open_rx) = mpsc::channel::<OpenReply>(64);
         let (closed_tx, closed_rx) = watch::channel(None);
-        let mut conn = yamux::Connection::new(io.compat(), config(), yamux::Mode::Client);
+        let mut conn = yamux::Connection::new(buffered(io).compat(), config(), yamux::Mode::Client);
         tokio::spawn(async move {
             let mut waiting: VecDeque<OpenReply> = VecDeque::new();
             let mut handles_gone = false;
@@ -119,7 +128,7 @@ impl MuxClient {
 
 /// The guest's side of a session: yields the substreams the host opens.
 pub struct MuxServer<T> {
-    conn: yamux::Connection<Compat<T>>,
+    conn: yamux::Connection<Compat<tokio::io::BufStream<T>>>,
 }
 
 impl<T> MuxServer<T>
@@ -127,7 +136,7 @@ where
     T: AsyncRead + AsyncWrite + Unpin,
 {
     pub fn new(io: T) -> Self {
-        Self { conn: yamux::Connection::new(io.compat(), config(), yamux::Mode::Server) }
+        Self { conn: yamux::Connection::new(buffered(io).compat(), config(), yamux::Mode::Server) }
     }
 
     /// The next substream, or `Ok(None)` when the host closed the session.
