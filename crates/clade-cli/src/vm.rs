@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clade_host::image::Progress;
-use clade_host::{ExecEvent, HostConfig, Vm, VmRuntime, VmSpec};
+use clade_host::vm::Phase;
+use clade_host::{ExecEvent, HostConfig, Lifetime, Vm, VmRuntime, VmSpec};
 use clade_proto::{Command, ExecRequest, OutputStream};
 use clap::{Args, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,12 +17,43 @@ use crate::term;
 
 #[derive(Subcommand)]
 pub enum VmCommand {
-    /// Boot a VM, run CMD in it with stdio attached, exit with its exit code, tear the VM down.
+    /// Start a VM, run CMD in it with stdio attached, exit with its exit code, tear the VM down.
     Run(RunArgs),
-    /// Boot a VM and open an interactive shell in it (torn down on exit).
-    Shell(VmOptions),
+    /// Start a VM and open an interactive shell in it (torn down on exit).
+    Shell(ShellArgs),
+    /// Create a VM that keeps running after this command; prints its id on the last line.
+    Create(VmOptions),
+    /// Run CMD in a running VM, stdio attached; exits with CMD's exit code.
+    Exec(ExecArgs),
     /// List the VMs on this host (removing those whose owner is gone).
     Ls,
+    /// Stop a VM's vCPUs (memory and processes are kept).
+    Pause { id: String },
+    /// Run a paused VM again.
+    Resume { id: String },
+    /// Save a VM to disk and end its QEMU process (its memory is freed).
+    Hibernate { id: String },
+    /// Bring a hibernated VM back: same id, processes and files.
+    Wake { id: String },
+    /// Stop a VM and delete everything it has.
+    Rm { id: String },
+}
+
+#[derive(Args)]
+pub struct ShellArgs {
+    #[command(flatten)]
+    vm: VmOptions,
+    /// Cold-boot the VM instead of restoring the image's template snapshot.
+    #[arg(long)]
+    cold: bool,
+}
+
+#[derive(Args)]
+pub struct ExecArgs {
+    /// The VM's id (from `clade vm create` or `clade vm ls`).
+    id: String,
+    #[command(flatten)]
+    command: CommandArgs,
 }
 
 #[derive(Args)]
@@ -39,6 +71,15 @@ pub struct VmOptions {
 pub struct RunArgs {
     #[command(flatten)]
     vm: VmOptions,
+    /// Cold-boot the VM instead of restoring the image's template snapshot (for comparisons).
+    #[arg(long)]
+    cold: bool,
+    #[command(flatten)]
+    command: CommandArgs,
+}
+
+#[derive(Args)]
+pub struct CommandArgs {
     /// Forward stdin even when it is a terminal (it is forwarded whenever it is not).
     #[arg(short, long)]
     interactive: bool,
@@ -67,23 +108,62 @@ pub async fn run(command: VmCommand, config: HostConfig) -> anyhow::Result<ExitC
     let runtime = VmRuntime::new(config).context("starting the VM runtime")?;
     match command {
         VmCommand::Run(args) => {
-            let vm = boot(&runtime, &args.vm).await?;
-            let outcome = run_attached(&vm, args).await;
+            let vm = start(&runtime, &args.vm, args.cold, Lifetime::Ephemeral).await?;
+            let outcome = run_attached(&vm, args.command).await;
             vm.stop().await.context("stopping the VM")?;
             outcome
+        }
+        VmCommand::Create(options) => {
+            let vm = start(&runtime, &options, false, Lifetime::Persistent).await?;
+            println!("{}", vm.id());
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Exec(args) => {
+            let vm = runtime.adopt(&args.id, None).await?;
+            run_attached(&vm, args.command).await
+        }
+        VmCommand::Pause { id } => {
+            runtime.adopt(&id, None).await?.pause().await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Resume { id } => {
+            runtime.adopt(&id, None).await?.resume().await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Hibernate { id } => {
+            let started = std::time::Instant::now();
+            runtime.adopt(&id, None).await?.hibernate().await?;
+            status(&format!("hibernated {id} in {:.2?}", started.elapsed()));
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Wake { id } => {
+            let started = std::time::Instant::now();
+            runtime.wake(&id, None).await?;
+            status(&format!("woke {id} in {:.2?}", started.elapsed()));
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Rm { id } => {
+            runtime.remove(&id).await?;
+            Ok(ExitCode::SUCCESS)
         }
         VmCommand::Ls => {
             println!("ID\tLIFETIME\tIMAGE\tSTATE\tPID");
             for (record, running) in runtime.list() {
                 let lifetime = format!("{:?}", record.lifetime).to_lowercase();
-                let state = if running { "running" } else { "stopped" };
+                let state = match (record.phase, running) {
+                    (Phase::Hibernated, _) => "hibernated",
+                    (Phase::Paused, true) => "paused",
+                    (Phase::Creating, true) => "creating",
+                    (_, true) => "running",
+                    (_, false) => "dead",
+                };
                 let pid = record.vmm.map_or("-".to_string(), |p| p.pid.to_string());
                 println!("{}\t{lifetime}\t{}\t{state}\t{pid}", record.id, record.image);
             }
             Ok(ExitCode::SUCCESS)
         }
-        VmCommand::Shell(options) => {
-            let vm = boot(&runtime, &options).await?;
+        VmCommand::Shell(args) => {
+            let vm = start(&runtime, &args.vm, args.cold, Lifetime::Ephemeral).await?;
             let outcome = shell(&vm).await;
             vm.stop().await.context("stopping the VM")?;
             outcome
@@ -97,7 +177,7 @@ fn status(message: &str) {
     }
 }
 
-async fn boot(runtime: &VmRuntime, options: &VmOptions) -> anyhow::Result<Vm> {
+async fn start(runtime: &VmRuntime, options: &VmOptions, cold: bool, lifetime: Lifetime) -> anyhow::Result<Vm> {
     let image = match runtime.images().cached(&options.image)? {
         Some(image) => image,
         None => {
@@ -107,12 +187,18 @@ async fn boot(runtime: &VmRuntime, options: &VmOptions) -> anyhow::Result<Vm> {
             tokio::task::spawn_blocking(move || store.ensure(&name, &Progress::Stderr)).await??
         }
     };
-    status(&format!("booting a {} VM ({})", image.name, runtime.accel()));
-    let spec = VmSpec { memory_mb: options.memory_mb, vcpus: options.vcpus, ..VmSpec::new(image) };
-    Ok(runtime.boot(spec).await?)
+    let spec = VmSpec { memory_mb: options.memory_mb, vcpus: options.vcpus, lifetime, ..VmSpec::new(image) };
+    if cold {
+        status(&format!("cold-booting a {} VM ({})", spec.image.name, runtime.accel()));
+        return Ok(runtime.boot(spec).await?);
+    }
+    if !runtime.has_template(&spec) {
+        eprintln!("clade: first use of {} here: booting it once to bake its template snapshot", spec.image.name);
+    }
+    Ok(runtime.create(spec).await?)
 }
 
-async fn run_attached(vm: &Vm, args: RunArgs) -> anyhow::Result<ExitCode> {
+async fn run_attached(vm: &Vm, args: CommandArgs) -> anyhow::Result<ExitCode> {
     let forward_stdin = args.interactive || !std::io::stdin().is_terminal();
     let command = match args.command.as_slice() {
         [single] if single.contains(char::is_whitespace) => Command::Shell(single.clone()),

@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clade_host::testing::{vm_env, VmTestEnv};
-use clade_host::vm::VmRecord;
+use clade_host::vm::{Phase, VmRecord};
 
 fn clade(env: &VmTestEnv) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_clade"));
@@ -68,8 +68,7 @@ fn a_killed_vm_run_leaves_no_orphan() {
     let (dir, vmm) = loop {
         let found = std::fs::read_dir(&vms).into_iter().flatten().flatten().find_map(|e| {
             let record = VmRecord::load(&e.path())?;
-            let console = std::fs::read_to_string(e.path().join("console.log")).unwrap_or_default();
-            console.contains("clade-guestd").then_some((e.path(), record.vmm?))
+            (record.phase == Phase::Running).then_some((e.path(), record.vmm?))
         });
         if let Some(found) = found {
             break found;
@@ -91,4 +90,82 @@ fn a_killed_vm_run_leaves_no_orphan() {
     assert!(ls.status.success());
     assert!(!dir.exists(), "the sweep removed the dead owner's VM");
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&dir.file_name().unwrap().to_string_lossy().to_string()));
+}
+
+fn output(command: &mut Command) -> (i32, String, String) {
+    let out = command.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn create_exec_hibernate_wake_rm_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
+    assert_eq!(code, 0, "{stderr}");
+    let id = stdout.lines().last().unwrap().trim().to_string();
+    assert_eq!(id.len(), 12, "the id alone on the last line: {stdout:?}");
+
+    let (code, stdout, _) = output(clade(&env).args(["vm", "exec", &id, "--", "sh", "-c", "echo made > /root/f; hostname; exit 4"]));
+    assert_eq!((code, stdout.trim()), (4, format!("sb-{id}").as_str()));
+    for verb in ["pause", "resume", "hibernate"] {
+        let (code, _, stderr) = output(clade(&env).args(["vm", verb, &id]));
+        assert_eq!(code, 0, "{verb}: {stderr}");
+    }
+    let (_, ls, _) = output(clade(&env).args(["vm", "ls"]));
+    assert!(ls.lines().any(|l| l.starts_with(&id) && l.contains("hibernated")), "{ls}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "true"]));
+    assert_eq!(code, 125);
+    assert!(stderr.contains("hibernated"), "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "wake", &id]));
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, _) = output(clade(&env).args(["vm", "exec", &id, "--", "cat", "/root/f"]));
+    assert_eq!((code, stdout.as_str()), (0, "made\n"));
+    let (code, _, stderr) = output(clade(&env).args(["vm", "rm", &id]));
+    assert_eq!(code, 0, "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "true"]));
+    assert_eq!(code, 125);
+    assert!(stderr.contains("no VM"), "{stderr}");
+    assert_eq!(std::fs::read_dir(env.data_dir().join("vms")).unwrap().count(), 0);
+}
+
+#[test]
+fn vm_run_cold_boots_when_asked() {
+    let Some(env) = vm_env() else { return };
+    // A cold boot has a kernel boot log on its console; a restore does not.
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "run", "--cold", "--", "sh", "-c", "dmesg | grep -c 'Linux version'"]));
+    assert_eq!((code, stdout.trim()), (0, "1"), "{stderr}");
+}
+
+#[test]
+fn a_create_killed_half_way_is_rolled_back() {
+    let Some(env) = vm_env() else { return };
+    // Bake first, so that the kill lands in the restore itself.
+    assert_eq!(output(clade(&env).args(["vm", "run", "--", "true"])).0, 0);
+    let mut child = clade(&env).args(["vm", "create"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let vms = env.data_dir().join("vms");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let creating = std::fs::read_dir(&vms)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| VmRecord::load(&e.path()).is_some_and(|r| r.phase == Phase::Creating));
+        if creating {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no create in progress seen");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (code, ls, stderr) = output(clade(&env).args(["vm", "ls"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(ls.lines().count(), 1, "only the header remains: {ls}");
+    assert_eq!(std::fs::read_dir(&vms).unwrap().count(), 0, "nothing half-made remains");
+    let qemus = Command::new("pgrep").args(["-f", &vms.display().to_string()]).output().unwrap();
+    assert!(qemus.stdout.is_empty(), "orphan QEMU: {}", String::from_utf8_lossy(&qemus.stdout));
 }

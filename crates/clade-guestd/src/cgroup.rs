@@ -27,9 +27,11 @@ pub enum CgroupError {
 }
 
 /// The `clade` subtree of a cgroup v2 hierarchy.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Cgroups {
     base: PathBuf,
+    /// Leaves released while background processes still ran in them.
+    lingering: std::sync::Mutex<Vec<PathBuf>>,
 }
 
 impl Cgroups {
@@ -50,11 +52,12 @@ impl Cgroups {
                 })
             }
         }
-        Ok(Some(Self { base }))
+        Ok(Some(Self { base, lingering: std::sync::Mutex::default() }))
     }
 
     /// Creates a fresh, empty leaf for one exec.
     pub fn create(&self) -> Result<ExecCgroup, CgroupError> {
+        self.prune_empty();
         loop {
             let dir = self.base.join(format!(
                 "exec-{}",
@@ -72,6 +75,15 @@ impl Cgroups {
                 }
             }
         }
+    }
+}
+
+impl Cgroups {
+    /// Removes released leaves whose processes have all exited (rmdir fails
+    /// on the others, which stay on the list).
+    fn prune_empty(&self) {
+        let mut lingering = self.lingering.lock().expect("cgroup list lock");
+        lingering.retain(|dir| std::fs::remove_dir(dir).is_err() && dir.exists());
     }
 }
 
@@ -106,6 +118,14 @@ impl ExecCgroup {
         };
         for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+
+    /// Removes the directory if no process is left in it; otherwise leaves it
+    /// to [`Cgroups::create`]'s pruning.
+    pub fn release(self, cgroups: &Cgroups) {
+        if std::fs::remove_dir(&self.dir).is_err() {
+            cgroups.lingering.lock().expect("cgroup list lock").push(self.dir);
         }
     }
 

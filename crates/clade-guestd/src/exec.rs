@@ -1,9 +1,11 @@
 //! `Request::Exec`: runs one command and relays its life over a substream.
 //!
 //! Each command gets its own session and process group (and cgroup where
-//! cgroup v2 is mounted). Whatever ends the exec (exit, timeout, cancel, the
+//! cgroup v2 is mounted). When the agent ends an exec (timeout, cancel, the
 //! host going away), nothing the command started outlives it: the group is
-//! SIGKILLed and the cgroup emptied before `Exited` is sent.
+//! SIGKILLed and the cgroup emptied before `Exited` is sent. When the command
+//! exits by itself, what it started in the background keeps running (a dev
+//! server started with `&`, a daemon): that is what sandbox users expect.
 //!
 //! Tasks per exec: one reads host frames, one writes guest frames (so a host
 //! that stops reading never blocks timeouts or cancellation), one pump per
@@ -104,7 +106,7 @@ where
 {
     let (mut rd, mut wr) = tokio::io::split(stream);
     match launch(&agent, &req).await {
-        Ok(running) => supervise(running, &req, rd, wr, session).await,
+        Ok(running) => supervise(&agent, running, &req, rd, wr, session).await,
         Err(err) => {
             tracing::debug!("exec refused: {err}");
             let _ = write_frame(&mut wr, &GuestFrame::Error(err.to_guest_error())).await;
@@ -144,7 +146,9 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
         return Err(ExecError::NulByte);
     }
     let cwd = working_dir(req.cwd.as_deref(), &user)?;
-    let env = environment(&user, req.pty.is_some(), &req.env)?;
+    let mut extra = agent.default_env();
+    extra.extend(req.env.iter().cloned());
+    let env = environment(&user, req.pty.is_some(), &extra)?;
 
     let mut cmd = StdCommand::new(&program);
     cmd.args(&args).env_clear().envs(env);
@@ -317,6 +321,7 @@ struct KillReason {
 }
 
 async fn supervise<R, W>(
+    agent: &Agent,
     running: Running,
     req: &ExecRequest,
     mut rd: R,
@@ -478,8 +483,6 @@ async fn supervise<R, W>(
         feeder.abort();
     }
     drop(terminal);
-    // Nothing the command started may outlive it, even after a normal exit.
-    kill_everything(pgid, cgroup.as_ref());
 
     let last = match exited {
         Some(exit) => GuestFrame::Exited(ExitStatus {
@@ -499,7 +502,15 @@ async fn supervise<R, W>(
     drop(frames);
     let _ = writer.await;
     if let Some(cgroup) = cgroup {
-        cgroup.remove().await;
+        if killed {
+            cgroup.remove().await;
+        } else {
+            // Background processes may still live in it; empty ones are
+            // pruned when later execs create theirs.
+            if let Some(cgroups) = agent.cgroups() {
+                cgroup.release(cgroups);
+            }
+        }
     }
     // Keep reading until the host closes the substream: a host still
     // sending stdin to a command that has exited must not block on flow
@@ -827,13 +838,6 @@ mod tests {
         }
         let h = Harness::start().await;
         // setsid leaves the process group; only the cgroup still holds it.
-        let out = h
-            .exec(shell(
-                "setsid sleep 1000.128 > /dev/null 2>&1 & echo started",
-            ))
-            .await;
-        assert_eq!(out.stdout, b"started\n");
-        assert_no_survivors("sleep 1000.128").await;
         let mut s = h
             .open(&Request::Exec(shell(
                 "setsid sleep 1000.129 & sleep 1000.129",
@@ -857,6 +861,10 @@ mod tests {
             (&b"done\n"[..], Some(0))
         );
         assert!(start.elapsed() < Duration::from_secs(3));
+        // A command that exits by itself leaves its background work running.
+        let survivors = h.exec(argv(&["pgrep", "-f", "sleep 1000.130"])).await;
+        assert_eq!(survivors.exited().code, Some(0), "the background sleep must survive");
+        let _ = std::process::Command::new("pkill").args(["-f", "sleep 1000.130"]).status();
         assert_no_survivors("sleep 1000.130").await;
         h.shutdown().await;
     }

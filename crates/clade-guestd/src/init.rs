@@ -222,7 +222,7 @@ pub fn hostname_from_cmdline(cmdline: &str) -> String {
         .to_string()
 }
 
-fn valid_hostname(name: &str) -> bool {
+pub(crate) fn valid_hostname(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name

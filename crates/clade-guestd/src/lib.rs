@@ -15,6 +15,7 @@ pub mod init;
 pub mod port;
 mod pty;
 pub mod reaper;
+pub mod restore;
 pub mod server;
 mod spawn;
 pub mod users;

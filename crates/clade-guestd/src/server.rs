@@ -20,6 +20,9 @@ use crate::files::{self, FilesError};
 use crate::info;
 use crate::reaper::{ReapScope, Reaper, ReaperError};
 
+/// How long a quiesced session still drives the channel so its answer leaves.
+const QUIESCE_FLUSH: Duration = Duration::from_millis(50);
+
 /// How long a finished session waits for its execs to kill their commands and report.
 const SESSION_WIND_DOWN: Duration = Duration::from_secs(3);
 
@@ -67,6 +70,8 @@ pub struct Agent {
     version: String,
     reaper: Reaper,
     cgroups: Option<Cgroups>,
+    /// Environment set by the post-restore hook, under each command's own.
+    default_env: std::sync::Mutex<Vec<(String, String)>>,
 }
 
 impl Agent {
@@ -83,6 +88,7 @@ impl Agent {
             version: crate::VERSION.to_string(),
             reaper: Reaper::start(config.reap_scope)?,
             cgroups,
+            default_env: std::sync::Mutex::default(),
         }))
     }
 
@@ -96,6 +102,14 @@ impl Agent {
 
     pub(crate) fn cgroups(&self) -> Option<&Cgroups> {
         self.cgroups.as_ref()
+    }
+
+    pub(crate) fn default_env(&self) -> Vec<(String, String)> {
+        self.default_env.lock().expect("env lock").clone()
+    }
+
+    pub(crate) fn set_default_env(&self, env: Vec<(String, String)>) {
+        *self.default_env.lock().expect("env lock") = env;
     }
 }
 
@@ -112,16 +126,31 @@ where
     tracing::info!("host connected");
     let mut mux = MuxServer::new(channel);
     let session = CancellationToken::new();
+    let quiesced = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let outcome = loop {
         tokio::select! {
             next = mux.next() => match next {
                 Ok(Some(stream)) => {
-                    tasks.spawn(handle_substream(agent.clone(), stream, session.child_token()));
+                    let quiesce = quiesced.clone();
+                    tasks.spawn(handle_substream(agent.clone(), stream, session.child_token(), quiesce));
                 }
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             },
+            _ = quiesced.cancelled() => {
+                // Let the answer leave, then stop reading: what arrives from
+                // now on belongs to the next session and its handshake.
+                let _ = tokio::time::timeout(QUIESCE_FLUSH, async {
+                    loop {
+                        if !matches!(mux.next().await, Ok(Some(_))) {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                break Ok(());
+            }
             // Finished tasks are collected as we go, so a long session does not accumulate them.
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
         }
@@ -141,7 +170,12 @@ where
     Ok(outcome?)
 }
 
-async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: CancellationToken) {
+async fn handle_substream(
+    agent: Arc<Agent>,
+    mut stream: Substream,
+    session: CancellationToken,
+    quiesce: CancellationToken,
+) {
     let request = match read_frame::<_, Request>(&mut stream).await {
         Ok(Some(request)) => request,
         Ok(None) => return,
@@ -198,6 +232,29 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
             simple(&mut stream, move || files::chmod(&path, mode)).await
         }
         Request::Mkdir { path } => simple(&mut stream, move || files::mkdir(&path)).await,
+        Request::Quiesce => {
+            let synced = blocking(|| {
+                nix::unistd::sync();
+                Ok(())
+            })
+            .await;
+            let answer = match synced {
+                Ok(()) => reply(&mut stream, Reply::Done).await,
+                Err(e) => Err(e.into()),
+            };
+            quiesce.cancel();
+            answer
+        }
+        Request::Restore(req) => {
+            let outcome = blocking(move || crate::restore::apply(&req)).await;
+            match outcome {
+                Ok(env) => {
+                    agent.set_default_env(env);
+                    reply(&mut stream, Reply::Done).await
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
     };
     match result {
         Ok(()) => {}

@@ -9,10 +9,14 @@ use clade_proto::handshake::{self, HandshakeError};
 use clade_proto::mux::{MuxClient, MuxError, Substream};
 use clade_proto::{
     read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame,
-    GuestInfo, HostFrame, OutputStream, PtySize, ReadFileRequest, Reply, Request, WriteFileRequest, CHUNK_SIZE,
+    GuestInfo, HostFrame, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest, WriteFileRequest,
+    CHUNK_SIZE,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
+
+/// Longer than the guest's quiesce flush window (50 ms), with margin for TCG.
+pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(150);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -55,9 +59,17 @@ impl AgentError {
     }
 }
 
-/// A connected agent. Cheap to clone; all clones share one session.
+/// The client of one VM's agent. Cheap to clone; all clones share the
+/// current session, which [`AgentClient::reconnect`] replaces (after a pause,
+/// a restore, a quiesce).
 #[derive(Debug, Clone)]
 pub struct AgentClient {
+    socket: Arc<Path>,
+    session: Arc<std::sync::RwLock<Option<Session>>>,
+}
+
+#[derive(Debug, Clone)]
+struct Session {
     mux: MuxClient,
     agent_version: Arc<str>,
 }
@@ -66,6 +78,36 @@ impl AgentClient {
     /// Connects to the agent socket and completes the handshake, retrying the
     /// connection until `timeout` (the guest may still be booting).
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
+        let client = Self::disconnected(socket);
+        client.reconnect(timeout).await?;
+        Ok(client)
+    }
+
+    /// A client with no session yet (its guest cannot answer now, e.g. paused).
+    pub fn disconnected(socket: &Path) -> Self {
+        Self { socket: socket.into(), session: Arc::default() }
+    }
+
+    /// Opens a new session, replacing (and closing) the current one.
+    pub async fn reconnect(&self, timeout: Duration) -> Result<(), AgentError> {
+        self.close();
+        let session = Self::handshake(&self.socket, timeout).await?;
+        *self.session.write().expect("agent session lock") = Some(session);
+        Ok(())
+    }
+
+    /// Ends the current session (the guest goes back to waiting for a hello).
+    pub fn close(&self) {
+        if let Some(session) = self.session.write().expect("agent session lock").take() {
+            session.mux.close();
+        }
+    }
+
+    fn current(&self) -> Result<Session, AgentError> {
+        self.session.read().expect("agent session lock").clone().ok_or(AgentError::Session(MuxError::Closed))
+    }
+
+    async fn handshake(socket: &Path, timeout: Duration) -> Result<Session, AgentError> {
         let deadline = Instant::now() + timeout;
         let stream = loop {
             match UnixStream::connect(socket).await {
@@ -81,24 +123,20 @@ impl AgentClient {
         let (channel, hello) = tokio::time::timeout(remaining, handshake::host(stream, nonce))
             .await
             .map_err(|_| AgentError::Timeout(timeout))??;
-        Ok(Self { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() })
+        Ok(Session { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() })
     }
 
-    pub fn agent_version(&self) -> &str {
-        &self.agent_version
-    }
-
-    /// Resolves when the session ends (the guest died or the socket closed).
-    pub async fn closed(&self) -> MuxError {
-        self.mux.closed().await
+    /// The agent's version, as told in the current session's handshake.
+    pub fn agent_version(&self) -> Option<String> {
+        self.current().ok().map(|s| s.agent_version.to_string())
     }
 
     pub fn is_closed(&self) -> bool {
-        self.mux.is_closed()
+        self.current().map_or(true, |s| s.mux.is_closed())
     }
 
     async fn open(&self, request: &Request) -> Result<Substream, AgentError> {
-        let mut stream = self.mux.open().await?;
+        let mut stream = self.current()?.mux.open().await?;
         write_frame(&mut stream, request).await?;
         Ok(stream)
     }
@@ -267,6 +305,24 @@ impl AgentClient {
             Reply::Info(info) => Ok(info),
             other => Err(AgentError::Unexpected { expected: "info", got: format!("{other:?}") }),
         }
+    }
+
+    /// The post-restore hook: new entropy, clock and identity (see `RestoreRequest`).
+    pub async fn restore_hook(&self, request: RestoreRequest) -> Result<(), AgentError> {
+        self.done(Request::Restore(request)).await
+    }
+
+    /// Prepares the guest for a snapshot: filesystems synced, the session
+    /// ended by both sides (so no byte is in flight), the guest waiting for
+    /// the next host's hello. The client has no session afterwards.
+    pub async fn quiesce(&self) -> Result<(), AgentError> {
+        let outcome = self.done(Request::Quiesce).await;
+        self.close();
+        // The guest drives its side of the session a few more milliseconds
+        // (its answer must leave) before it waits for a new hello; a snapshot
+        // taken inside that window would wake up still in the old session.
+        tokio::time::sleep(QUIESCE_SETTLE).await;
+        outcome
     }
 
     async fn done(&self, request: Request) -> Result<(), AgentError> {

@@ -18,6 +18,8 @@ use crate::PROTOCOL_VERSION;
 const HELLO: &[u8] = b"CLADE-HELLO ";
 const READY: &[u8] = b"CLADE-READY ";
 const REJECT: &[u8] = b"CLADE-REJECT ";
+/// How long the host waits for a ready line before repeating its hello.
+const HELLO_RESEND: std::time::Duration = std::time::Duration::from_secs(2);
 /// Stale bytes kept while scanning: enough for a partial line, no more.
 const SCAN_KEEP: usize = 512;
 
@@ -42,13 +44,23 @@ pub async fn host<T>(mut io: T, nonce: u64) -> Result<(Prefixed<T>, GuestHello),
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    io.write_all(format!("\n{} {PROTOCOL_VERSION} {nonce:016x}\n", as_str(HELLO).trim_end()).as_bytes())
-        .await?;
+    let hello = format!("\n{} {PROTOCOL_VERSION} {nonce:016x}\n", as_str(HELLO).trim_end());
+    io.write_all(hello.as_bytes()).await?;
     io.flush().await?;
     let mut buf = Vec::new();
     loop {
         let mut chunk = [0u8; 4096];
-        let n = io.read(&mut chunk).await?;
+        // A guest that was still inside an earlier session when this hello
+        // arrived consumed it as session data; once that session fails it
+        // scans for a hello again, so say it again.
+        let n = match tokio::time::timeout(HELLO_RESEND, io.read(&mut chunk)).await {
+            Ok(read) => read?,
+            Err(_) => {
+                io.write_all(hello.as_bytes()).await?;
+                io.flush().await?;
+                continue;
+            }
+        };
         if n == 0 {
             return Err(HandshakeError::Closed);
         }

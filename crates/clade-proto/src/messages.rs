@@ -28,6 +28,33 @@ pub enum Request {
     Mkdir { path: String },
     /// Answered with [`Reply::Info`].
     Info,
+    /// The post-restore hook, sent after every snapshot restore or fork
+    /// before any user command: answered with [`Reply::Done`].
+    Restore(RestoreRequest),
+    /// Before a snapshot: the guest syncs its filesystems, answers
+    /// [`Reply::Done`], and ends the session, so that no byte of it is in
+    /// flight when the VM is saved and the next host finds it waiting for a
+    /// hello.
+    Quiesce,
+}
+
+/// What a guest must change when it wakes up as a copy of a snapshot: its
+/// randomness, its clock and its identity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    /// Fresh host entropy, credited to the kernel pool; the CRNG is reseeded,
+    /// so copies of one snapshot never share random bytes.
+    #[serde(with = "serde_bytes")]
+    pub entropy: Vec<u8>,
+    /// The host's wall clock (the guest's stopped when the snapshot was taken).
+    pub unix_time_ns: u64,
+    pub hostname: Option<String>,
+    /// 32 lowercase hex digits for /etc/machine-id.
+    pub machine_id: Option<String>,
+    /// Written to /run/clade/sandbox-id and exported as CLADE_SANDBOX_ID.
+    pub sandbox_id: Option<String>,
+    /// Default environment of every later command (a command's own env wins).
+    pub env: Vec<(String, String)>,
 }
 
 /// What to run: an argv vector (no shell involved) or a `/bin/sh -c` string.

@@ -5,7 +5,7 @@
 //! outbound substreams on request, the guest's yields inbound ones.
 
 use std::collections::VecDeque;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::task::Poll;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -45,6 +45,7 @@ type OpenReply = oneshot::Sender<Result<Substream, MuxError>>;
 pub struct MuxClient {
     open: mpsc::Sender<OpenReply>,
     closed: watch::Receiver<Option<MuxError>>,
+    shutdown: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl MuxClient {
@@ -55,11 +56,18 @@ impl MuxClient {
     {
         let (open_tx, mut open_rx) = mpsc::channel::<OpenReply>(64);
         let (closed_tx, closed_rx) = watch::channel(None);
+        let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
+        let shutdown_requested = shutdown.clone();
         let mut conn = yamux::Connection::new(buffered(io).compat(), config(), yamux::Mode::Client);
         tokio::spawn(async move {
+            let shutdown = shutdown_requested.notified();
+            tokio::pin!(shutdown);
             let mut waiting: VecDeque<OpenReply> = VecDeque::new();
             let mut handles_gone = false;
             let outcome = poll_fn(|cx| loop {
+                if shutdown.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(MuxError::Closed);
+                }
                 while !handles_gone {
                     match open_rx.poll_recv(cx) {
                         Poll::Ready(Some(reply)) => waiting.push_back(reply),
@@ -94,7 +102,12 @@ impl MuxClient {
             }
             let _ = closed_tx.send(Some(outcome));
         });
-        Self { open: open_tx, closed: closed_rx }
+        Self { open: open_tx, closed: closed_rx, shutdown }
+    }
+
+    /// Ends the session for every clone: the channel is closed.
+    pub fn close(&self) {
+        self.shutdown.notify_one();
     }
 
     /// Opens a new substream.

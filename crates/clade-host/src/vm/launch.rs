@@ -27,7 +27,27 @@ pub struct LaunchSpec {
     /// Host TSC kHz for TCG guests (no HPET or PM timer to calibrate against).
     pub tsc_khz: Option<u64>,
     pub hostname: String,
+    pub memory: Memory,
+    /// Start paused, waiting for `migrate-incoming` (a restore).
+    pub incoming: bool,
 }
+
+/// Where guest RAM lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Memory {
+    /// Anonymous memory (a throwaway cold boot).
+    Anonymous,
+    /// A file the guest writes through (`share=on`): a template being baked.
+    /// Saving with `x-ignore-shared` then leaves RAM out of the state file.
+    TemplateFile(PathBuf),
+    /// A template's RAM file mapped copy-on-write (`share=off`) and opened
+    /// read-only (`readonly=on,rom=off`): every VM of a template shares its
+    /// unwritten pages, and none can ever write the file.
+    FromTemplate(PathBuf),
+}
+
+/// The RAM block's name; a restore must use the same one as the save.
+const RAM_ID: &str = "mem";
 
 pub fn console_log(dir: &Path) -> PathBuf {
     dir.join("console.log")
@@ -70,7 +90,10 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         "-name".into(),
         format!("clade-{},debug-threads=on", spec.id),
         "-machine".into(),
-        "microvm,x-option-roms=off,rtc=off,acpi=off".into(),
+        match spec.memory {
+            Memory::Anonymous => "microvm,x-option-roms=off,rtc=off,acpi=off".into(),
+            _ => format!("microvm,x-option-roms=off,rtc=off,acpi=off,memory-backend={RAM_ID}"),
+        },
         "-accel".into(),
         spec.accel.to_string(),
         "-cpu".into(),
@@ -120,6 +143,29 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         "-mon".into(),
         "chardev=qmp,mode=control".into(),
     ];
+    match &spec.memory {
+        Memory::Anonymous => {}
+        Memory::TemplateFile(file) => {
+            args.push("-object".into());
+            args.push(format!(
+                "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=on",
+                spec.memory_mb,
+                path(file.clone())
+            ));
+        }
+        Memory::FromTemplate(file) => {
+            args.push("-object".into());
+            args.push(format!(
+                "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=off,readonly=on,rom=off",
+                spec.memory_mb,
+                path(file.clone())
+            ));
+        }
+    }
+    if spec.incoming {
+        args.push("-incoming".into());
+        args.push("defer".into());
+    }
     args.shrink_to_fit();
     args.into_iter().map(OsString::from).collect()
 }
@@ -201,6 +247,8 @@ mod tests {
             accel,
             tsc_khz: Some(2_596_000),
             hostname: "sandbox".into(),
+            memory: Memory::Anonymous,
+            incoming: false,
         }
     }
 
@@ -211,6 +259,18 @@ mod tests {
         assert!(tcg.contains("init=/sbin/clade-guestd"));
         let kvm = kernel_cmdline(&spec(Accel::Kvm));
         assert!(!kvm.contains("tsc"), "{kvm}");
+    }
+
+    #[test]
+    fn restores_map_the_template_read_only_and_wait_for_the_state() {
+        let mut restore = spec(Accel::Tcg);
+        restore.memory = Memory::FromTemplate("/t/ram".into());
+        restore.incoming = true;
+        let joined: Vec<String> = qemu_args(&restore).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let joined = joined.join(" ");
+        assert!(joined.contains("memory-backend=mem"), "{joined}");
+        assert!(joined.contains("mem-path=/t/ram,share=off,readonly=on,rom=off"), "{joined}");
+        assert!(joined.ends_with("-incoming defer"), "{joined}");
     }
 
     #[test]

@@ -10,20 +10,25 @@
 //! the tail of its console, and its files are removed.
 
 mod launch;
+mod migrate;
 mod process;
 mod record;
+pub mod template;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use clade_proto::ExecRequest;
+use clade_proto::{ExecRequest, RestoreRequest};
 use tokio::sync::watch;
 
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec};
 pub use process::ProcessId;
-pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, VmRecord};
+pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
+pub use template::Template;
+
+use launch::Memory;
 
 use crate::accel::{self, Accel, HostVirt};
 use crate::agent::{AgentClient, AgentError, ExecOutput};
@@ -49,6 +54,12 @@ pub enum VmError {
     Failed(VmFailure),
     #[error(transparent)]
     Agent(#[from] AgentError),
+    #[error("no VM {0:?} on this host")]
+    NotFound(String),
+    #[error("VM {0} is not running (its QEMU process is gone)")]
+    Gone(String),
+    #[error("VM {0} is hibernated; wake it first")]
+    Hibernated(String),
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
@@ -119,13 +130,29 @@ impl VmSpec {
     }
 }
 
+/// How a VM came to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootKind {
+    /// Kernel boot from scratch.
+    Cold,
+    /// Restored from a template snapshot; `baked_now` when this create had to
+    /// bake the template first (the first use of an image on a host).
+    Restored { template: String, baked_now: bool },
+    /// Re-attached to a VM that was already running (after a restart).
+    Adopted,
+    /// Woken from hibernation.
+    Woken,
+}
+
 /// Launches VMs on this host.
 #[derive(Debug, Clone)]
 pub struct VmRuntime {
     config: HostConfig,
     accel: Accel,
     tsc_khz: Option<u64>,
+    qemu_version: String,
     vms_dir: PathBuf,
+    templates_dir: PathBuf,
     images: ImageStore,
 }
 
@@ -134,12 +161,22 @@ impl VmRuntime {
     pub fn new(config: HostConfig) -> Result<Self, VmError> {
         let accel = accel::resolve(config.accel, &HostVirt::probe()).map_err(VmError::Config)?;
         let vms_dir = config.data_dir.join("vms");
-        std::fs::create_dir_all(&vms_dir).map_err(io_err(format!("creating {}", vms_dir.display())))?;
+        let templates_dir = config.data_dir.join("templates");
+        for dir in [&vms_dir, &templates_dir] {
+            std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        }
         for id in sweep(&vms_dir) {
             tracing::info!(vm = %id, "removed a VM whose owner is gone");
         }
+        let qemu_version = std::process::Command::new(&config.qemu_binary)
+            .arg("--version")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|v| v.lines().next().map(str::to_string))
+            .unwrap_or_default();
         let images = ImageStore::new(&config.cache_dir, config.guestd.clone());
-        Ok(Self { accel, tsc_khz: accel::host_tsc_khz(), vms_dir, images, config })
+        Ok(Self { accel, tsc_khz: accel::host_tsc_khz(), qemu_version, vms_dir, templates_dir, images, config })
     }
 
     pub fn accel(&self) -> Accel {
@@ -154,7 +191,15 @@ impl VmRuntime {
         &self.vms_dir
     }
 
-    /// The records of the VMs on this host (after the sweep at start-up).
+    fn boot_timeout(&self) -> Duration {
+        match self.accel {
+            Accel::Tcg => Duration::from_secs(90),
+            Accel::Kvm => Duration::from_secs(20),
+        }
+    }
+
+    /// The records of the VMs on this host (after the sweep at start-up),
+    /// each with whether its QEMU process runs.
     pub fn list(&self) -> Vec<(VmRecord, bool)> {
         let mut vms: Vec<(VmRecord, bool)> = std::fs::read_dir(&self.vms_dir)
             .into_iter()
@@ -170,15 +215,25 @@ impl VmRuntime {
         vms
     }
 
-    /// Cold-boots a VM and waits until its agent answers.
-    pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
+    /// Whether the template for this VM shape is baked already.
+    pub fn has_template(&self, spec: &VmSpec) -> bool {
+        let key = template::key(self, &spec.image, spec.memory_mb, spec.vcpus);
+        Template { dir: self.templates_dir.join(&key), key }.is_complete()
+    }
+
+    /// The template for a VM shape, baked now if needed (see [`template`]).
+    pub async fn template(&self, spec: &VmSpec) -> Result<(Template, bool), VmError> {
+        template::ensure(self, &spec.image, spec.memory_mb, spec.vcpus).await
+    }
+
+    fn new_vm(&self, spec: &VmSpec, template: Option<&Template>) -> Result<(String, PathBuf, VmRecord), VmError> {
         if spec.memory_mb < 128 || spec.vcpus == 0 {
             return Err(VmError::Config("a VM needs at least 128 MiB and one vCPU".into()));
         }
         let id = hex_id();
         let dir = self.vms_dir.join(&id);
         std::fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
-        let mut record = VmRecord {
+        let record = VmRecord {
             id: id.clone(),
             lifetime: spec.lifetime,
             owner: ProcessId::current(),
@@ -188,10 +243,46 @@ impl VmRuntime {
             memory_mb: spec.memory_mb,
             vcpus: spec.vcpus,
             created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            phase: Phase::Creating,
+            template: template.map(|t| t.key.clone()),
         };
+        if let Err(e) = record.save(&dir) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(io_err("writing the VM record")(e));
+        }
+        Ok((id, dir, record))
+    }
+
+    fn launch_spec(&self, id: &str, dir: &Path, spec: &VmSpec, memory: Memory, incoming: bool) -> LaunchSpec {
+        LaunchSpec {
+            id: id.to_string(),
+            dir: dir.to_path_buf(),
+            kernel: spec.image.kernel.clone(),
+            disk: dir.join("disk.qcow2"),
+            memory_mb: spec.memory_mb,
+            vcpus: spec.vcpus,
+            accel: self.accel,
+            tsc_khz: self.tsc_khz,
+            hostname: "sandbox".into(),
+            memory,
+            incoming,
+        }
+    }
+
+    /// Cold-boots a VM and waits until its agent answers.
+    pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
+        let (id, dir, mut record) = self.new_vm(&spec, None)?;
         let booted = async {
+            create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2")).await?;
+            let launch = self.launch_spec(&id, &dir, &spec, Memory::Anonymous, false);
+            let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+            record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            self.start(&id, &dir, &spec, &mut record).await
+            let timeout = spec.boot_timeout.unwrap_or_else(|| self.boot_timeout());
+            let (qmp, agent) = wait_for_agent(&dir, &exit_rx, timeout).await?;
+            record.phase = Phase::Running;
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, BootKind::Cold))
         }
         .await;
         if booted.is_err() {
@@ -200,119 +291,249 @@ impl VmRuntime {
         booted
     }
 
-    async fn start(&self, id: &str, dir: &Path, spec: &VmSpec, record: &mut VmRecord) -> Result<Vm, VmError> {
-        let disk = dir.join("disk.qcow2");
-        create_overlay(&spec.image.rootfs, &disk).await?;
-        let launch = LaunchSpec {
-            id: id.to_string(),
-            dir: dir.to_path_buf(),
-            kernel: spec.image.kernel.clone(),
-            disk,
-            memory_mb: spec.memory_mb,
-            vcpus: spec.vcpus,
-            accel: self.accel,
-            tsc_khz: self.tsc_khz,
-            hostname: "sandbox".into(),
-        };
-        let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
-        let mut command = Command::new(&self.config.qemu_binary);
-        command
-            .args(qemu_args(&launch))
-            .stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?)
-            .stderr(qemu_log);
-        let mut child = launch::spawn(command, spec.lifetime == Lifetime::Ephemeral)
-            .map_err(io_err(format!("starting {}", self.config.qemu_binary.display())))?;
-        let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
-        record.vmm = Some(vmm);
-        if let Err(e) = record.save(dir) {
-            vmm.kill();
-            return Err(io_err("writing the VM record")(e));
+    /// Creates a VM by restoring its template (baking it on first use): the
+    /// guest resumes where the template was saved, then gets fresh entropy,
+    /// the current time and its own identity before anything else runs.
+    pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
+        let (template, baked_now) = self.template(&spec).await?;
+        let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
+        let created = async {
+            let disk = dir.join("disk.qcow2");
+            std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
+            make_writable(&disk)?;
+            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+            let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+            record.vmm = Some(vmm);
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, &template.state(), true, self.boot_timeout()).await?;
+            let hook = restore_request(&id, true);
+            agent.restore_hook(hook).await?;
+            record.phase = Phase::Running;
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            tracing::info!(vm = %id, template = %template.key, baked_now, "created by restoring the template");
+            let kind = BootKind::Restored { template: template.key.clone(), baked_now };
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
+        .await;
+        if created.is_err() {
+            record::stop_leftover(&dir);
+        }
+        created
+    }
 
-        // A thread owns the child and reports its exit (and reaps it).
-        let (exit_tx, exit_rx) = watch::channel(None::<String>);
-        std::thread::Builder::new()
-            .name(format!("vmm-wait-{id}"))
-            .spawn(move || {
-                let status = child.wait().map_or_else(|e| format!("wait failed: {e}"), |s| s.to_string());
-                let _ = exit_tx.send(Some(status));
-            })
-            .map_err(io_err("starting the VMM wait thread"))?;
+    fn load_record(&self, id: &str) -> Result<(PathBuf, VmRecord), VmError> {
+        let valid = !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        let dir = self.vms_dir.join(id);
+        match VmRecord::load(&dir) {
+            Some(record) if valid => Ok((dir, record)),
+            _ => Err(VmError::NotFound(id.to_string())),
+        }
+    }
 
-        let boot_timeout = spec.boot_timeout.unwrap_or(match self.accel {
-            Accel::Tcg => Duration::from_secs(90),
-            Accel::Kvm => Duration::from_secs(20),
-        });
-        let connect = async {
-            let qmp = connect_qmp(&launch::qmp_socket(dir), boot_timeout).await?;
-            let agent = AgentClient::connect(&launch::agent_socket(dir), boot_timeout).await?;
-            Ok::<_, VmError>((qmp, agent))
+    /// Re-attaches to a running (or paused) VM started by another process or
+    /// an earlier run of this one.
+    pub async fn adopt(&self, id: &str, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
+        let (dir, record) = self.load_record(id)?;
+        let vmm = match (record.phase, record.vmm) {
+            (Phase::Running | Phase::Paused, Some(vmm)) if vmm.is_alive() && vmm.cmdline_mentions(&dir) => vmm,
+            (Phase::Hibernated, _) => return Err(VmError::Hibernated(id.to_string())),
+            _ => return Err(VmError::Gone(id.to_string())),
         };
-        let mut exit_watch = exit_rx.clone();
-        let (qmp, agent) = tokio::select! {
-            connected = connect => match connected {
-                Ok(pair) => pair,
-                Err(VmError::Agent(AgentError::Timeout(t))) => {
-                    return Err(VmError::Failed(VmFailure {
-                        kind: FailureKind::BootTimeout,
-                        reason: format!("the guest agent did not answer within {t:?} of boot"),
-                        console_tail: console_tail(dir),
-                    }));
-                }
-                Err(e) => return Err(e),
-            },
-            status = exit_watch.wait_for(Option::is_some) => {
-                let status = status.ok().and_then(|s| s.clone()).unwrap_or_default();
-                return Err(VmError::Failed(VmFailure {
-                    kind: FailureKind::Exited,
-                    reason: format!("QEMU exited during boot ({status}): {}", qemu_log_tail(dir)),
-                    console_tail: console_tail(dir),
-                }));
+        let exit_rx = watch_foreign_process(vmm);
+        let qmp = connect_qmp(&launch::qmp_socket(&dir), Duration::from_secs(5)).await?;
+        let agent = AgentClient::disconnected(&launch::agent_socket(&dir));
+        // A paused guest cannot answer: its session starts at `resume`.
+        if record.phase == Phase::Running {
+            agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        }
+        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, watchdog, BootKind::Adopted))
+    }
+
+    /// Brings a hibernated VM back: same id, disk, processes and memory.
+    pub async fn wake(&self, id: &str, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
+        let (dir, mut record) = self.load_record(id)?;
+        if record.phase != Phase::Hibernated {
+            return Err(VmError::Config(format!("VM {id} is not hibernated")));
+        }
+        let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
+        let template = Template { dir: self.templates_dir.join(&key), key };
+        let image = self
+            .images
+            .cached(&record.image)?
+            .ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
+        let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
+        let launch = self.launch_spec(id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+        let (vmm, exit_rx) = spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral)?;
+        record.vmm = Some(vmm);
+        record.owner = ProcessId::current();
+        record.save(&dir).map_err(io_err("writing the VM record"))?;
+        let state = dir.join(HIBERNATED_STATE);
+        let woken = async {
+            let (qmp, agent) = restore_into(&dir, &exit_rx, &state, false, self.boot_timeout()).await?;
+            agent.restore_hook(restore_request(id, false)).await?;
+            Ok::<_, VmError>((qmp, agent))
+        }
+        .await;
+        let (qmp, agent) = match woken {
+            Ok(pair) => pair,
+            Err(e) => {
+                // Keep the hibernated state: the VM can be woken again.
+                vmm.kill();
+                record.vmm = None;
+                let _ = record.save(&dir);
+                return Err(e);
             }
         };
+        record.phase = Phase::Running;
+        record.save(&dir).map_err(io_err("writing the VM record"))?;
+        let _ = std::fs::remove_file(&state);
+        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, watchdog, BootKind::Woken))
+    }
 
-        let state = Arc::new(Mutex::new(State::Running));
-        let (failure_tx, _) = watch::channel(None);
-        let failure = Arc::new(failure_tx);
-        let (alive_tx, alive_rx) = watch::channel(());
-        tokio::spawn(monitor(Monitor {
-            dir: dir.to_path_buf(),
-            vmm,
-            agent: agent.clone(),
-            exited: exit_rx.clone(),
-            failure: failure.clone(),
-            state: state.clone(),
-            watchdog: spec.watchdog,
-            owner_alive: alive_rx,
-        }));
-        Ok(Vm {
-            inner: Arc::new(Inner {
-                id: id.to_string(),
-                dir: dir.to_path_buf(),
-                lifetime: spec.lifetime,
-                vmm,
-                qmp,
-                agent,
-                exited: exit_rx,
-                failure,
-                state,
-                _owner_alive: alive_tx,
-            }),
+    /// Stops a VM in whatever state it is and deletes everything it has.
+    pub async fn remove(&self, id: &str) -> Result<(), VmError> {
+        let (dir, _) = self.load_record(id)?;
+        record::stop_leftover(&dir);
+        Ok(())
+    }
+}
+
+/// How long a running guest may take to answer a new session's hello.
+const AGENT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The file a hibernated VM's state is saved in, inside its directory.
+const HIBERNATED_STATE: &str = "hibernated.state";
+
+fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
+    let entropy: Vec<u8> = (0..64).map(|_| rand::random::<u8>()).collect();
+    let unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    RestoreRequest {
+        entropy,
+        unix_time_ns,
+        hostname: new_identity.then(|| format!("sb-{id}")),
+        machine_id: new_identity.then(|| format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())),
+        sandbox_id: new_identity.then(|| id.to_string()),
+        env: Vec::new(),
+    }
+}
+
+fn make_writable(path: &Path) -> Result<(), VmError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(io_err("chmod of the disk layer"))
+}
+
+/// Starts QEMU for `launch` and a thread that reports (and reaps) its exit.
+fn spawn_qemu(
+    runtime: &VmRuntime,
+    launch: &LaunchSpec,
+    die_with_owner: bool,
+) -> Result<(ProcessId, watch::Receiver<Option<String>>), VmError> {
+    let dir = &launch.dir;
+    let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
+    let mut command = Command::new(&runtime.config.qemu_binary);
+    command.args(qemu_args(launch)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
+    let mut child = launch::spawn(command, die_with_owner)
+        .map_err(io_err(format!("starting {}", runtime.config.qemu_binary.display())))?;
+    let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
+    let (exit_tx, exit_rx) = watch::channel(None::<String>);
+    std::thread::Builder::new()
+        .name(format!("vmm-wait-{}", launch.id))
+        .spawn(move || {
+            let status = child.wait().map_or_else(|e| format!("wait failed: {e}"), |s| s.to_string());
+            let _ = exit_tx.send(Some(status));
         })
+        .map_err(io_err("starting the VMM wait thread"))?;
+    Ok((vmm, exit_rx))
+}
+
+/// Exit reports for a QEMU we did not start (an adopted VM): polled.
+fn watch_foreign_process(vmm: ProcessId) -> watch::Receiver<Option<String>> {
+    let (exit_tx, exit_rx) = watch::channel(None::<String>);
+    std::thread::spawn(move || {
+        while vmm.is_alive() && !exit_tx.is_closed() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = exit_tx.send(Some("exited".into()));
+    });
+    exit_rx
+}
+
+fn exited_during_boot(dir: &Path, status: Option<String>) -> VmError {
+    VmError::Failed(VmFailure {
+        kind: FailureKind::Exited,
+        reason: format!("QEMU exited during start-up ({}): {}", status.unwrap_or_default(), qemu_log_tail(dir)),
+        console_tail: console_tail(dir),
+    })
+}
+
+/// Connects QMP and the agent of a booting VM, failing early if QEMU exits.
+async fn wait_for_agent(
+    dir: &Path,
+    exit_rx: &watch::Receiver<Option<String>>,
+    timeout: Duration,
+) -> Result<(Qmp, AgentClient), VmError> {
+    let connect = async {
+        let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
+        let agent = AgentClient::connect(&launch::agent_socket(dir), timeout).await?;
+        Ok::<_, VmError>((qmp, agent))
+    };
+    let mut exit_watch = exit_rx.clone();
+    tokio::select! {
+        connected = connect => match connected {
+            Err(VmError::Agent(AgentError::Timeout(t))) => Err(VmError::Failed(VmFailure {
+                kind: FailureKind::BootTimeout,
+                reason: format!("the guest agent did not answer within {t:?} of boot"),
+                console_tail: console_tail(dir),
+            })),
+            other => other,
+        },
+        status = exit_watch.wait_for(Option::is_some) => {
+            Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())))
+        }
+    }
+}
+
+/// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
+/// connects the agent.
+async fn restore_into(
+    dir: &Path,
+    exit_rx: &watch::Receiver<Option<String>>,
+    state: &Path,
+    ignore_shared: bool,
+    timeout: Duration,
+) -> Result<(Qmp, AgentClient), VmError> {
+    let restore = async {
+        let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
+        migrate::load(&qmp, state, ignore_shared)
+            .await
+            .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;
+        let agent = AgentClient::connect(&launch::agent_socket(dir), timeout).await?;
+        Ok::<_, VmError>((qmp, agent))
+    };
+    let mut exit_watch = exit_rx.clone();
+    tokio::select! {
+        restored = restore => restored,
+        status = exit_watch.wait_for(Option::is_some) => {
+            Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())))
+        }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Running,
+    Paused,
+    /// A stop, hibernate or removal is under way: not a failure when QEMU exits.
     Stopping,
+    /// QEMU is gone on request (stopped or hibernated).
     Stopped,
     Failed,
 }
 
 /// A running VM. Clones share it. An ephemeral VM is stopped and its files
 /// removed when the last clone is dropped (or, if this process dies, by the
-/// kernel's parent-death signal and the next sweep).
+/// kernel's parent-death signal and the next sweep); a persistent one keeps
+/// running and can be adopted again.
 #[derive(Debug, Clone)]
 pub struct Vm {
     inner: Arc<Inner>,
@@ -320,9 +541,9 @@ pub struct Vm {
 
 #[derive(Debug)]
 struct Inner {
-    id: String,
     dir: PathBuf,
-    lifetime: Lifetime,
+    record: Mutex<VmRecord>,
+    kind: BootKind,
     vmm: ProcessId,
     qmp: Qmp,
     agent: AgentClient,
@@ -334,12 +555,58 @@ struct Inner {
 }
 
 impl Vm {
-    pub fn id(&self) -> &str {
-        &self.inner.id
+    fn attach(
+        record: VmRecord,
+        dir: PathBuf,
+        qmp: Qmp,
+        agent: AgentClient,
+        exited: watch::Receiver<Option<String>>,
+        watchdog: Option<Watchdog>,
+        kind: BootKind,
+    ) -> Self {
+        let vmm = record.vmm.expect("an attached VM has a QEMU process");
+        let initial = if record.phase == Phase::Paused { State::Paused } else { State::Running };
+        let state = Arc::new(Mutex::new(initial));
+        let (failure_tx, _) = watch::channel(None);
+        let failure = Arc::new(failure_tx);
+        let (alive_tx, alive_rx) = watch::channel(());
+        tokio::spawn(monitor(Monitor {
+            dir: dir.clone(),
+            vmm,
+            agent: agent.clone(),
+            exited: exited.clone(),
+            failure: failure.clone(),
+            state: state.clone(),
+            watchdog,
+            owner_alive: alive_rx,
+        }));
+        Self {
+            inner: Arc::new(Inner {
+                dir,
+                record: Mutex::new(record),
+                kind,
+                vmm,
+                qmp,
+                agent,
+                exited,
+                failure,
+                state,
+                _owner_alive: alive_tx,
+            }),
+        }
+    }
+
+    pub fn id(&self) -> String {
+        self.inner.record.lock().expect("record lock").id.clone()
     }
 
     pub fn dir(&self) -> &Path {
         &self.inner.dir
+    }
+
+    /// How this VM came to run (cold boot, template restore, …).
+    pub fn boot_kind(&self) -> &BootKind {
+        &self.inner.kind
     }
 
     /// The QEMU process.
@@ -394,21 +661,102 @@ impl Vm {
         console_tail(&self.inner.dir)
     }
 
-    /// Stops QEMU (gracefully, then by force) and removes the VM's files.
-    pub async fn stop(&self) -> Result<(), VmError> {
-        {
-            let mut state = self.inner.state.lock().expect("vm state lock");
-            match *state {
-                State::Stopped | State::Failed => return Ok(()),
-                _ => *state = State::Stopping,
-            }
+    fn set_phase(&self, phase: Phase, vmm_gone: bool) -> Result<(), VmError> {
+        let mut record = self.inner.record.lock().expect("record lock");
+        record.phase = phase;
+        if vmm_gone {
+            record.vmm = None;
         }
+        record.save(&self.inner.dir).map_err(io_err("writing the VM record"))
+    }
+
+    /// Moves from `from` to `to`, or says why not.
+    fn transition(&self, from: &[State], to: State) -> Result<(), VmError> {
+        let mut state = self.inner.state.lock().expect("vm state lock");
+        if !from.contains(&*state) {
+            return Err(VmError::Config(format!("the VM is {:?}", *state).to_lowercase()));
+        }
+        *state = to;
+        Ok(())
+    }
+
+    /// Stops the vCPUs; memory and processes stay as they are. The agent
+    /// session ends first, so that a stopped guest never holds a session
+    /// whose host may go away meanwhile.
+    pub async fn pause(&self) -> Result<(), VmError> {
+        self.transition(&[State::Running], State::Paused)?;
+        self.inner.agent.close();
+        tokio::time::sleep(crate::agent::QUIESCE_SETTLE).await;
+        if let Err(e) = self.inner.qmp.execute("stop", None).await {
+            *self.inner.state.lock().expect("vm state lock") = State::Running;
+            let _ = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+            return Err(e.into());
+        }
+        self.set_phase(Phase::Paused, false)
+    }
+
+    pub async fn resume(&self) -> Result<(), VmError> {
+        self.transition(&[State::Paused], State::Running)?;
+        if let Err(e) = self.inner.qmp.execute("cont", None).await {
+            *self.inner.state.lock().expect("vm state lock") = State::Paused;
+            return Err(e.into());
+        }
+        self.set_phase(Phase::Running, false)?;
+        self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        Ok(())
+    }
+
+    /// Saves the whole VM (devices, memory, processes) to its directory and
+    /// ends the QEMU process, freeing its memory. [`VmRuntime::wake`] brings
+    /// it back under the same id.
+    pub async fn hibernate(&self) -> Result<(), VmError> {
+        if self.inner.record.lock().expect("record lock").template.is_none() {
+            return Err(VmError::Config("only VMs created from a template can hibernate".into()));
+        }
+        let was = *self.inner.state.lock().expect("vm state lock");
+        self.transition(&[State::Running, State::Paused], State::Stopping)?;
+        let tmp = self.inner.dir.join(format!("{HIBERNATED_STATE}.tmp"));
+        if was == State::Paused {
+            self.inner.qmp.execute("cont", None).await?;
+            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        }
+        if let Err(e) = self.inner.agent.quiesce().await {
+            tracing::warn!(vm = %self.id(), "hibernating without a quiesced guest: {e}");
+        }
+        if let Err(e) = migrate::save(&self.inner.qmp, &tmp, false).await {
+            let _ = std::fs::remove_file(&tmp);
+            if was == State::Running {
+                let _ = self.inner.qmp.execute("cont", None).await;
+            }
+            *self.inner.state.lock().expect("vm state lock") = was;
+            return Err(VmError::Config(format!("hibernating: {e}")));
+        }
+        std::fs::rename(&tmp, self.inner.dir.join(HIBERNATED_STATE)).map_err(io_err("publishing the hibernated state"))?;
+        self.set_phase(Phase::Hibernated, true)?;
+        self.end_process().await;
+        *self.inner.state.lock().expect("vm state lock") = State::Stopped;
+        Ok(())
+    }
+
+    async fn end_process(&self) {
         let _ = self.inner.qmp.execute_timeout("quit", None, Duration::from_secs(2)).await;
         let mut exited = self.inner.exited.clone();
         if tokio::time::timeout(Duration::from_secs(5), exited.wait_for(Option::is_some)).await.is_err() {
             self.inner.vmm.kill();
             let _ = tokio::time::timeout(Duration::from_secs(5), exited.wait_for(Option::is_some)).await;
         }
+    }
+
+    /// Stops QEMU (gracefully, then by force) and removes the VM's files.
+    pub async fn stop(&self) -> Result<(), VmError> {
+        {
+            let mut state = self.inner.state.lock().expect("vm state lock");
+            match *state {
+                State::Stopped | State::Failed => {}
+                _ => *state = State::Stopping,
+            }
+        }
+        self.end_process().await;
         let removed = std::fs::remove_dir_all(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         match removed {
@@ -421,7 +769,8 @@ impl Vm {
 impl Drop for Inner {
     fn drop(&mut self) {
         let state = *self.state.lock().expect("vm state lock");
-        if self.lifetime == Lifetime::Ephemeral && !matches!(state, State::Stopped | State::Failed) {
+        let lifetime = self.record.lock().expect("record lock").lifetime;
+        if lifetime == Lifetime::Ephemeral && !matches!(state, State::Stopped | State::Failed) {
             record::stop_leftover(&self.dir);
         }
     }
@@ -444,15 +793,25 @@ async fn monitor(mut m: Monitor) {
         (FailureKind::Exited, format!("the VM stopped unexpectedly: QEMU exited ({status})"))
     };
     let agent = m.agent.clone();
+    let state = m.state.clone();
     let watchdog = async {
         let Some(dog) = m.watchdog else { return std::future::pending().await };
         let mut missed = 0;
         loop {
             tokio::time::sleep(dog.interval).await;
+            if *state.lock().expect("vm state lock") != State::Running {
+                missed = 0; // a paused guest cannot answer, and need not
+                continue;
+            }
             match tokio::time::timeout(dog.timeout, agent.ping()).await {
                 Ok(Ok(_)) => missed = 0,
-                // A closed session means QEMU is exiting; the exit branch reports it.
-                Ok(Err(e)) if e.is_session_lost() => return std::future::pending().await,
+                _ if *state.lock().expect("vm state lock") != State::Running => missed = 0,
+                // A lost session while QEMU runs (QEMU exiting is reported by
+                // the exit branch): a guest that takes a new one is alive.
+                Ok(Err(e)) if e.is_session_lost() => match agent.reconnect(dog.timeout).await {
+                    Ok(()) => missed = 0,
+                    Err(_) => missed += 1,
+                },
                 _ => missed += 1,
             }
             if missed >= dog.misses {
@@ -470,7 +829,7 @@ async fn monitor(mut m: Monitor) {
     };
     {
         let mut state = m.state.lock().expect("vm state lock");
-        if *state != State::Running {
+        if !matches!(*state, State::Running | State::Paused) {
             return; // a requested stop, not a failure
         }
         *state = State::Failed;
@@ -496,9 +855,10 @@ async fn connect_qmp(socket: &Path, timeout: Duration) -> Result<Qmp, VmError> {
     }
 }
 
-async fn create_overlay(base: &Path, overlay: &Path) -> Result<(), VmError> {
+/// A new qcow2 layer over `base` (whose format is `base_format`).
+async fn create_overlay(base: &Path, base_format: &str, overlay: &Path) -> Result<(), VmError> {
     let output = tokio::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .args(["create", "-q", "-f", "qcow2", "-F", base_format, "-b"])
         .arg(base)
         .arg(overlay)
         .output()

@@ -40,7 +40,8 @@ impl ProcessId {
     /// Whether its command line mentions `path` (our VMs name their directory).
     pub fn cmdline_mentions(&self, path: &Path) -> bool {
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.pid)).unwrap_or_default();
-        let needle = path.display().to_string();
+        // With the separator, so that VM `ab` never matches VM `abc`'s files.
+        let needle = format!("{}/", path.display());
         String::from_utf8_lossy(&cmdline).contains(&needle)
     }
 }

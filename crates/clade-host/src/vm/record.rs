@@ -23,6 +23,19 @@ pub enum Lifetime {
     Persistent,
 }
 
+/// Where a VM is in its life, as recorded on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Being created: rolled back by the sweep if its creator dies.
+    Creating,
+    #[default]
+    Running,
+    Paused,
+    /// State on disk, no QEMU process.
+    Hibernated,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmRecord {
     pub id: String,
@@ -35,6 +48,11 @@ pub struct VmRecord {
     pub memory_mb: u32,
     pub vcpus: u32,
     pub created_unix_ms: u64,
+    #[serde(default)]
+    pub phase: Phase,
+    /// The template it was restored from (none for a cold boot).
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 const RECORD: &str = "vm.json";
@@ -55,8 +73,9 @@ impl VmRecord {
 /// A directory younger than this without a record may be mid-creation by another process.
 const CREATION_GRACE: Duration = Duration::from_secs(30);
 
-/// Stops and removes every ephemeral VM whose owner is gone, and directories
-/// that never got a record. Returns the ids removed.
+/// Stops and removes every ephemeral VM whose owner is gone, every VM whose
+/// creator died before finishing it (a half-made create is rolled back), and
+/// directories that never got a record. Returns the ids removed.
 pub fn sweep(vms_dir: &Path) -> Vec<String> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(vms_dir) else { return removed };
@@ -66,7 +85,10 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
             continue;
         }
         let orphaned = match VmRecord::load(&dir) {
-            Some(record) => record.lifetime == Lifetime::Ephemeral && !record.owner.is_alive(),
+            Some(record) => {
+                (record.lifetime == Lifetime::Ephemeral || record.phase == Phase::Creating)
+                    && !record.owner.is_alive()
+            }
             None => age(&dir).is_some_and(|age| age > CREATION_GRACE),
         };
         if orphaned {
@@ -79,18 +101,34 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
 
 /// Kills the VM's QEMU if it still runs, then removes the directory.
 pub fn stop_leftover(dir: &Path) {
-    if let Some(vmm) = VmRecord::load(dir).and_then(|r| r.vmm) {
-        if vmm.cmdline_mentions(dir) {
-            vmm.kill();
-            for _ in 0..100 {
-                if !vmm.is_alive() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
+    let recorded = VmRecord::load(dir).and_then(|r| r.vmm).filter(|vmm| vmm.cmdline_mentions(dir));
+    // A creator that died between starting QEMU and recording its pid left
+    // an unrecorded process: find it by the directory on its command line.
+    let vmms = match recorded {
+        Some(vmm) => vec![vmm],
+        None => processes_mentioning(dir),
+    };
+    for vmm in vmms {
+        vmm.kill();
+        for _ in 0..100 {
+            if !vmm.is_alive() {
+                break;
             }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+fn processes_mentioning(dir: &Path) -> Vec<ProcessId> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(ProcessId::of)
+        .filter(|p| p.pid != std::process::id() && p.cmdline_mentions(dir))
+        .collect()
 }
 
 fn age(dir: &Path) -> Option<Duration> {
@@ -112,6 +150,8 @@ mod tests {
             memory_mb: 512,
             vcpus: 1,
             created_unix_ms: 0,
+            phase: Phase::Running,
+            template: None,
         }
     }
 
@@ -129,8 +169,13 @@ mod tests {
             std::fs::create_dir(&dir).unwrap();
             record(owner, lifetime).save(&dir).unwrap();
         }
+        let half_made = vms.path().join("half-made");
+        std::fs::create_dir(&half_made).unwrap();
+        VmRecord { phase: Phase::Creating, ..record(dead, Lifetime::Persistent) }.save(&half_made).unwrap();
         std::fs::create_dir(vms.path().join("fresh-no-record")).unwrap();
-        assert_eq!(sweep(vms.path()), vec!["dead-owner".to_string()]);
+        let mut removed = sweep(vms.path());
+        removed.sort();
+        assert_eq!(removed, vec!["dead-owner".to_string(), "half-made".to_string()]);
         assert!(vms.path().join("alive-owner").exists());
         assert!(vms.path().join("persistent").exists());
         assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");
