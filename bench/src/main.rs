@@ -19,6 +19,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// Template bake, create by restore (vs cold boot), concurrent creates,
+    /// idle density (PSS), hibernate and wake.
+    Snapshot {
+        #[arg(long, default_value_t = 50)]
+        creates: usize,
+        #[arg(long, default_value_t = 20)]
+        density: usize,
+    },
     /// Cold boot, exec round trip, file throughput, idle QEMU memory and CPU.
     Vm {
         #[arg(long, default_value_t = 5)]
@@ -36,6 +44,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.bench {
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
+            Bench::Snapshot { creates, density } => snapshot(creates, density).await,
         }
     })
 }
@@ -141,4 +150,132 @@ fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 after the state.
     Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}
+
+async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
+    let data = std::env::temp_dir().join(format!("clade-bench-{}", std::process::id()));
+    let config = HostConfig { data_dir: data.clone(), ..HostConfig::from_env().map_err(anyhow::Error::msg)? };
+    let runtime = VmRuntime::new(config)?;
+    let store = runtime.images().clone();
+    let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
+    let spec = VmSpec::new(image.clone());
+    println!("# clade-bench snapshot — accel {}, 1 vCPU, 512 MiB, image {}", runtime.accel(), image.name);
+    let true_cmd = || ExecRequest::new(Command::Argv(vec!["true".into()]));
+
+    let start = Instant::now();
+    let (_template, baked) = runtime.template(&spec).await?;
+    anyhow::ensure!(baked, "expected a fresh bake in a fresh data dir");
+    println!("template bake (cold boot + warm-up + save): {}", ms(start.elapsed()));
+
+    // Cold boot to first exec, for the ratio.
+    let mut cold = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        let vm = runtime.boot(spec.clone()).await?;
+        vm.agent().run(true_cmd()).await?;
+        cold.push(start.elapsed());
+        vm.stop().await?;
+    }
+    cold.sort();
+    let cold_median = cold[cold.len() / 2];
+    println!("cold boot to first exec: median {} (n=3)", ms(cold_median));
+
+    // Create (restore) to first successful exec, sequential.
+    let mut times = Vec::new();
+    let mut to_ping = Vec::new();
+    for _ in 0..creates {
+        let start = Instant::now();
+        let vm = runtime.create(spec.clone()).await?;
+        to_ping.push(start.elapsed());
+        let out = vm.agent().run(true_cmd()).await?;
+        anyhow::ensure!(out.exit_code() == 0, "true failed");
+        times.push(start.elapsed());
+        vm.stop().await?;
+    }
+    times.sort();
+    to_ping.sort();
+    let p50 = percentile(&times, 50.0);
+    println!(
+        "create (restore) to agent ready + hook: p50 {} p99 {} (n={creates})",
+        ms(percentile(&to_ping, 50.0)),
+        ms(percentile(&to_ping, 99.0))
+    );
+    println!("create (restore) to first exec: p50 {} p99 {} (n={creates})", ms(p50), ms(percentile(&times, 99.0)));
+    println!("ratio cold boot / create p50: {:.1}x", cold_median.as_secs_f64() / p50.as_secs_f64());
+
+    // Concurrent creates: time until all answer.
+    for n in [10usize, 50] {
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let runtime = runtime.clone();
+                let spec = spec.clone();
+                tokio::spawn(async move {
+                    let vm = runtime.create(spec).await?;
+                    vm.agent().run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
+                    Ok::<_, anyhow::Error>(vm)
+                })
+            })
+            .collect();
+        let mut vms = Vec::new();
+        for task in tasks {
+            vms.push(task.await??);
+        }
+        println!("{n} concurrent creates, all answered an exec: {}", ms(start.elapsed()));
+        for vm in vms {
+            vm.stop().await?;
+        }
+    }
+
+    // Density: PSS of idle sandboxes of one template.
+    let mut vms = Vec::new();
+    for _ in 0..density {
+        vms.push(runtime.create(spec.clone()).await?);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut pss_total = 0;
+    let mut ticks_before = Vec::new();
+    for vm in &vms {
+        pss_total += memory_kib(vm.vmm().pid)?.1;
+        ticks_before.push(cpu_ticks(vm.vmm().pid)?);
+    }
+    let wall = Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let mut ticks = 0;
+    for (vm, before) in vms.iter().zip(ticks_before) {
+        ticks += cpu_ticks(vm.vmm().pid)? - before;
+    }
+    let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
+    println!(
+        "{density} idle sandboxes: PSS {:.1} MiB each ({:.0} MiB total); CPU {cpu_each:.2} % of a core each",
+        pss_total as f64 / 1024.0 / density as f64,
+        pss_total as f64 / 1024.0
+    );
+    for vm in vms {
+        vm.stop().await?;
+    }
+
+    // Hibernate and wake a sandbox that has done some work.
+    let spec_persistent = VmSpec { lifetime: clade_host::Lifetime::Persistent, ..spec.clone() };
+    let mut hib = Vec::new();
+    let mut wake = Vec::new();
+    for _ in 0..5 {
+        let vm = runtime.create(spec_persistent.clone()).await?;
+        vm.agent().run(ExecRequest::new(Command::Shell("python3 -c 'x = bytearray(32 << 20)'".into()))).await?;
+        let id = vm.id();
+        let start = Instant::now();
+        vm.hibernate().await?;
+        hib.push(start.elapsed());
+        drop(vm);
+        let start = Instant::now();
+        let vm = runtime.wake(&id, None).await?;
+        vm.agent().run(true_cmd()).await?;
+        wake.push(start.elapsed());
+        runtime.remove(&id).await?;
+    }
+    hib.sort();
+    wake.sort();
+    println!("hibernate: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+    let _ = std::fs::remove_dir_all(data);
+    Ok(())
 }

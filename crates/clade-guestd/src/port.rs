@@ -69,6 +69,82 @@ fn find_in(class: &Path, dev: &Path, name: &str) -> Result<PathBuf, PortError> {
 pub trait SessionChannel: AsyncRead + AsyncWrite + Unpin + Send {
     /// Makes the channel ready for a new session attempt.
     fn renew(&mut self) -> io::Result<()>;
+
+    /// Whether input is already waiting (so a new attempt need not wait for the host).
+    fn has_pending(&self) -> bool {
+        false
+    }
+}
+
+/// Watches the input for a new host's hello, in and out of sessions.
+///
+/// A host that reconnects before the guest has seen it leave (or a guest
+/// restored from a snapshot taken while it was still winding a session down)
+/// would otherwise feed the new hello to the old session, which takes it for
+/// garbage and loses it. Here the hello ends whatever session is reading: the
+/// bytes before it are delivered, then one end-of-file, then the hello itself
+/// to the next handshake. (Session data that contained a complete hello
+/// marker would end that session; the host then opens a new one.)
+pub struct HelloWatch<T> {
+    inner: T,
+    pending: Vec<u8>,
+    eof_next: bool,
+}
+
+impl<T> HelloWatch<T> {
+    pub fn new(inner: T) -> Self {
+        Self { inner, pending: Vec::new(), eof_next: false }
+    }
+}
+
+impl<T: SessionChannel> SessionChannel for HelloWatch<T> {
+    fn renew(&mut self) -> io::Result<()> {
+        self.eof_next = false;
+        self.inner.renew()
+    }
+
+    fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for HelloWatch<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.eof_next {
+            this.eof_next = false;
+            return Poll::Ready(Ok(()));
+        }
+        if !this.pending.is_empty() {
+            let n = buf.remaining().min(this.pending.len());
+            buf.put_slice(&this.pending[..n]);
+            this.pending.drain(..n);
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
+        let marker = clade_proto::handshake::HELLO_MARKER;
+        let fresh = &buf.filled()[before..];
+        if let Some(at) = fresh.windows(marker.len()).position(|w| w == marker) {
+            this.pending = fresh[at..].to_vec();
+            buf.set_filled(before + at);
+            // With bytes before the hello, they are this read; the EOF is the next.
+            this.eof_next = at > 0;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for HelloWatch<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// An open virtio-serial port as a tokio byte stream.
@@ -228,9 +304,9 @@ pub async fn serve_forever(agent: Arc<Agent>) -> ! {
             HostWait { sigio: None }
         }
     };
-    let mut port = open_when_present().await;
+    let port = open_when_present().await;
     eprintln!("clade-guestd {}: ready", crate::VERSION);
-    serve_channel(&agent, &mut port, &mut wait).await
+    serve_channel(&agent, &mut HelloWatch::new(port), &mut wait).await
 }
 
 /// Serves one session after another on a channel that reads EOF while no
@@ -248,7 +324,8 @@ pub async fn serve_channel<T: SessionChannel>(
         }
         match serve_connection(agent, &mut *channel).await {
             Ok(()) => {}
-            Err(ServerError::Handshake(HandshakeError::Closed)) => wait.next().await,
+            Err(ServerError::Handshake(HandshakeError::Closed)) if !channel.has_pending() => wait.next().await,
+            Err(ServerError::Handshake(HandshakeError::Closed)) => {}
             Err(e) => {
                 tracing::warn!("{}", crate::error_chain(&e));
                 tokio::time::sleep(RETRY).await;
@@ -307,6 +384,30 @@ async fn open_when_present() -> Port {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test]
+    async fn a_hello_mid_session_ends_the_session_and_reaches_the_next_handshake() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut host, guest) = tokio::io::duplex(4096);
+        let mut watch = HelloWatch::new(guest);
+        host.write_all(b"old-session-bytes\nCLADE-HELLO 1 00000000000000ff\n").await.unwrap();
+        let mut buf = [0u8; 256];
+        let n = watch.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"old-session-bytes");
+        assert_eq!(watch.read(&mut buf).await.unwrap(), 0, "the old session ends");
+        assert!(SessionChannelProbe::pending(&watch));
+        let n = watch.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"\nCLADE-HELLO 1 00000000000000ff\n");
+    }
+
+    trait SessionChannelProbe {
+        fn pending(&self) -> bool;
+    }
+    impl<T> SessionChannelProbe for HelloWatch<T> {
+        fn pending(&self) -> bool {
+            !self.pending.is_empty()
+        }
+    }
+
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -246,7 +246,9 @@ async fn handle_substream(
             answer
         }
         Request::Restore(req) => {
-            let outcome = blocking(move || crate::restore::apply(&req)).await;
+            // A few quick syscalls, right after a restore: a blocking-pool
+            // thread would cost more than it saves here.
+            let outcome = crate::restore::apply(&req);
             match outcome {
                 Ok(env) => {
                     agent.set_default_env(env);

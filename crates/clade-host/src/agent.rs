@@ -15,6 +15,9 @@ use clade_proto::{
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
 
+/// Between handshake attempts: time for the guest to see the closed connection.
+const HANDSHAKE_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
 /// Longer than the guest's quiesce flush window (50 ms), with margin for TCG.
 pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(150);
 
@@ -77,10 +80,19 @@ struct Session {
 impl AgentClient {
     /// Connects to the agent socket and completes the handshake, retrying the
     /// connection until `timeout` (the guest may still be booting).
+    /// One attempt: for a guest that is booting or was restored from a
+    /// quiesced snapshot, which is certainly waiting for a hello.
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
-        let client = Self::disconnected(socket);
-        client.reconnect(timeout).await?;
-        Ok(client)
+        let session = Self::handshake(socket, timeout, timeout).await?;
+        Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))) })
+    }
+
+    /// For a guest just restored from a snapshot: attempts of a few seconds,
+    /// in case the guest wakes up still winding down the session it had when
+    /// it was saved.
+    pub async fn connect_restored(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
+        let session = Self::handshake(socket, timeout, Duration::from_secs(3)).await?;
+        Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))) })
     }
 
     /// A client with no session yet (its guest cannot answer now, e.g. paused).
@@ -91,7 +103,7 @@ impl AgentClient {
     /// Opens a new session, replacing (and closing) the current one.
     pub async fn reconnect(&self, timeout: Duration) -> Result<(), AgentError> {
         self.close();
-        let session = Self::handshake(&self.socket, timeout).await?;
+        let session = Self::handshake(&self.socket, timeout, Duration::from_secs(3)).await?;
         *self.session.write().expect("agent session lock") = Some(session);
         Ok(())
     }
@@ -107,23 +119,41 @@ impl AgentClient {
         self.session.read().expect("agent session lock").clone().ok_or(AgentError::Session(MuxError::Closed))
     }
 
-    async fn handshake(socket: &Path, timeout: Duration) -> Result<Session, AgentError> {
+    /// Connects and shakes hands, in attempts of growing length until
+    /// `timeout`. A guest that was still inside an earlier session (its host
+    /// went away and a new one came before it noticed) takes our hello for
+    /// session data and never answers; closing the connection ends that
+    /// session on its side, and the next attempt finds it waiting for a hello.
+    /// Never resending on the same connection keeps a slow answer from ever
+    /// meeting a second hello mid-session.
+    async fn handshake(socket: &Path, timeout: Duration, first_attempt: Duration) -> Result<Session, AgentError> {
         let deadline = Instant::now() + timeout;
-        let stream = loop {
-            match UnixStream::connect(socket).await {
-                Ok(stream) => break stream,
-                Err(source) if Instant::now() >= deadline => {
-                    return Err(AgentError::Connect { path: socket.display().to_string(), source });
+        let mut attempt_timeout = first_attempt;
+        loop {
+            let stream = loop {
+                match UnixStream::connect(socket).await {
+                    Ok(stream) => break stream,
+                    Err(source) if Instant::now() >= deadline => {
+                        return Err(AgentError::Connect { path: socket.display().to_string(), source });
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
                 }
-                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            };
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let nonce = rand::random::<u64>();
+            match tokio::time::timeout(attempt_timeout.min(remaining), handshake::host(stream, nonce)).await {
+                Ok(Ok((channel, hello))) => {
+                    return Ok(Session { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() });
+                }
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) if Instant::now() + HANDSHAKE_RETRY_PAUSE >= deadline => return Err(AgentError::Timeout(timeout)),
+                Err(_) => {
+                    // The connection is closed by now; let the guest see it.
+                    tokio::time::sleep(HANDSHAKE_RETRY_PAUSE).await;
+                    attempt_timeout *= 2;
+                }
             }
-        };
-        let nonce = rand::random::<u64>();
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let (channel, hello) = tokio::time::timeout(remaining, handshake::host(stream, nonce))
-            .await
-            .map_err(|_| AgentError::Timeout(timeout))??;
-        Ok(Session { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() })
+        }
     }
 
     /// The agent's version, as told in the current session's handshake.

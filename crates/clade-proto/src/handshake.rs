@@ -16,10 +16,12 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use crate::PROTOCOL_VERSION;
 
 const HELLO: &[u8] = b"CLADE-HELLO ";
+/// How every hello starts on the wire (the host sends a newline first): what a
+/// guest watches for in its input even mid-session, since a new host's hello
+/// can arrive before the guest has noticed that the previous host left.
+pub const HELLO_MARKER: &[u8] = b"\nCLADE-HELLO ";
 const READY: &[u8] = b"CLADE-READY ";
 const REJECT: &[u8] = b"CLADE-REJECT ";
-/// How long the host waits for a ready line before repeating its hello.
-const HELLO_RESEND: std::time::Duration = std::time::Duration::from_secs(2);
 /// Stale bytes kept while scanning: enough for a partial line, no more.
 const SCAN_KEEP: usize = 512;
 
@@ -50,17 +52,7 @@ where
     let mut buf = Vec::new();
     loop {
         let mut chunk = [0u8; 4096];
-        // A guest that was still inside an earlier session when this hello
-        // arrived consumed it as session data; once that session fails it
-        // scans for a hello again, so say it again.
-        let n = match tokio::time::timeout(HELLO_RESEND, io.read(&mut chunk)).await {
-            Ok(read) => read?,
-            Err(_) => {
-                io.write_all(hello.as_bytes()).await?;
-                io.flush().await?;
-                continue;
-            }
-        };
+        let n = io.read(&mut chunk).await?;
         if n == 0 {
             return Err(HandshakeError::Closed);
         }

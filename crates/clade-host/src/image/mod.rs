@@ -188,22 +188,26 @@ fn injected_ca_bytes() -> Vec<u8> {
     files.iter().flat_map(|p| std::fs::read(p).unwrap_or_default()).collect()
 }
 
-/// `clade-guestd` next to the running binary, or in the static build's target
-/// directory of a source checkout (`target/x86_64-unknown-linux-gnu/release`).
+/// The static `clade-guestd` of a source checkout
+/// (`target/x86_64-unknown-linux-gnu/release`, what `scripts/build` makes),
+/// else one installed next to the running binary. The checkout's plain
+/// `target/release/clade-guestd` (a dynamically linked workspace build) is
+/// never taken.
 fn find_guestd() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
-    for dir in exe.ancestors().skip(1) {
-        for candidate in [
-            dir.join("clade-guestd"),
+    let static_build = exe.ancestors().skip(1).find_map(|dir| {
+        [
             dir.join("x86_64-unknown-linux-gnu/release/clade-guestd"),
             dir.join("target/x86_64-unknown-linux-gnu/release/clade-guestd"),
-        ] {
-            if candidate.is_file() {
-                return Some(candidate);
-            }
-        }
-    }
-    None
+        ]
+        .into_iter()
+        .find(|candidate| candidate.is_file())
+    });
+    let in_checkout = exe.ancestors().any(|dir| dir.file_name().is_some_and(|n| n == "target"));
+    static_build.or_else(|| {
+        let installed = exe.parent()?.join("clade-guestd");
+        (!in_checkout && installed.is_file()).then_some(installed)
+    })
 }
 
 pub(crate) fn script_path(cache_dir: &Path, name: &str, body: &str) -> Result<PathBuf, ImageError> {

@@ -305,9 +305,12 @@ impl VmRuntime {
             let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let started = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, &template.state(), true, self.boot_timeout()).await?;
+            let restored = started.elapsed();
             let hook = restore_request(&id, true);
             agent.restore_hook(hook).await?;
+            tracing::debug!(vm = %id, ?restored, total = ?started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             tracing::info!(vm = %id, template = %template.key, baked_now, "created by restoring the template");
@@ -503,11 +506,15 @@ async fn restore_into(
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
+        let started = std::time::Instant::now();
         let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
+        let qmp_ready = started.elapsed();
         migrate::load(&qmp, state, ignore_shared)
             .await
             .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;
-        let agent = AgentClient::connect(&launch::agent_socket(dir), timeout).await?;
+        let loaded = started.elapsed();
+        let agent = AgentClient::connect_restored(&launch::agent_socket(dir), timeout).await?;
+        tracing::debug!(?qmp_ready, ?loaded, agent = ?started.elapsed(), "restore phases");
         Ok::<_, VmError>((qmp, agent))
     };
     let mut exit_watch = exit_rx.clone();

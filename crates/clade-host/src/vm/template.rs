@@ -129,6 +129,13 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         let (qmp, agent) = wait_for_agent(dir, &exit_rx, runtime.boot_timeout()).await?;
         // Warm the page cache every VM will inherit, then quiesce: disk data
         // synced, and no session open, so no byte is in flight on the channel.
+        // Also the agent's own first steps after a restore (hook, exec, files),
+        // so that their code is in the template's memory, not read from disk
+        // by every new VM.
+        agent.restore_hook(super::restore_request("template", false)).await?;
+        agent.write_file("/tmp/.clade-warmup", b"warm").await?;
+        agent.read_file("/tmp/.clade-warmup").await?;
+        agent.remove("/tmp/.clade-warmup", false).await?;
         for command in warmup_commands() {
             let out = agent.run(command).await?;
             if out.exit_code() != 0 {
@@ -159,6 +166,7 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
 fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     use clade_proto::{Command, ExecRequest};
     vec![
+        ExecRequest::new(Command::Argv(vec!["true".into()])),
         ExecRequest::new(Command::Shell(
             "python3 -c 'import json, os, uuid, subprocess' && git --version >/dev/null".into(),
         )),
