@@ -346,18 +346,21 @@ async fn supervise<R, W>(
     let limit = req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT);
     let dropped = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let mut pumps = JoinSet::new();
+    let drain_finish = CancellationToken::new();
     let (sink, terminal) = match io {
         ChildIo::Pipes {
             stdin,
             stdout,
             stderr,
         } => {
+            let finish = drain_finish.clone();
             pumps.spawn(pump(
                 Source::Pipe(stdout),
                 OutputStream::Stdout,
                 limit,
                 frames.clone(),
                 dropped.clone(),
+                finish.clone(),
             ));
             pumps.spawn(pump(
                 Source::Pipe(stderr),
@@ -365,16 +368,19 @@ async fn supervise<R, W>(
                 limit,
                 frames.clone(),
                 dropped.clone(),
+                finish.clone(),
             ));
             (stdin.map(StdinSink::Pipe), None)
         }
         ChildIo::Pty(master) => {
+            let finish = drain_finish.clone();
             pumps.spawn(pump(
                 Source::Pty(master.clone()),
                 OutputStream::Stdout,
                 limit,
                 frames.clone(),
                 dropped.clone(),
+                finish.clone(),
             ));
             (Some(StdinSink::Pty(master.clone())), Some(master))
         }
@@ -473,8 +479,14 @@ async fn supervise<R, W>(
         tokio::select! {
             done = pumps.join_next() => if done.is_none() { break },
             _ = tokio::time::sleep_until(drain_until) => {
-                pumps.abort_all();
-                while pumps.join_next().await.is_some() {}
+                // A background process may hold the pipes open for ever: take
+                // what is already in them (a busy guest may not have run the
+                // pumps yet) and stop waiting for more.
+                drain_finish.cancel();
+                if tokio::time::timeout(DRAIN_GRACE, async { while pumps.join_next().await.is_some() {} }).await.is_err() {
+                    pumps.abort_all();
+                    while pumps.join_next().await.is_some() {}
+                }
                 break;
             }
         }
@@ -569,12 +581,26 @@ async fn pump(
     limit: u64,
     frames: mpsc::Sender<GuestFrame>,
     dropped: Arc<[AtomicU64; 2]>,
+    finish: CancellationToken,
 ) {
     let mut buf = vec![0u8; CHUNK_SIZE];
     let mut forwarded = 0u64;
     let mut truncated = false;
     loop {
-        let n = match source.read(&mut buf).await {
+        let read = if finish.is_cancelled() {
+            // Finishing: only what is buffered now (a zero timeout polls once).
+            match tokio::time::timeout(Duration::ZERO, source.read(&mut buf)).await {
+                Ok(read) => read,
+                Err(_) => break,
+            }
+        } else {
+            tokio::select! {
+                biased;
+                read = source.read(&mut buf) => read,
+                _ = finish.cancelled() => continue,
+            }
+        };
+        let n = match read {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
