@@ -43,9 +43,17 @@ impl VmTestEnv {
 }
 
 impl Drop for VmTestEnv {
+    /// Also when a test panics: persistent VMs it made must not outlive it.
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.data_dir);
+        remove_run(&self.data_dir);
     }
+}
+
+fn remove_run(data_dir: &Path) {
+    for vm in std::fs::read_dir(data_dir.join("vms")).into_iter().flatten().flatten() {
+        crate::vm::record_cleanup(&vm.path());
+    }
+    let _ = std::fs::remove_dir_all(data_dir);
 }
 
 /// The environment for VM tests, or a reasoned skip. Builds the kernel and
@@ -70,22 +78,28 @@ pub fn vm_env() -> Option<VmTestEnv> {
         remove_dead_runs(&root);
     }
     let data_dir = root.join(format!("{}-{n}", std::process::id()));
+    let _ = std::fs::create_dir_all(&data_dir);
+    let owner = crate::vm::ProcessId::current();
+    let _ = std::fs::write(data_dir.join("owner"), format!("{} {}", owner.pid, owner.start_ticks));
     let config = HostConfig { data_dir: data_dir.clone(), ..base };
     let runtime = VmRuntime::new(config.clone()).expect("VM runtime");
     Some(VmTestEnv { runtime, image, config, data_dir })
 }
 
-/// Test data directories are named `<pid>-<n>`; a static VM is never dropped,
-/// so each test process removes what dead earlier ones left.
+/// A static VM is never dropped, so each test process removes what dead
+/// earlier ones left (their owner file names the process, start time included).
 fn remove_dead_runs(root: &Path) {
     for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        if pid.is_some_and(|pid| crate::vm::ProcessId::of(pid).is_none()) {
-            for vm in std::fs::read_dir(entry.path().join("vms")).into_iter().flatten().flatten() {
-                crate::vm::record_cleanup(&vm.path());
+        let owner = std::fs::read_to_string(entry.path().join("owner")).unwrap_or_default();
+        let mut fields = owner.split_whitespace().map(|f| f.parse::<u64>().ok());
+        let alive = match (fields.next().flatten(), fields.next().flatten()) {
+            (Some(pid), Some(start_ticks)) => {
+                crate::vm::ProcessId { pid: pid as u32, start_ticks }.is_alive()
             }
-            let _ = std::fs::remove_dir_all(entry.path());
+            _ => false,
+        };
+        if !alive {
+            remove_run(&entry.path());
         }
     }
 }
