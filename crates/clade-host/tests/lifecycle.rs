@@ -63,3 +63,17 @@ fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
         assert!(matches!(err, VmError::Failed(_)), "{err:?}");
     });
 }
+
+#[test]
+fn a_vm_the_host_cannot_hold_is_refused_and_nothing_is_left() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let huge = VmSpec { memory_mb: 64 << 20, ..VmSpec::new(env.image.clone()) }; // 64 TiB
+        for attempt in [env.runtime.create(huge.clone()).await, env.runtime.boot(huge).await] {
+            let err = attempt.unwrap_err();
+            assert!(matches!(err, VmError::Admission(_)), "{err:?}");
+            assert!(err.to_string().contains("not enough host memory"), "{err}");
+        }
+        assert_eq!(std::fs::read_dir(env.runtime.vms_dir()).unwrap().count(), 0, "nothing half-made");
+    });
+}

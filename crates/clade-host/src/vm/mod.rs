@@ -9,6 +9,7 @@
 //! (panic, reboot, crash) or stops answering becomes a [`VmFailure`] carrying
 //! the tail of its console, and its files are removed.
 
+mod admission;
 mod launch;
 mod migrate;
 mod process;
@@ -23,6 +24,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clade_proto::{ExecRequest, RestoreRequest};
 use tokio::sync::watch;
 
+pub use admission::{Admission, AdmissionError};
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec};
 pub use process::ProcessId;
 pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
@@ -60,6 +62,8 @@ pub enum VmError {
     Gone(String),
     #[error("VM {0} is hibernated; wake it first")]
     Hibernated(String),
+    #[error("refused: {0}")]
+    Admission(#[from] AdmissionError),
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
@@ -154,6 +158,7 @@ pub struct VmRuntime {
     vms_dir: PathBuf,
     templates_dir: PathBuf,
     images: ImageStore,
+    admission: Admission,
 }
 
 impl VmRuntime {
@@ -176,11 +181,26 @@ impl VmRuntime {
             .and_then(|v| v.lines().next().map(str::to_string))
             .unwrap_or_default();
         let images = ImageStore::new(&config.cache_dir, config.guestd.clone());
-        Ok(Self { accel, tsc_khz: accel::host_tsc_khz(), qemu_version, vms_dir, templates_dir, images, config })
+        Ok(Self {
+            accel,
+            tsc_khz: accel::host_tsc_khz(),
+            qemu_version,
+            vms_dir,
+            templates_dir,
+            images,
+            admission: Admission::default(),
+            config,
+        })
     }
 
     pub fn accel(&self) -> Accel {
         self.accel
+    }
+
+    /// Replaces the admission limits (tests, operators).
+    pub fn with_admission(mut self, admission: Admission) -> Self {
+        self.admission = admission;
+        self
     }
 
     pub fn images(&self) -> &ImageStore {
@@ -230,6 +250,7 @@ impl VmRuntime {
         if spec.memory_mb < 128 || spec.vcpus == 0 {
             return Err(VmError::Config("a VM needs at least 128 MiB and one vCPU".into()));
         }
+        self.admission.check(spec.memory_mb, &self.config.data_dir)?;
         let id = hex_id();
         let dir = self.vms_dir.join(&id);
         std::fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
@@ -295,6 +316,7 @@ impl VmRuntime {
     /// guest resumes where the template was saved, then gets fresh entropy,
     /// the current time and its own identity before anything else runs.
     pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
+        self.admission.check(spec.memory_mb, &self.config.data_dir)?;
         let (template, baked_now) = self.template(&spec).await?;
         let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
         let created = async {
@@ -358,6 +380,7 @@ impl VmRuntime {
         if record.phase != Phase::Hibernated {
             return Err(VmError::Config(format!("VM {id} is not hibernated")));
         }
+        self.admission.check(record.memory_mb, &self.config.data_dir)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
         let template = Template { dir: self.templates_dir.join(&key), key };
         let image = self
