@@ -22,7 +22,15 @@ pub enum VmCommand {
     /// Start a VM and open an interactive shell in it (torn down on exit).
     Shell(ShellArgs),
     /// Create a VM that keeps running after this command; prints its id on the last line.
-    Create(VmOptions),
+    Create(CreateArgs),
+    /// Snapshot a running VM (memory, disk, processes); prints the snapshot id.
+    Snapshot { id: String },
+    /// Fork a running VM into N new ones; prints their ids, one per line.
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+    },
     /// Run CMD in a running VM, stdio attached; exits with CMD's exit code.
     Exec(ExecArgs),
     /// List the VMs on this host (removing those whose owner is gone).
@@ -37,6 +45,15 @@ pub enum VmCommand {
     Wake { id: String },
     /// Stop a VM and delete everything it has.
     Rm { id: String },
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    vm: VmOptions,
+    /// Make the VM from this snapshot instead of the image's template.
+    #[arg(long)]
+    from_snapshot: Option<String>,
 }
 
 #[derive(Args)]
@@ -113,9 +130,26 @@ pub async fn run(command: VmCommand, config: HostConfig) -> anyhow::Result<ExitC
             vm.stop().await.context("stopping the VM")?;
             outcome
         }
-        VmCommand::Create(options) => {
-            let vm = start(&runtime, &options, false, Lifetime::Persistent).await?;
+        VmCommand::Create(args) => {
+            let vm = match args.from_snapshot {
+                Some(snapshot) => runtime.create_from_snapshot(&snapshot, Lifetime::Persistent, None).await?,
+                None => start(&runtime, &args.vm, false, Lifetime::Persistent).await?,
+            };
             println!("{}", vm.id());
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Snapshot { id } => {
+            let snapshot = runtime.adopt(&id, None).await?.snapshot(&runtime).await?;
+            println!("{snapshot}");
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Fork { id, count } => {
+            let started = std::time::Instant::now();
+            let children = runtime.adopt(&id, None).await?.fork(&runtime, count, Lifetime::Persistent).await?;
+            status(&format!("forked {id} into {count} in {:.2?}", started.elapsed()));
+            for child in children {
+                println!("{}", child.id());
+            }
             Ok(ExitCode::SUCCESS)
         }
         VmCommand::Exec(args) => {

@@ -128,3 +128,87 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
         assert!(matches!(env.runtime.adopt(&id, None).await, Err(VmError::NotFound(_))));
     });
 }
+
+const COUNTER: &str = "nohup python3 -c 'import time\ni = 0\nwhile True:\n    open(\"/tmp/n\", \"w\").write(str(i)); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
+
+#[test]
+fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselves() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        parent.run(sh(COUNTER)).await.unwrap();
+        parent.agent().write_file("/root/before-fork", b"from the parent").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let children = parent.fork(&env.runtime, 3, Lifetime::Ephemeral).await.unwrap();
+        parent.agent().write_file("/root/after-fork", b"parent only").await.unwrap();
+
+        let mut seen = HashSet::new();
+        for (i, child) in children.iter().enumerate() {
+            assert!(matches!(child.boot_kind(), BootKind::FromSnapshot { .. }));
+            let out = child
+                .run(sh("cat /root/before-fork; echo; pgrep -c -f 'open\\(\"/tmp/n\"'; cat /tmp/n; echo; sleep 0.5; cat /tmp/n; echo; \
+                         test -e /root/after-fork && echo leaked || echo private; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))
+                .await
+                .unwrap();
+            let lines: Vec<String> = out.stdout_str().lines().map(str::to_string).collect();
+            assert_eq!(lines[0], "from the parent", "{lines:?}");
+            assert_eq!(lines[1], "1", "the counter process runs in the child: {lines:?}");
+            let (a, b): (u64, u64) = (lines[2].parse().unwrap(), lines[3].parse().unwrap());
+            assert!(b > a, "the counter goes on in the child: {a} then {b}");
+            assert_eq!(lines[4], "private", "a parent write after the fork reached a child");
+            assert!(seen.insert(lines[5].clone()), "two children share random bytes");
+            child.agent().write_file("/root/child", format!("child {i}").as_bytes()).await.unwrap();
+        }
+        for (i, child) in children.iter().enumerate() {
+            assert_eq!(child.agent().read_file("/root/child").await.unwrap(), format!("child {i}").as_bytes());
+        }
+        let err = parent.agent().read_file("/root/child").await.unwrap_err();
+        assert!(err.to_string().contains("No such file"), "a child's write reached the parent: {err}");
+        assert!(parent.run(sh("cat /tmp/n")).await.unwrap().exit_code() == 0, "the parent runs on");
+    });
+}
+
+#[test]
+fn a_fork_of_sixteen_works_on_two_cores() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        parent.agent().write_file("/root/seed", b"seed").await.unwrap();
+        let children = parent.fork(&env.runtime, 16, Lifetime::Ephemeral).await.unwrap();
+        assert_eq!(children.len(), 16);
+        let ids: HashSet<String> = children.iter().map(|c| c.id()).collect();
+        assert_eq!(ids.len(), 16);
+        for child in &children {
+            assert_eq!(child.agent().read_file("/root/seed").await.unwrap(), b"seed");
+        }
+        assert!(matches!(parent.fork(&env.runtime, 17, Lifetime::Ephemeral).await, Err(VmError::Config(_))));
+    });
+}
+
+#[test]
+fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let source = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        source.run(sh("head -c 8000000 /dev/urandom > /root/data && sha256sum /root/data > /root/data.sum")).await.unwrap();
+        let snapshot = source.snapshot(&env.runtime).await.unwrap();
+        let child = env.runtime.create_from_snapshot(&snapshot, Lifetime::Persistent, None).await.unwrap();
+        env.runtime.delete_snapshot(&snapshot).unwrap();
+        assert!(env.runtime.snapshots().is_empty());
+        assert!(matches!(env.runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await, Err(VmError::NotFound(_))));
+        // Read the data from the disk chain itself, not the page cache.
+        let check = "sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum -c /root/data.sum && echo more >> /root/data.sum";
+        let out = child.run(sh(check)).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}{}", out.stdout_str(), out.stderr_str());
+        let id = child.id();
+        child.hibernate().await.unwrap();
+        drop(child);
+        let woken = env.runtime.wake(&id, None).await.unwrap();
+        let out = woken.run(sh("echo 3 > /proc/sys/vm/drop_caches; head -1 /root/data.sum | sha256sum -c && tail -1 /root/data.sum")).await.unwrap();
+        assert_eq!(out.stdout_str().lines().last(), Some("more"), "{}{}", out.stdout_str(), out.stderr_str());
+        let layers = env.data_dir().join("snapshots");
+        assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 1, "the layer stays while the VM needs it");
+        env.runtime.remove(&id).await.unwrap();
+        assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 0, "and goes with the last VM that needed it");
+    });
+}

@@ -14,6 +14,7 @@ mod launch;
 mod migrate;
 mod process;
 mod record;
+mod snapshot;
 pub mod template;
 
 use std::path::{Path, PathBuf};
@@ -28,6 +29,7 @@ pub use admission::{Admission, AdmissionError};
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec};
 pub use process::ProcessId;
 pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
+pub use snapshot::SnapshotRecord;
 pub use template::Template;
 
 use launch::Memory;
@@ -146,6 +148,8 @@ pub enum BootKind {
     Adopted,
     /// Woken from hibernation.
     Woken,
+    /// Made from a snapshot (or a fork, which is one).
+    FromSnapshot { snapshot: String },
 }
 
 /// Launches VMs on this host.
@@ -266,6 +270,7 @@ impl VmRuntime {
             created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
             phase: Phase::Creating,
             template: template.map(|t| t.key.clone()),
+            backing_snapshot: None,
         };
         if let Err(e) = record.save(&dir) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -420,6 +425,7 @@ impl VmRuntime {
     pub async fn remove(&self, id: &str) -> Result<(), VmError> {
         let (dir, _) = self.load_record(id)?;
         record::stop_leftover(&dir);
+        self.collect_snapshot_layers();
         Ok(())
     }
 }

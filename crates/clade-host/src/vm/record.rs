@@ -53,6 +53,9 @@ pub struct VmRecord {
     /// The template it was restored from (none for a cold boot).
     #[serde(default)]
     pub template: Option<String>,
+    /// The snapshot whose disk layer backs this VM's disk, if created from one.
+    #[serde(default)]
+    pub backing_snapshot: Option<String>,
 }
 
 const RECORD: &str = "vm.json";
@@ -152,6 +155,7 @@ mod tests {
             created_unix_ms: 0,
             phase: Phase::Running,
             template: None,
+            backing_snapshot: None,
         }
     }
 

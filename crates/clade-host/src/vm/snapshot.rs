@@ -1,0 +1,261 @@
+//! Snapshots of running VMs — memory, disk and processes — and VMs made from
+//! them. A fork is a snapshot that N new VMs are made from at once.
+//!
+//! ```text
+//! <data_dir>/snapshots/<id>/
+//!   snapshot.json   the record (written last: a snapshot without one is incomplete)
+//!   state           device state and the VM's RAM (its private pages)
+//!   disk.qcow2      a copy of the VM's disk layer at the snapshot instant
+//!                   (backed by the template's or an earlier snapshot's layer)
+//! ```
+//!
+//! VMs made from a snapshot map the template's RAM file like any other and
+//! load the snapshot's state over it; their disk is a new layer over the
+//! snapshot's `disk.qcow2`. Deleting a snapshot removes its state at once and
+//! its disk layer only when no VM and no other snapshot is backed by it, so a
+//! deletion never breaks a running VM's disk.
+//!
+//! What a snapshot costs today: the VM pauses while its disk layer is copied
+//! and its RAM written out, both proportional to what the VM wrote or
+//! touched, never to the base image or the template memory.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::launch::Memory;
+use super::record::{self, Lifetime, Phase};
+use super::template::Template;
+use super::{
+    hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
+    Watchdog, AGENT_RECONNECT_TIMEOUT,
+};
+
+const RECORD: &str = "snapshot.json";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub id: String,
+    /// The VM it was taken of.
+    pub source_vm: String,
+    pub template: String,
+    pub image: String,
+    pub memory_mb: u32,
+    pub vcpus: u32,
+    /// The snapshot whose layer backs this one's disk layer.
+    pub backing_snapshot: Option<String>,
+    pub created_unix_ms: u64,
+    /// Deleted: its state is gone; its disk layer stays while something needs it.
+    #[serde(default)]
+    pub deleted: bool,
+}
+
+impl SnapshotRecord {
+    fn save(&self, dir: &Path) -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{RECORD}.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, dir.join(RECORD))
+    }
+
+    pub fn load(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&std::fs::read(dir.join(RECORD)).ok()?).ok()
+    }
+}
+
+impl VmRuntime {
+    fn snapshots_dir(&self) -> PathBuf {
+        self.config.data_dir.join("snapshots")
+    }
+
+    /// The snapshots that are not deleted.
+    pub fn snapshots(&self) -> Vec<SnapshotRecord> {
+        let mut all: Vec<SnapshotRecord> = std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| SnapshotRecord::load(&e.path()))
+            .filter(|s| !s.deleted)
+            .collect();
+        all.sort_by_key(|s| s.created_unix_ms);
+        all
+    }
+
+    fn load_snapshot(&self, id: &str) -> Result<(PathBuf, SnapshotRecord), VmError> {
+        let valid = !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        let dir = self.snapshots_dir().join(id);
+        match SnapshotRecord::load(&dir) {
+            Some(record) if valid && !record.deleted => Ok((dir, record)),
+            _ => Err(VmError::NotFound(id.to_string())),
+        }
+    }
+
+    /// Makes a VM from a snapshot: its processes resume where the snapshot
+    /// was taken; it gets fresh entropy, the time and its own identity.
+    pub async fn create_from_snapshot(&self, snapshot_id: &str, lifetime: Lifetime, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
+        let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
+        let image = self
+            .images
+            .cached(&snap.image)?
+            .ok_or_else(|| VmError::Config(format!("image {} of snapshot {snapshot_id} is gone", snap.image)))?;
+        let spec = VmSpec { memory_mb: snap.memory_mb, vcpus: snap.vcpus, lifetime, watchdog, ..VmSpec::new(image) };
+        let template = Template { dir: self.templates_dir.join(&snap.template), key: snap.template.clone() };
+        let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
+        record.backing_snapshot = Some(snapshot_id.to_string());
+        let created = async {
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &dir.join("disk.qcow2")).await?;
+            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+            let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral)?;
+            record.vmm = Some(vmm);
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, &snap_dir.join("state"), false, self.boot_timeout()).await?;
+            agent.restore_hook(restore_request(&id, true)).await?;
+            record.phase = Phase::Running;
+            record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let kind = BootKind::FromSnapshot { snapshot: snapshot_id.to_string() };
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
+        }
+        .await;
+        if created.is_err() {
+            record::stop_leftover(&dir);
+        }
+        created
+    }
+
+    /// Deletes a snapshot. VMs made from it keep running: its disk layer is
+    /// removed only once nothing is backed by it any more.
+    pub fn delete_snapshot(&self, id: &str) -> Result<(), VmError> {
+        let (dir, mut snap) = self.load_snapshot(id)?;
+        snap.deleted = true;
+        snap.save(&dir).map_err(io_err("writing the snapshot record"))?;
+        let _ = std::fs::remove_file(dir.join("state"));
+        self.collect_snapshot_layers();
+        Ok(())
+    }
+
+    /// Removes deleted (and never completed) snapshots that nothing needs.
+    pub fn collect_snapshot_layers(&self) {
+        let snapshots_dir = self.snapshots_dir();
+        let records: Vec<(PathBuf, Option<SnapshotRecord>)> = std::fs::read_dir(&snapshots_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| (e.path(), SnapshotRecord::load(&e.path())))
+            .collect();
+        let mut needed: Vec<String> = self.list().into_iter().filter_map(|(r, _)| r.backing_snapshot).collect();
+        needed.extend(records.iter().filter_map(|(_, r)| r.as_ref()?.backing_snapshot.clone()));
+        for (dir, record) in &records {
+            let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let removable = match record {
+                Some(r) => r.deleted && !needed.contains(&id),
+                // Incomplete: a snapshot whose taker died. Old enough to be sure.
+                None => dir.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > Duration::from_secs(600)),
+            };
+            if removable {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
+}
+
+impl Vm {
+    /// Snapshots the VM — memory, disk, running processes — and lets it run
+    /// on. Returns the snapshot's id.
+    pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
+        let (template, image, memory_mb, vcpus, vm_id, backing) = {
+            let record = self.inner.record.lock().expect("record lock");
+            let template = record
+                .template
+                .clone()
+                .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?;
+            (template, record.image.clone(), record.memory_mb, record.vcpus, record.id.clone(), record.backing_snapshot.clone())
+        };
+        self.transition(&[State::Running], State::Stopping)?;
+        let id = hex_id();
+        let dir = runtime.snapshots_dir().join(&id);
+        let outcome = async {
+            std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
+            self.inner.agent.quiesce().await?;
+            self.inner.qmp.execute("stop", None).await?;
+            // `stop` drained and flushed the disk: its layer is consistent now.
+            copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
+            let state_tmp = dir.join("state.tmp");
+            migrate::save(&self.inner.qmp, &state_tmp, false)
+                .await
+                .map_err(|e| VmError::Config(format!("saving the snapshot: {e}")))?;
+            std::fs::rename(&state_tmp, dir.join("state")).map_err(io_err("publishing the snapshot state"))?;
+            SnapshotRecord {
+                id: id.clone(),
+                source_vm: vm_id,
+                template,
+                image,
+                memory_mb,
+                vcpus,
+                backing_snapshot: backing,
+                created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+                deleted: false,
+            }
+            .save(&dir)
+            .map_err(io_err("writing the snapshot record"))
+        }
+        .await;
+        // Whatever happened, the VM runs again and gets a new session.
+        let resumed = async {
+            self.inner.qmp.execute("cont", None).await?;
+            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+            Ok::<_, VmError>(())
+        }
+        .await;
+        *self.inner.state.lock().expect("vm state lock") = State::Running;
+        if let Err(e) = outcome {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        resumed?;
+        // The restored guests believe they are this VM until their hook runs;
+        // this VM's own clock lost the pause.
+        let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
+        Ok(id)
+    }
+
+    /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
+    /// memory and running processes as of now, and writes only to itself.
+    pub async fn fork(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Vm>, VmError> {
+        if !(1..=16).contains(&count) {
+            return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
+        }
+        let snapshot = self.snapshot(runtime).await?;
+        let children = futures::future::join_all(
+            (0..count).map(|_| runtime.create_from_snapshot(&snapshot, lifetime, Some(Watchdog::default()))),
+        )
+        .await;
+        // The children are backed by its disk layer, which stays as long as they need it.
+        let _ = runtime.delete_snapshot(&snapshot);
+        let mut made = Vec::new();
+        let mut failure = None;
+        for child in children {
+            match child {
+                Ok(vm) => made.push(vm),
+                Err(e) => failure = Some(e),
+            }
+        }
+        if let Some(e) = failure {
+            // All or nothing: a fork that made only some children made none.
+            for vm in made {
+                let _ = vm.stop().await;
+            }
+            return Err(e);
+        }
+        Ok(made)
+    }
+}
+
+async fn copy_file(from: &Path, to: &Path) -> Result<(), VmError> {
+    let (from, to) = (from.to_path_buf(), to.to_path_buf());
+    tokio::task::spawn_blocking(move || std::fs::copy(&from, &to))
+        .await
+        .map_err(|e| VmError::Config(format!("copy task: {e}")))?
+        .map_err(io_err("copying the disk layer"))?;
+    Ok(())
+}
