@@ -276,6 +276,40 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
     hib.sort();
     wake.sort();
     println!("hibernate: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+
+    // Fork: the parent has written N MiB of memory since its restore.
+    for written_mib in [10u64, 200] {
+        for count in [1usize, 16] {
+            let parent = runtime.create(spec.clone()).await?;
+            let hold = format!(
+                "nohup python3 -c 'import os, time; x = os.urandom({} << 20); open(\"/tmp/ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 & \
+                 while [ ! -e /tmp/ready ]; do sleep 0.1; done",
+                written_mib
+            );
+            parent.agent().run(ExecRequest::new(Command::Shell(hold))).await?;
+            let start = Instant::now();
+            let children = parent.fork(&runtime, count, clade_host::Lifetime::Ephemeral).await?;
+            let all_created = start.elapsed();
+            for child in &children {
+                child.agent().run(true_cmd()).await?;
+            }
+            let ready = start.elapsed();
+            let paused = runtime
+                .snapshots_all_records()
+                .into_iter()
+                .max_by_key(|s| s.created_unix_ms)
+                .map_or(0, |s| s.source_paused_ms);
+            println!(
+                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {paused} ms",
+                ms(all_created),
+                ms(ready)
+            );
+            for child in children {
+                child.stop().await?;
+            }
+            parent.stop().await?;
+        }
+    }
     let _ = std::fs::remove_dir_all(data);
     Ok(())
 }

@@ -49,6 +49,9 @@ pub struct SnapshotRecord {
     /// Deleted: its state is gone; its disk layer stays while something needs it.
     #[serde(default)]
     pub deleted: bool,
+    /// How long the source VM's vCPUs were stopped for it.
+    #[serde(default)]
+    pub source_paused_ms: u64,
 }
 
 impl SnapshotRecord {
@@ -79,6 +82,21 @@ impl VmRuntime {
             .collect();
         all.sort_by_key(|s| s.created_unix_ms);
         all
+    }
+
+    /// Every snapshot record still on disk, deleted ones included.
+    pub fn snapshots_all_records(&self) -> Vec<SnapshotRecord> {
+        std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| SnapshotRecord::load(&e.path()))
+            .collect()
+    }
+
+    /// A snapshot's record, deleted ones included.
+    pub fn snapshot_record(&self, id: &str) -> Option<SnapshotRecord> {
+        SnapshotRecord::load(&self.snapshots_dir().join(id))
     }
 
     fn load_snapshot(&self, id: &str) -> Result<(PathBuf, SnapshotRecord), VmError> {
@@ -178,6 +196,7 @@ impl Vm {
             std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
             self.inner.agent.quiesce().await?;
             self.inner.qmp.execute("stop", None).await?;
+            let paused_at = std::time::Instant::now();
             // `stop` drained and flushed the disk: its layer is consistent now.
             copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
             let state_tmp = dir.join("state.tmp");
@@ -185,7 +204,22 @@ impl Vm {
                 .await
                 .map_err(|e| VmError::Config(format!("saving the snapshot: {e}")))?;
             std::fs::rename(&state_tmp, dir.join("state")).map_err(io_err("publishing the snapshot state"))?;
-            SnapshotRecord {
+            Ok::<_, VmError>(paused_at)
+        }
+        .await;
+        // Whatever happened, the VM runs again and gets a new session.
+        let resumed = async {
+            self.inner.qmp.execute("cont", None).await?;
+            Ok::<_, VmError>(())
+        }
+        .await;
+        let paused = outcome.as_ref().ok().map(|at| at.elapsed());
+        let reconnected = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+        *self.inner.state.lock().expect("vm state lock") = State::Running;
+        let outcome = match (outcome, resumed, reconnected) {
+            (Err(e), _, _) | (Ok(_), Err(e), _) => Err(e),
+            (Ok(_), Ok(()), Err(e)) => Err(e.into()),
+            (Ok(_), Ok(()), Ok(())) => SnapshotRecord {
                 id: id.clone(),
                 source_vm: vm_id,
                 template,
@@ -195,24 +229,15 @@ impl Vm {
                 backing_snapshot: backing,
                 created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
                 deleted: false,
+                source_paused_ms: paused.map_or(0, |d| d.as_millis() as u64),
             }
             .save(&dir)
-            .map_err(io_err("writing the snapshot record"))
-        }
-        .await;
-        // Whatever happened, the VM runs again and gets a new session.
-        let resumed = async {
-            self.inner.qmp.execute("cont", None).await?;
-            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
-            Ok::<_, VmError>(())
-        }
-        .await;
-        *self.inner.state.lock().expect("vm state lock") = State::Running;
+            .map_err(io_err("writing the snapshot record")),
+        };
         if let Err(e) = outcome {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
-        resumed?;
         // The restored guests believe they are this VM until their hook runs;
         // this VM's own clock lost the pause.
         let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
