@@ -169,3 +169,47 @@ fn a_create_killed_half_way_is_rolled_back() {
     let qemus = Command::new("pgrep").args(["-f", &vms.display().to_string()]).output().unwrap();
     assert!(qemus.stdout.is_empty(), "orphan QEMU: {}", String::from_utf8_lossy(&qemus.stdout));
 }
+
+#[test]
+fn a_fork_killed_half_way_leaves_the_parent_usable_and_nothing_half_made() {
+    let Some(env) = vm_env() else { return };
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
+    assert_eq!(code, 0, "{stderr}");
+    let parent = stdout.lines().last().unwrap().trim().to_string();
+    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &parent, "--", "sh", "-c", "echo kept > /root/f"]));
+    assert_eq!(code, 0, "{stderr}");
+
+    let mut fork = clade(&env).args(["vm", "fork", &parent, "--count", "3"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    // Kill it while the parent is stopped for the snapshot: its disk layer is
+    // being copied, its memory written out.
+    let snapshots = env.data_dir().join("snapshots");
+    let vms = env.data_dir().join("vms");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let stopped = std::fs::read_dir(&snapshots)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.path().join("disk.qcow2").exists());
+        if stopped {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the fork never got to its snapshot");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    fork.kill().unwrap();
+    fork.wait().unwrap();
+
+    // A restart: the sweep rolls the children back; the parent is used again.
+    let (code, ls, stderr) = output(clade(&env).args(["vm", "ls"]));
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Vec<&str> = ls.lines().skip(1).collect();
+    assert_eq!(rows.len(), 1, "only the parent remains: {ls}");
+    assert!(rows[0].starts_with(&parent) && rows[0].contains("running"), "{ls}");
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &parent, "--", "cat", "/root/f"]));
+    assert_eq!((code, stdout.as_str()), (0, "kept\n"), "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &parent, "--", "sh", "-c", "echo more >> /root/f && sync"]));
+    assert_eq!(code, 0, "the parent's disk takes writes: {stderr}");
+    let qemus = Command::new("pgrep").args(["-c", "-f", &vms.display().to_string()]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&qemus.stdout).trim(), "1", "one QEMU: the parent's");
+}

@@ -185,7 +185,7 @@ impl VmRuntime {
             .and_then(|v| v.lines().next().map(str::to_string))
             .unwrap_or_default();
         let images = ImageStore::new(&config.cache_dir, config.guestd.clone());
-        Ok(Self {
+        let runtime = Self {
             accel,
             tsc_khz: accel::host_tsc_khz(),
             qemu_version,
@@ -194,7 +194,9 @@ impl VmRuntime {
             images,
             admission: Admission::default(),
             config,
-        })
+        };
+        runtime.collect_snapshot_layers();
+        Ok(runtime)
     }
 
     pub fn accel(&self) -> Accel {
@@ -371,6 +373,13 @@ impl VmRuntime {
         };
         let exit_rx = watch_foreign_process(vmm);
         let qmp = connect_qmp(&launch::qmp_socket(&dir), Duration::from_secs(5)).await?;
+        // A manager that died inside a snapshot or fork left the vCPUs
+        // stopped in a VM recorded as running: run it again.
+        let status = qmp.execute("query-status", None).await?;
+        if record.phase == Phase::Running && status.get("running").and_then(serde_json::Value::as_bool) == Some(false) {
+            tracing::info!(vm = %id, "resuming a VM its previous manager left stopped");
+            qmp.execute("cont", None).await?;
+        }
         let agent = AgentClient::disconnected(&launch::agent_socket(&dir));
         // A paused guest cannot answer: its session starts at `resume`.
         if record.phase == Phase::Running {
