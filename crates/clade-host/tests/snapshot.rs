@@ -64,7 +64,7 @@ fn hibernate_then_wake_keeps_processes_files_and_fixes_a_day_old_clock() {
         let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
         let vm = env.runtime.create(spec).await.unwrap();
         let id = vm.id();
-        let counter = "nohup python3 -c 'import time\ni = 0\nwhile True:\n    open(\"/tmp/n\", \"w\").write(str(i)); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
+        let counter = "nohup python3 -c 'import os, time\ni = 0\nwhile True:\n    open(\"/tmp/n.new\", \"w\").write(str(i)); os.replace(\"/tmp/n.new\", \"/tmp/n\"); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
         vm.run(sh(counter)).await.unwrap();
         vm.agent().write_file("/root/keep.txt", b"kept across hibernation").await.unwrap();
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -102,7 +102,7 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
         let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
         let vm = env.runtime.create(spec).await.unwrap();
         let id = vm.id();
-        vm.run(sh("nohup sh -c 'while :; do date +%s%N > /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &")).await.unwrap();
+        vm.run(sh("nohup sh -c 'while :; do date +%s%N > /tmp/t.new && mv /tmp/t.new /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &")).await.unwrap();
         vm.pause().await.unwrap();
         // A paused guest answers nothing; the watchdog must not call that a hang.
         let stalled = tokio::time::timeout(Duration::from_millis(500), vm.agent().ping()).await;
@@ -129,7 +129,7 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
     });
 }
 
-const COUNTER: &str = "nohup python3 -c 'import time\ni = 0\nwhile True:\n    open(\"/tmp/n\", \"w\").write(str(i)); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
+const COUNTER: &str = "nohup python3 -c 'import os, time\ni = 0\nwhile True:\n    open(\"/tmp/n.new\", \"w\").write(str(i)); os.replace(\"/tmp/n.new\", \"/tmp/n\"); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
 
 #[test]
 fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselves() {
@@ -146,7 +146,7 @@ fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselve
         for (i, child) in children.iter().enumerate() {
             assert!(matches!(child.boot_kind(), BootKind::FromSnapshot { .. }));
             let out = child
-                .run(sh("cat /root/before-fork; echo; pgrep -c -f 'open\\(\"/tmp/n\"'; cat /tmp/n; echo; sleep 0.5; cat /tmp/n; echo; \
+                .run(sh("cat /root/before-fork; echo; pgrep -c -f 'os[.]replace'; cat /tmp/n; echo; sleep 0.5; cat /tmp/n; echo; \
                          test -e /root/after-fork && echo leaked || echo private; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))
                 .await
                 .unwrap();
