@@ -217,14 +217,13 @@ fn spawn_here(mut command: Command, die_with_owner: bool) -> std::io::Result<Chi
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if die_with_owner {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The owner may have died between fork and prctl.
-                if libc::getppid() != owner {
-                    libc::_exit(1);
-                }
+            if die_with_owner && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // An owner that died since the fork cannot record this VM, and
+            // the sweep may already have passed: do not become an orphan.
+            if libc::getppid() != owner {
+                libc::_exit(1);
             }
             Ok(())
         });

@@ -111,6 +111,17 @@ pub fn stop_leftover(dir: &Path) {
         Some(vmm) => vec![vmm],
         None => processes_mentioning(dir),
     };
+    kill_and_wait(vmms);
+    let _ = std::fs::remove_dir_all(dir);
+    if recorded.is_none() {
+        // A QEMU forked by a creator that died just now may exec only after
+        // the scan above: look once more.
+        std::thread::sleep(Duration::from_millis(50));
+        kill_and_wait(processes_mentioning(dir));
+    }
+}
+
+fn kill_and_wait(vmms: Vec<ProcessId>) {
     for vmm in vmms {
         vmm.kill();
         for _ in 0..100 {
@@ -120,7 +131,6 @@ pub fn stop_leftover(dir: &Path) {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn processes_mentioning(dir: &Path) -> Vec<ProcessId> {
