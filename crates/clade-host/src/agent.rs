@@ -15,6 +15,9 @@ use clade_proto::{
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
 
+/// The first handshake attempt with a guest that may still be in an old session.
+const SHORT_ATTEMPT: Duration = Duration::from_secs(3);
+
 /// Between handshake attempts: time for the guest to see the closed connection.
 const HANDSHAKE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
@@ -83,15 +86,18 @@ impl AgentClient {
     /// One attempt: for a guest that is booting or was restored from a
     /// quiesced snapshot, which is certainly waiting for a hello.
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
-        let session = Self::handshake(socket, timeout, timeout).await?;
-        Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))) })
+        Self::connect_with_attempts(socket, timeout, timeout).await
     }
 
     /// For a guest just restored from a snapshot: attempts of a few seconds,
     /// in case the guest wakes up still winding down the session it had when
     /// it was saved.
     pub async fn connect_restored(socket: &Path, timeout: Duration) -> Result<Self, AgentError> {
-        let session = Self::handshake(socket, timeout, Duration::from_secs(3)).await?;
+        Self::connect_with_attempts(socket, timeout, SHORT_ATTEMPT).await
+    }
+
+    async fn connect_with_attempts(socket: &Path, timeout: Duration, first_attempt: Duration) -> Result<Self, AgentError> {
+        let session = Self::handshake(socket, timeout, first_attempt).await?;
         Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))) })
     }
 
@@ -103,7 +109,7 @@ impl AgentClient {
     /// Opens a new session, replacing (and closing) the current one.
     pub async fn reconnect(&self, timeout: Duration) -> Result<(), AgentError> {
         self.close();
-        let session = Self::handshake(&self.socket, timeout, Duration::from_secs(3)).await?;
+        let session = Self::handshake(&self.socket, timeout, SHORT_ATTEMPT).await?;
         *self.session.write().expect("agent session lock") = Some(session);
         Ok(())
     }

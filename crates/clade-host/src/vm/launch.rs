@@ -143,24 +143,19 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         "-mon".into(),
         "chardev=qmp,mode=control".into(),
     ];
-    match &spec.memory {
-        Memory::Anonymous => {}
-        Memory::TemplateFile(file) => {
-            args.push("-object".into());
-            args.push(format!(
-                "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=on",
-                spec.memory_mb,
-                path(file.clone())
-            ));
-        }
-        Memory::FromTemplate(file) => {
-            args.push("-object".into());
-            args.push(format!(
-                "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=off,readonly=on,rom=off",
-                spec.memory_mb,
-                path(file.clone())
-            ));
-        }
+    // Copy-on-write and read-only for restores: no VM can write the template.
+    let backing = match &spec.memory {
+        Memory::Anonymous => None,
+        Memory::TemplateFile(file) => Some((file, "share=on")),
+        Memory::FromTemplate(file) => Some((file, "share=off,readonly=on,rom=off")),
+    };
+    if let Some((file, sharing)) = backing {
+        args.push("-object".into());
+        args.push(format!(
+            "memory-backend-file,id={RAM_ID},size={}M,mem-path={},{sharing}",
+            spec.memory_mb,
+            path(file.clone())
+        ));
     }
     if spec.incoming {
         args.push("-incoming".into());
