@@ -1,0 +1,151 @@
+//! `ApiError`: every failure the API reports, turned into an HTTP response in
+//! exactly one place (`impl IntoResponse`). The body is always the flat
+//! envelope of the PandaStack wire spec (§2.4): `{"error": "...",
+//! "request_id": "..."}`; 5xx responses log their cause and never show it.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+tokio::task_local! {
+    /// The id of the request being served (set by the request-id middleware).
+    pub static REQUEST_ID: String;
+}
+
+/// The current request's id, or `-` outside a request.
+pub fn request_id() -> String {
+    REQUEST_ID.try_with(Clone::clone).unwrap_or_else(|_| "-".into())
+}
+
+type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    /// 401 `{"error":"unauthorized","detail":...}` (the SDKs match `unauthorized`).
+    #[error("unauthorized")]
+    Unauthorized(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// 503; with Retry-After only when nothing was made and a retry may work.
+    #[error("{message}")]
+    Unavailable { message: String, retry_after: Option<u32> },
+    /// 507: the host cannot hold another sandbox (§2.6: retried by the SDK).
+    #[error("{0}")]
+    InsufficientStorage(String),
+    /// 504 whose message says `timeout` and `deadline exceeded`, as the SDKs expect (§2.4).
+    #[error("{0}")]
+    ExecTimeout(String),
+    /// 500: `public` is shown, `cause` is logged.
+    #[error("{public}")]
+    Internal {
+        public: String,
+        #[source]
+        cause: Cause,
+    },
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::BadRequest(message.into())
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::NotFound(message.into())
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::Conflict(message.into())
+    }
+
+    pub fn internal(public: impl Into<String>, cause: impl Into<Cause>) -> Self {
+        Self::Internal { public: public.into(), cause: cause.into() }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Conflict(_) => StatusCode::CONFLICT,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
+            Self::ExecTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// An error response that something other than a handler produced (a
+    /// rejection of the framework, a bare 405), rebuilt as an `ApiError`.
+    pub fn from_status(status: StatusCode, text: &str) -> Self {
+        let text = text.trim();
+        let message = if text.is_empty() {
+            status.canonical_reason().unwrap_or("error").to_lowercase()
+        } else {
+            text.to_string()
+        };
+        match status {
+            StatusCode::UNAUTHORIZED => Self::Unauthorized(message),
+            StatusCode::NOT_FOUND => Self::NotFound(message),
+            StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed(message),
+            StatusCode::CONFLICT => Self::Conflict(message),
+            StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge(message),
+            s if s.is_client_error() => Self::BadRequest(message),
+            _ => Self::internal("internal error", message),
+        }
+    }
+}
+
+impl From<clade_store::StoreError> for ApiError {
+    fn from(e: clade_store::StoreError) -> Self {
+        Self::internal("database error", e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let request_id = request_id();
+        let body = match &self {
+            Self::Unauthorized(detail) => {
+                serde_json::json!({ "error": "unauthorized", "detail": detail, "request_id": request_id })
+            }
+            Self::Internal { public, cause } => {
+                tracing::error!(request_id = %request_id, "{public}: {}", chain(cause.as_ref()));
+                serde_json::json!({ "error": public, "request_id": request_id })
+            }
+            other => {
+                if status.is_server_error() {
+                    tracing::warn!(request_id = %request_id, status = status.as_u16(), "{other}");
+                }
+                serde_json::json!({ "error": other.to_string(), "request_id": request_id })
+            }
+        };
+        let mut response = (status, Json(body)).into_response();
+        if let Self::Unavailable { retry_after: Some(seconds), .. } = self {
+            response.headers_mut().insert("retry-after", HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+/// An error and its sources, for logs.
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

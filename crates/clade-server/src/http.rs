@@ -1,0 +1,219 @@
+//! What every request goes through, whatever its route: a request id, the
+//! error envelope for responses the handlers did not make (rejections,
+//! 404/405 of the router), and a panic turned into a 500 instead of a
+//! dropped connection. Also the body readers with explicit size limits.
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, HeaderValue};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use serde::de::DeserializeOwned;
+use tower_http::catch_panic::CatchPanicLayer;
+
+use crate::error::{ApiError, REQUEST_ID};
+
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Largest JSON request body.
+pub const JSON_BODY_LIMIT: usize = 1 << 20;
+
+/// Wraps a router in the layers every route shares (outermost first:
+/// request id, error envelope, panic catcher).
+pub fn with_middleware<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
+    router
+        .fallback(|request: Request| async move {
+            ApiError::not_found(format!("no route for {} {}", request.method(), request.uri().path()))
+        })
+        .layer(CatchPanicLayer::custom(|panic: Box<dyn std::any::Any + Send>| {
+            let message = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            ApiError::internal("internal error", format!("handler panicked: {message}")).into_response()
+        }))
+        .layer(middleware::from_fn(envelope_other_errors))
+        .layer(middleware::from_fn(request_id))
+}
+
+async fn request_id(request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
+    let mut response = REQUEST_ID.scope(id.clone(), next.run(request)).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+/// Error responses that are not our JSON envelope yet (axum's rejections,
+/// a bare 405) become one, with their text as the message.
+async fn envelope_other_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if status.as_u16() < 400 || is_json {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 64 << 10).await.unwrap_or_default();
+    let mut rebuilt = ApiError::from_status(status, &String::from_utf8_lossy(&text)).into_response();
+    *rebuilt.status_mut() = status;
+    if let Some(allow) = parts.headers.get(header::ALLOW) {
+        rebuilt.headers_mut().insert(header::ALLOW, allow.clone());
+    }
+    rebuilt
+}
+
+/// Reads a whole body, refusing more than `limit` bytes with a 413 that names the limit.
+pub async fn read_body(body: Body, content_length: Option<u64>, limit: usize, what: &str) -> Result<bytes::Bytes, ApiError> {
+    let too_large = || ApiError::PayloadTooLarge(format!("{what} is larger than the limit of {}", human_bytes(limit as u64)));
+    if content_length.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => Ok(bytes),
+        Err(e) if is_length_limit(&e) => Err(too_large()),
+        Err(e) => Err(ApiError::bad_request(format!("reading the request body: {e}"))),
+    }
+}
+
+fn is_length_limit(err: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+pub fn content_length(request: &Request) -> Option<u64> {
+    request.headers().get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// `1 MiB`, `64 MiB`, `512 B`.
+pub fn human_bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} bytes"),
+    }
+}
+
+/// A JSON request body. An empty body (the SDKs send none, or `""` with
+/// `text/plain`, where every field is optional) reads as `T::default()`; the
+/// content type is not checked (§2.2).
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let length = content_length(&request);
+        let bytes = read_body(request.into_body(), length, JSON_BODY_LIMIT, "the JSON body").await?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self(T::default()));
+        }
+        serde_json::from_slice(&bytes).map(Self).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    use tower::ServiceExt;
+
+    async fn call(router: Router, method: &str, uri: &str) -> (StatusCode, serde_json::Value, Option<String>) {
+        let request = Request::builder().method(method).uri(uri).body(Body::empty()).unwrap();
+        let response = router.oneshot(request).await.unwrap();
+        let status = response.status();
+        let id = response.headers().get(REQUEST_ID_HEADER).map(|v| v.to_str().unwrap().to_string());
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null), id)
+    }
+
+    async fn boom() -> &'static str {
+        panic!("kaboom at /boom")
+    }
+
+    fn app() -> Router {
+        with_middleware(
+            Router::new()
+                .route("/boom", get(boom))
+                .route("/ok", get(|| async { "fine" }))
+                .route("/json", axum::routing::post(|JsonBody(v): JsonBody<serde_json::Value>| async move { axum::Json(v) })),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_panic_is_a_500_envelope_with_the_request_id_and_no_details() {
+        let (status, body, id) = call(app(), "GET", "/boom").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body["error"], "internal error");
+        assert!(!body.to_string().contains("kaboom"), "the panic message is logged, not shown");
+        let id = id.expect("request id header");
+        assert_eq!(body["request_id"], id.as_str());
+        assert_eq!(id.len(), 16);
+    }
+
+    #[tokio::test]
+    async fn router_404_and_405_are_envelopes() {
+        let (status, body, _) = call(app(), "GET", "/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(body["error"], "no route for GET /nope");
+        let (status, body, _) = call(app(), "DELETE", "/ok").await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(body["error"], "method not allowed");
+    }
+
+    #[tokio::test]
+    async fn json_bodies_empty_malformed_and_too_large() {
+        let send = |body: Vec<u8>| {
+            let request = Request::builder().method("POST").uri("/json").body(Body::from(body)).unwrap();
+            app().oneshot(request)
+        };
+        let response = send(Vec::new()).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "an empty body is the default value");
+        let response = send(b"{\"a\":".to_vec()).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert!(body["error"].as_str().unwrap().starts_with("invalid JSON body"), "{body}");
+        let response = send(vec![b' '; JSON_BODY_LIMIT + 1]).await.unwrap();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(body["error"], "the JSON body is larger than the limit of 1 MiB");
+    }
+
+    #[tokio::test]
+    async fn a_client_request_id_is_echoed() {
+        let request = Request::builder().uri("/ok").header(REQUEST_ID_HEADER, "abc-123").body(Body::empty()).unwrap();
+        let response = app().oneshot(request).await.unwrap();
+        assert_eq!(response.headers()[REQUEST_ID_HEADER], "abc-123");
+    }
+
+    #[test]
+    fn human_bytes_names_limits() {
+        assert_eq!(human_bytes(64 << 20), "64 MiB");
+        assert_eq!(human_bytes(1000), "1000 bytes");
+        assert_eq!(human_bytes(4 << 10), "4 KiB");
+    }
+}

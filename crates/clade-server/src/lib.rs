@@ -1,0 +1,180 @@
+//! The Clade server: a PandaStack-compatible HTTP API (axum) over the VMs of
+//! `clade-host`, with API keys, workspaces and a database (`clade-store`).
+//!
+//! - [`http`]: what every request goes through (request id, error envelope,
+//!   panic catcher) and the body readers with their limits.
+//! - [`error`]: `ApiError`, turned into a response in one place.
+//! - [`auth`]: API keys → workspace; the first start's admin key.
+//! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery).
+//! - [`routes`]: the endpoints, one file per resource.
+//!
+//! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
+
+pub mod auth;
+pub mod error;
+pub mod http;
+mod routes;
+pub mod sandbox;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clade_host::{HostConfig, VmRuntime};
+use clade_store::{Store, StoreError};
+use tokio::sync::oneshot;
+
+pub use sandbox::SandboxSettings;
+
+/// Size and time limits of the API.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest file `GET …/fs` returns.
+    pub fs_read_bytes: usize,
+    /// Largest body `PUT …/fs` accepts.
+    pub fs_write_bytes: usize,
+    /// Exec timeout when the request names none.
+    pub exec_default_timeout_s: u64,
+    pub exec_max_timeout_s: u64,
+    /// Output kept per stream (stdout, stderr) of a blocking exec.
+    pub exec_output_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            fs_read_bytes: 64 << 20,
+            fs_write_bytes: 64 << 20,
+            exec_default_timeout_s: 300,
+            exec_max_timeout_s: 24 * 3600,
+            exec_output_bytes: 16 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// VMs, images and `admin.key` live under `host.data_dir`.
+    pub host: HostConfig,
+    /// `sqlite://…` or `postgres://…`; unset: `DATA_DIR/clade.db`.
+    pub database_url: Option<String>,
+    pub limits: Limits,
+    pub sandboxes: SandboxSettings,
+}
+
+impl ServerConfig {
+    pub fn new(listen: SocketAddr, host: HostConfig) -> Self {
+        Self { listen, host, database_url: None, limits: Limits::default(), sandboxes: SandboxSettings::default() }
+    }
+
+    pub fn database_url(&self) -> String {
+        self.database_url.clone().unwrap_or_else(|| Store::default_url(&self.host.data_dir))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("creating the data directory {path}")]
+    DataDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("opening the database")]
+    Store(#[from] StoreError),
+    #[error("first start")]
+    Bootstrap(#[from] auth::BootstrapError),
+    #[error("starting the VM runtime")]
+    Vm(#[from] clade_host::VmError),
+    #[error("recovering sandboxes: {0}")]
+    Recover(String),
+    #[error("listening on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub store: Store,
+    pub service: sandbox::SandboxService,
+    pub limits: Arc<Limits>,
+}
+
+/// A server accepting requests.
+#[derive(Debug)]
+pub struct Server {
+    addr: SocketAddr,
+    admin_key: Option<String>,
+    state: AppState,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    /// Opens the database (creating workspace `default` and its admin key on
+    /// the first start), re-adopts the sandboxes of an earlier run, and
+    /// starts serving.
+    pub async fn start(config: ServerConfig) -> Result<Self, ServerError> {
+        let data_dir = config.host.data_dir.clone();
+        std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let store = Store::open(&config.database_url()).await?;
+        let admin_key = auth::first_start(&store, &data_dir).await?;
+        let runtime = VmRuntime::new(config.host.clone())?;
+        let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
+        service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
+        let state = AppState { store, service, limits: Arc::new(config.limits.clone()) };
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let app = routes::router(state.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        tracing::info!(%addr, "clade server listening");
+        Ok(Self { addr, admin_key, state, stop, task })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin key, when this start created it (the first start).
+    pub fn admin_key(&self) -> Option<&str> {
+        self.admin_key.as_deref()
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.state.store
+    }
+
+    /// Stops accepting requests, lets those in flight finish, and lets go of
+    /// the VMs, which keep running for the next start to adopt.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(());
+        match self.task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("server: {e}"),
+            Err(e) => tracing::error!("server task: {e}"),
+        }
+        self.state.service.detach().await;
+        self.state.store.close().await;
+    }
+
+    /// Serves until `signal` resolves, then shuts down.
+    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) {
+        signal.await;
+        tracing::info!("shutting down");
+        self.shutdown().await;
+    }
+}

@@ -1,0 +1,177 @@
+//! The filesystem of a sandbox (§3.5): read, write, list, stat, delete.
+//! Paths are absolute; reads and writes have explicit size limits (413
+//! naming the limit); a missing path is a 404.
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use clade_proto::{FileKind, FileStat};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::http::{content_length, human_bytes, read_body};
+use crate::sandbox::agent_error;
+use crate::AppState;
+
+#[derive(Debug, Deserialize)]
+pub struct PathQuery {
+    path: Option<String>,
+}
+
+impl PathQuery {
+    fn absolute(self) -> Result<String, ApiError> {
+        let path = self.path.ok_or_else(|| ApiError::bad_request("the path query parameter is required"))?;
+        if !path.starts_with('/') {
+            return Err(ApiError::bad_request(format!("path must be absolute, got {path:?}")));
+        }
+        Ok(path)
+    }
+}
+
+/// `find -printf %y` letters, as the SDKs expect in `mode` (§3.5).
+fn type_letter(kind: FileKind) -> &'static str {
+    match kind {
+        FileKind::File => "f",
+        FileKind::Dir => "d",
+        FileKind::Symlink => "l",
+        FileKind::Other => "o",
+    }
+}
+
+fn entry_json(name: &str, path: &str, stat: &FileStat) -> Value {
+    json!({
+        "name": name,
+        "path": path,
+        "is_dir": stat.kind == FileKind::Dir,
+        "size": stat.size,
+        "mode": type_letter(stat.kind),
+        "permissions": format!("{:04o}", stat.mode & 0o7777),
+        "mtime": stat.mtime_ms.div_euclid(1000),
+    })
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir.ends_with('/') {
+        format!("{dir}{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+fn basename(path: &str) -> &str {
+    path.trim_end_matches('/').rsplit('/').next().filter(|n| !n.is_empty()).unwrap_or("/")
+}
+
+pub async fn read(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let path = query.absolute()?;
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    let agent = running.vm.agent();
+    let limit = state.limits.fs_read_bytes;
+    let stat = agent.stat(&path).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
+    if stat.kind == FileKind::Dir {
+        return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
+    }
+    let too_large = |size: u64| {
+        ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {}", human_bytes(limit as u64)))
+    };
+    if stat.size > limit as u64 {
+        return Err(too_large(stat.size));
+    }
+    let data = agent.read_file(&path).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
+    if data.len() > limit {
+        return Err(too_large(data.len() as u64)); // it grew since the stat
+    }
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+pub async fn write(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<PathQuery>,
+    request: Request,
+) -> Result<Json<Value>, ApiError> {
+    let path = query.absolute()?;
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    let length = content_length(&request);
+    let data = read_body(request.into_body(), length, state.limits.fs_write_bytes, "the file").await?;
+    let written =
+        running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
+    Ok(Json(json!({ "path": path, "bytes": written })))
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<PathQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let path = query.absolute()?;
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    let mut entries =
+        running.vm.agent().list_dir(&path).await.map_err(|e| agent_error("listing the directory", e, Some(&path)))?;
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    let entries: Vec<Value> = entries.iter().map(|e| entry_json(&e.name, &join(&path, &e.name), &e.stat)).collect();
+    Ok(Json(json!({ "path": path, "entries": entries })))
+}
+
+pub async fn stat(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<PathQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let path = query.absolute()?;
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    let stat = running.vm.agent().stat(&path).await.map_err(|e| agent_error("stat", e, Some(&path)))?;
+    Ok(Json(entry_json(basename(&path), &path, &stat)))
+}
+
+/// `rm -rf` semantics: a missing path is fine (§3.5).
+pub async fn remove(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<PathQuery>,
+) -> Result<StatusCode, ApiError> {
+    let path = query.absolute()?;
+    if path.trim_end_matches('/').is_empty() {
+        return Err(ApiError::bad_request("refusing to delete /"));
+    }
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    match running.vm.agent().remove(&path, true).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT),
+        Err(clade_host::AgentError::Guest(e)) if e.kind == clade_proto::ErrorKind::NotFound => Ok(StatusCode::NO_CONTENT),
+        Err(e) => Err(agent_error("deleting the path", e, Some(&path))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_must_be_absolute_and_present() {
+        assert!(PathQuery { path: Some("/a".into()) }.absolute().is_ok());
+        let err = PathQuery { path: Some("a/b".into()) }.absolute().unwrap_err();
+        assert_eq!(err.to_string(), "path must be absolute, got \"a/b\"");
+        assert!(PathQuery { path: None }.absolute().is_err());
+    }
+
+    #[test]
+    fn names_and_joins() {
+        assert_eq!(basename("/a/b.txt"), "b.txt");
+        assert_eq!(basename("/a/dir/"), "dir");
+        assert_eq!(basename("/"), "/");
+        assert_eq!(join("/", "x"), "/x");
+        assert_eq!(join("/a", "x"), "/a/x");
+    }
+}

@@ -1,0 +1,49 @@
+//! The HTTP routes, one file per resource. Paths, bodies and fields follow
+//! the PandaStack wire spec (`shared/reference/pandastack-api.md`), whose
+//! section each handler names.
+
+mod exec;
+mod files;
+mod lifecycle;
+mod meta;
+mod sandboxes;
+mod tokens;
+
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::AppState;
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/me", get(meta::me))
+        .route("/me/tokens", get(tokens::list).post(tokens::create))
+        .route("/me/tokens/{prefix}", axum::routing::delete(tokens::revoke))
+        .route("/templates", get(meta::templates))
+        .route("/sandboxes", get(sandboxes::list).post(sandboxes::create))
+        .route("/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route("/sandboxes/{id}/events", get(sandboxes::events))
+        .route("/sandboxes/{id}/exec", post(exec::exec))
+        .route("/sandboxes/{id}/fs", get(files::read).put(files::write).delete(files::remove))
+        .route("/sandboxes/{id}/fs/dir", get(files::list))
+        .route("/sandboxes/{id}/fs/stat", get(files::stat))
+        .route("/sandboxes/{id}/pause", post(lifecycle::pause))
+        .route("/sandboxes/{id}/resume", post(lifecycle::resume))
+        .route("/sandboxes/{id}/hibernate", post(lifecycle::hibernate))
+        .route("/sandboxes/{id}/stop", post(lifecycle::hibernate))
+        .route("/sandboxes/{id}/wake", post(lifecycle::wake))
+        .route("/sandboxes/{id}/start", post(lifecycle::wake))
+        .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch));
+    let router = Router::new()
+        .route("/healthz", get(meta::healthz))
+        .route("/version", get(meta::version))
+        .nest("/v1", api)
+        .with_state(state);
+    crate::http::with_middleware(router)
+}
+
+/// RFC 3339 UTC with milliseconds, from Unix milliseconds.
+pub(crate) fn rfc3339(unix_ms: i64) -> String {
+    let time = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
+    humantime::format_rfc3339_millis(time).to_string()
+}

@@ -1,0 +1,126 @@
+//! Pause, resume, hibernate, wake and delete: each takes the sandbox alone.
+
+use clade_store::SandboxState;
+
+use super::{not_found, not_usable, vm_error, watchdog, Entry, SandboxService};
+use crate::error::{chain, ApiError};
+use std::sync::Arc;
+
+impl SandboxService {
+    /// Wakes a hibernated sandbox (a no-op for a running one). `auto` when a
+    /// request to the sandbox does it: its failure is then a 503 `auto-wake: …`.
+    pub(super) async fn wake_entry(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
+        let mut slot = entry.slot.write().await;
+        match slot.state {
+            SandboxState::Hibernated => {}
+            SandboxState::Running => return Ok(()),
+            SandboxState::Paused if !auto => {
+                drop(slot);
+                return self.resume_entry(entry).await;
+            }
+            state => return Err(not_usable(&entry.id, state, slot.reason.as_deref())),
+        }
+        let vm = match self.runtime().wake(&entry.id, watchdog()).await {
+            Ok(vm) => vm,
+            Err(e) if auto => {
+                tracing::error!(sandbox = %entry.id, "auto-wake failed: {}", chain(&e));
+                return Err(ApiError::Unavailable {
+                    message: format!("auto-wake: sandbox {} could not be woken", entry.id),
+                    retry_after: None,
+                });
+            }
+            Err(e) => return Err(vm_error("waking the sandbox", e)),
+        };
+        slot.watcher = Some(self.watch(entry, &vm));
+        slot.vm = Some(vm);
+        self.set_state(entry, &mut slot, SandboxState::Running, None).await?;
+        drop(slot);
+        self.record(entry, "woken", serde_json::json!({ "auto": auto })).await;
+        Ok(())
+    }
+
+    pub async fn wake(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        self.touch(&entry);
+        self.wake_entry(&entry, false).await
+    }
+
+    pub async fn hibernate(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        let mut slot = entry.slot.write().await;
+        let vm = match (slot.state, &slot.vm) {
+            (SandboxState::Hibernated, _) => return Ok(()),
+            (SandboxState::Running | SandboxState::Paused, Some(vm)) => vm.clone(),
+            (state, _) => return Err(not_usable(id, state, slot.reason.as_deref())),
+        };
+        vm.hibernate().await.map_err(|e| vm_error("hibernating the sandbox", e))?;
+        slot.stop_watching();
+        slot.vm = None;
+        self.set_state(&entry, &mut slot, SandboxState::Hibernated, None).await?;
+        drop(slot);
+        self.record(&entry, "hibernated", serde_json::json!({})).await;
+        Ok(())
+    }
+
+    /// Stops the vCPUs (a hibernated sandbox is woken first, like any use).
+    pub async fn pause(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        self.touch(&entry);
+        self.wake_entry(&entry, true).await?;
+        let mut slot = entry.slot.write().await;
+        let vm = match (slot.state, &slot.vm) {
+            (SandboxState::Paused, _) => return Ok(()),
+            (SandboxState::Running, Some(vm)) => vm.clone(),
+            (state, _) => return Err(not_usable(id, state, slot.reason.as_deref())),
+        };
+        vm.pause().await.map_err(|e| vm_error("pausing the sandbox", e))?;
+        self.set_state(&entry, &mut slot, SandboxState::Paused, None).await?;
+        drop(slot);
+        self.record(&entry, "paused", serde_json::json!({})).await;
+        Ok(())
+    }
+
+    pub async fn resume(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        self.touch(&entry);
+        self.wake_entry(&entry, true).await?;
+        self.resume_entry(&entry).await
+    }
+
+    async fn resume_entry(&self, entry: &Arc<Entry>) -> Result<(), ApiError> {
+        let mut slot = entry.slot.write().await;
+        let vm = match (slot.state, &slot.vm) {
+            (SandboxState::Running, _) => return Ok(()),
+            (SandboxState::Paused, Some(vm)) => vm.clone(),
+            (state, _) => return Err(not_usable(&entry.id, state, slot.reason.as_deref())),
+        };
+        vm.resume().await.map_err(|e| vm_error("resuming the sandbox", e))?;
+        self.set_state(entry, &mut slot, SandboxState::Running, None).await?;
+        drop(slot);
+        self.record(entry, "resumed", serde_json::json!({})).await;
+        Ok(())
+    }
+
+    /// Stops the VM in whatever state it is and deletes its files; the row
+    /// stays (state `deleted`) with its events.
+    pub async fn delete(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        let mut slot = entry.slot.write().await;
+        if slot.state == SandboxState::Deleted {
+            return Err(not_found(id));
+        }
+        slot.stop_watching();
+        match slot.vm.take() {
+            Some(vm) => vm.stop().await.map_err(|e| vm_error("deleting the sandbox", e))?,
+            None => match self.runtime().remove(id).await {
+                Ok(()) | Err(clade_host::VmError::NotFound(_)) => {}
+                Err(e) => return Err(vm_error("deleting the sandbox", e)),
+            },
+        }
+        self.set_state(&entry, &mut slot, SandboxState::Deleted, None).await?;
+        drop(slot);
+        self.forget(id);
+        self.record(&entry, "deleted", serde_json::json!({})).await;
+        Ok(())
+    }
+}

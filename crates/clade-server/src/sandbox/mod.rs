@@ -1,0 +1,309 @@
+//! The sandbox service: sandboxes of workspaces, each a persistent VM of
+//! `clade-host`, their rows in the store kept in step with every change.
+//!
+//! One [`Entry`] per live sandbox holds its VM handle behind a read/write
+//! lock: operations inside the guest (exec, files) share it, lifecycle
+//! changes (pause, hibernate, wake, delete) take it alone. A sandbox of
+//! another workspace is looked up exactly like a missing one (404).
+//!
+//! It owns sandbox state and the VM handles; HTTP shapes belong to `routes`.
+
+mod create;
+mod lifecycle;
+mod recover;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use clade_host::agent::AgentError;
+use clade_host::vm::{VmFailure, Watchdog};
+use clade_host::{ImageError, Vm, VmError, VmRuntime};
+use clade_proto::{ErrorKind, GuestError};
+use clade_store::{now_ms, SandboxState, Store};
+use tokio::sync::{OwnedRwLockReadGuard, RwLock};
+use tokio::task::AbortHandle;
+
+pub use create::CreateParams;
+
+use crate::error::{chain, ApiError};
+
+/// Shapes and defaults of the sandboxes this server makes.
+#[derive(Debug, Clone)]
+pub struct SandboxSettings {
+    pub memory_mb: u32,
+    pub vcpus: u32,
+    /// Idle TTL of a sandbox whose create names none.
+    pub default_ttl_seconds: u64,
+}
+
+impl Default for SandboxSettings {
+    fn default() -> Self {
+        Self { memory_mb: 512, vcpus: 1, default_ttl_seconds: 300 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SandboxService {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    runtime: VmRuntime,
+    store: Store,
+    settings: SandboxSettings,
+    live: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+#[derive(Debug)]
+pub struct Entry {
+    pub id: String,
+    pub workspace_id: String,
+    slot: Arc<RwLock<Slot>>,
+    last_activity: AtomicI64,
+    /// The last activity time written to the store.
+    stored_activity: AtomicI64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: SandboxState,
+    reason: Option<String>,
+    /// Present while the VM runs or is paused.
+    vm: Option<Vm>,
+    /// The task that notices the VM failing.
+    watcher: Option<AbortHandle>,
+}
+
+impl Slot {
+    fn stop_watching(&mut self) {
+        if let Some(watcher) = self.watcher.take() {
+            watcher.abort();
+        }
+    }
+}
+
+/// A running sandbox, held so that no lifecycle change happens under it.
+#[derive(Debug)]
+pub struct Running {
+    pub vm: Vm,
+    pub entry: Arc<Entry>,
+    _guard: OwnedRwLockReadGuard<Slot>,
+}
+
+/// How often at most the last activity time is written to the store.
+const ACTIVITY_WRITE_INTERVAL_MS: i64 = 30_000;
+
+impl Entry {
+    fn new(id: &str, workspace_id: &str, slot: Slot, last_activity: i64) -> Arc<Self> {
+        Arc::new(Self {
+            id: id.to_string(),
+            workspace_id: workspace_id.to_string(),
+            slot: Arc::new(RwLock::new(slot)),
+            last_activity: AtomicI64::new(last_activity),
+            stored_activity: AtomicI64::new(last_activity),
+        })
+    }
+
+    pub fn idle_seconds(&self) -> u64 {
+        ((now_ms() - self.last_activity.load(Ordering::Relaxed)).max(0) / 1000) as u64
+    }
+}
+
+impl SandboxService {
+    pub fn new(runtime: VmRuntime, store: Store, settings: SandboxSettings) -> Self {
+        Self { inner: Arc::new(Inner { runtime, store, settings, live: Mutex::default() }) }
+    }
+
+    pub fn runtime(&self) -> &VmRuntime {
+        &self.inner.runtime
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    pub fn settings(&self) -> &SandboxSettings {
+        &self.inner.settings
+    }
+
+    /// The live sandbox `id` of this workspace; another workspace's is "not found" too.
+    pub fn entry(&self, workspace_id: &str, id: &str) -> Result<Arc<Entry>, ApiError> {
+        let live = self.inner.live.lock().expect("sandbox map lock");
+        live.get(id)
+            .filter(|entry| entry.workspace_id == workspace_id)
+            .cloned()
+            .ok_or_else(|| not_found(id))
+    }
+
+    fn insert(&self, entry: Arc<Entry>) {
+        self.inner.live.lock().expect("sandbox map lock").insert(entry.id.clone(), entry);
+    }
+
+    fn forget(&self, id: &str) {
+        self.inner.live.lock().expect("sandbox map lock").remove(id);
+    }
+
+    /// Records use of a sandbox now (its idle time starts again).
+    pub fn touch(&self, entry: &Entry) {
+        let now = now_ms();
+        entry.last_activity.store(now, Ordering::Relaxed);
+        if now - entry.stored_activity.load(Ordering::Relaxed) > ACTIVITY_WRITE_INTERVAL_MS {
+            entry.stored_activity.store(now, Ordering::Relaxed);
+            let store = self.inner.store.clone();
+            let id = entry.id.clone();
+            tokio::spawn(async move {
+                if let Err(e) = store.touch_sandbox(&id, now).await {
+                    tracing::warn!(sandbox = %id, "recording activity: {}", chain(&e));
+                }
+            });
+        }
+    }
+
+    /// The sandbox, running: a hibernated one is woken first (auto-wake); a
+    /// paused or failed one is refused with the reason.
+    pub async fn running(&self, workspace_id: &str, id: &str) -> Result<Running, ApiError> {
+        let entry = self.entry(workspace_id, id)?;
+        self.touch(&entry);
+        // A sandbox hibernated again between our wake and our read: wake again, a few times.
+        for _ in 0..3 {
+            let guard = entry.slot.clone().read_owned().await;
+            match (guard.state, &guard.vm) {
+                (SandboxState::Running, Some(vm)) => {
+                    return Ok(Running { vm: vm.clone(), entry: entry.clone(), _guard: guard });
+                }
+                (SandboxState::Hibernated, _) => {
+                    drop(guard);
+                    self.wake_entry(&entry, true).await?;
+                }
+                (state, _) => return Err(not_usable(id, state, guard.reason.as_deref())),
+            }
+        }
+        Err(ApiError::Unavailable { message: format!("auto-wake: sandbox {id} keeps being hibernated"), retry_after: None })
+    }
+
+    /// Records an event; a failure to record is logged, not returned (the
+    /// operation it describes has happened).
+    pub async fn record(&self, entry: &Entry, kind: &str, detail: serde_json::Value) {
+        if let Err(e) = self.inner.store.record_event(&entry.workspace_id, &entry.id, kind, detail).await {
+            tracing::error!(sandbox = %entry.id, kind, "recording an event: {}", chain(&e));
+        }
+    }
+
+    /// Moves the sandbox to `state` in the store and in memory.
+    async fn set_state(&self, entry: &Entry, slot: &mut Slot, state: SandboxState, reason: Option<String>) -> Result<(), ApiError> {
+        self.inner.store.set_sandbox_state(&entry.id, state, reason.as_deref()).await?;
+        slot.state = state;
+        slot.reason = reason;
+        Ok(())
+    }
+
+    /// Starts the task that marks the sandbox failed when its VM fails.
+    fn watch(&self, entry: &Arc<Entry>, vm: &Vm) -> AbortHandle {
+        let service: Weak<Inner> = Arc::downgrade(&self.inner);
+        let entry = entry.clone();
+        let vm = vm.clone();
+        tokio::spawn(async move {
+            let failure = vm.failed().await;
+            drop(vm);
+            if let Some(inner) = service.upgrade() {
+                SandboxService { inner }.mark_failed(&entry, failure).await;
+            }
+        })
+        .abort_handle()
+    }
+
+    async fn mark_failed(&self, entry: &Arc<Entry>, failure: VmFailure) {
+        let mut slot = entry.slot.write().await;
+        if !matches!(slot.state, SandboxState::Running | SandboxState::Paused) {
+            return;
+        }
+        tracing::warn!(sandbox = %entry.id, "sandbox failed: {}", failure.reason);
+        slot.vm = None;
+        slot.watcher = None;
+        if let Err(e) = self.set_state(entry, &mut slot, SandboxState::Failed, Some(failure.reason.clone())).await {
+            tracing::error!(sandbox = %entry.id, "recording the failure: {e}");
+        }
+        let detail = serde_json::json!({
+            "kind": format!("{:?}", failure.kind),
+            "reason": failure.reason,
+            "console_tail": failure.console_tail,
+        });
+        self.record(entry, "failed", detail).await;
+    }
+
+    /// Lets go of every VM handle (the VMs keep running: they are
+    /// persistent) so that another server process, or this one started
+    /// again, can adopt them.
+    pub async fn detach(&self) {
+        let entries: Vec<Arc<Entry>> = self.inner.live.lock().expect("sandbox map lock").drain().map(|(_, e)| e).collect();
+        for entry in entries {
+            let mut slot = entry.slot.write().await;
+            slot.stop_watching();
+            slot.vm = None;
+        }
+    }
+}
+
+pub fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("sandbox {id} not found"))
+}
+
+fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
+    match state {
+        SandboxState::Paused => {
+            ApiError::conflict(format!("sandbox {id} is paused: resume it first (POST /v1/sandboxes/{id}/resume)"))
+        }
+        SandboxState::Failed => ApiError::conflict(format!(
+            "sandbox {id} has failed ({}); delete it and create another",
+            reason.unwrap_or("no reason recorded")
+        )),
+        SandboxState::Creating => ApiError::conflict(format!("sandbox {id} is still being created")),
+        SandboxState::Deleted => not_found(id),
+        SandboxState::Running | SandboxState::Hibernated => {
+            ApiError::internal("internal error", format!("sandbox {id} is {state} without a VM"))
+        }
+    }
+}
+
+/// A VM-layer failure as an API error; `what` names the operation for the
+/// client (the cause is logged, not shown).
+pub fn vm_error(what: &str, err: VmError) -> ApiError {
+    match err {
+        VmError::Admission(_) => ApiError::InsufficientStorage("insufficient host memory/storage for sandbox".into()),
+        VmError::Image(ImageError::UnknownImage { name, available }) => {
+            ApiError::bad_request(format!("unknown template {name:?}: available: {available}"))
+        }
+        VmError::Agent(AgentError::Guest(e)) => guest_error(e, None),
+        VmError::Hibernated(id) => ApiError::conflict(format!("sandbox {id} is hibernated")),
+        other => ApiError::internal(format!("{what} failed"), other),
+    }
+}
+
+/// A guest agent failure (`path` is what the operation was about).
+pub fn agent_error(what: &str, err: AgentError, path: Option<&str>) -> ApiError {
+    match err {
+        AgentError::Guest(e) => guest_error(e, path),
+        other => ApiError::internal(format!("{what} failed"), other),
+    }
+}
+
+fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
+    let subject = path.map(|p| format!(": {p}")).unwrap_or_default();
+    match e.kind {
+        ErrorKind::NotFound => ApiError::not_found(format!("no such file or directory{subject}")),
+        ErrorKind::PermissionDenied => ApiError::bad_request(format!("permission denied{subject}")),
+        ErrorKind::IsADirectory => ApiError::bad_request(format!("is a directory{subject}")),
+        ErrorKind::NotADirectory => ApiError::bad_request(format!("not a directory{subject}")),
+        ErrorKind::AlreadyExists => ApiError::conflict(format!("already exists{subject}")),
+        ErrorKind::DirectoryNotEmpty => ApiError::conflict(format!("directory not empty{subject}")),
+        ErrorKind::InvalidInput => ApiError::bad_request(e.message),
+        ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
+    }
+}
+
+/// What the failure watchdog of server sandboxes looks like.
+fn watchdog() -> Option<Watchdog> {
+    Some(Watchdog::default())
+}

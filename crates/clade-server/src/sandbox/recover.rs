@@ -1,0 +1,80 @@
+//! Start-up: the sandboxes the store says exist get their VMs back. Running
+//! and paused VMs are adopted, hibernated ones stay wakeable, and a sandbox
+//! whose VM is gone is marked failed with the reason.
+
+use std::collections::HashMap;
+
+use clade_host::vm::Phase;
+use clade_host::VmError;
+use clade_store::SandboxState;
+
+use super::{watchdog, Entry, SandboxService, Slot};
+use crate::error::{chain, ApiError};
+
+impl SandboxService {
+    pub async fn recover(&self) -> Result<(), ApiError> {
+        let live = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated];
+        let rows = self.store().sandboxes_in(&live).await?;
+        let failed = self.store().sandboxes_in(&[SandboxState::Failed]).await?;
+        let records: HashMap<String, Phase> =
+            self.runtime().list().into_iter().map(|(record, _)| (record.id.clone(), record.phase)).collect();
+        for row in failed {
+            let slot = Slot { state: SandboxState::Failed, reason: row.state_reason.clone(), vm: None, watcher: None };
+            self.insert(Entry::new(&row.id, &row.workspace_id, slot, row.last_activity_at));
+        }
+        for row in rows {
+            let entry = Entry::new(
+                &row.id,
+                &row.workspace_id,
+                Slot { state: row.state, reason: None, vm: None, watcher: None },
+                row.last_activity_at,
+            );
+            self.insert(entry.clone());
+            let mut slot = entry.slot.write().await;
+            let outcome = match (row.state, records.get(&row.id)) {
+                (SandboxState::Creating, _) => Err("the server stopped while creating it".to_string()),
+                (_, None) => Err("its VM was gone when the server started".to_string()),
+                (SandboxState::Hibernated, Some(Phase::Hibernated)) => Ok(None),
+                (_, Some(_)) => match self.runtime().adopt(&row.id, watchdog()).await {
+                    Ok(vm) => Ok(Some(vm)),
+                    Err(VmError::Hibernated(_)) => Ok(None),
+                    Err(VmError::Gone(_)) => Err("its VM process died while the server was down".to_string()),
+                    Err(e) => {
+                        tracing::error!(sandbox = %row.id, "adopting: {}", chain(&e));
+                        Err("its VM could not be adopted after a server restart".to_string())
+                    }
+                },
+            };
+            match outcome {
+                Ok(Some(vm)) => {
+                    let state = if records.get(&row.id) == Some(&Phase::Paused) {
+                        SandboxState::Paused
+                    } else {
+                        SandboxState::Running
+                    };
+                    slot.watcher = Some(self.watch(&entry, &vm));
+                    slot.vm = Some(vm);
+                    self.set_state(&entry, &mut slot, state, None).await?;
+                    drop(slot);
+                    self.record(&entry, "adopted", serde_json::json!({ "state": state.as_str() })).await;
+                    tracing::info!(sandbox = %row.id, %state, "adopted");
+                }
+                Ok(None) => {
+                    self.set_state(&entry, &mut slot, SandboxState::Hibernated, None).await?;
+                }
+                Err(reason) => {
+                    tracing::warn!(sandbox = %row.id, "marked failed: {reason}");
+                    // Its files, if any are left, go: nothing can run them again.
+                    match self.runtime().remove(&row.id).await {
+                        Ok(()) | Err(VmError::NotFound(_)) => {}
+                        Err(e) => tracing::error!(sandbox = %row.id, "removing a dead VM: {}", chain(&e)),
+                    }
+                    self.set_state(&entry, &mut slot, SandboxState::Failed, Some(reason.clone())).await?;
+                    drop(slot);
+                    self.record(&entry, "failed", serde_json::json!({ "reason": reason })).await;
+                }
+            }
+        }
+        Ok(())
+    }
+}

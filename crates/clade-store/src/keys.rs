@@ -1,0 +1,155 @@
+//! API keys: 32 random bytes shown once as `clade_<64 hex>`; the database
+//! keeps only their SHA-256 and a short prefix for display. Lookups are by
+//! hash, so a key is never compared or stored in the clear.
+
+use sha2::{Digest, Sha256};
+use sqlx::any::AnyRow;
+
+use crate::{col, is_unique_violation, now_ms, random_hex, Store, StoreError, UnixMillis};
+
+/// What every key starts with (so leaked keys are recognisable).
+pub const KEY_PREFIX: &str = "clade_";
+
+/// Hex digits of the key kept for display (after [`KEY_PREFIX`]).
+const DISPLAY_DIGITS: usize = 12;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    pub id: String,
+    pub workspace_id: String,
+    pub name: String,
+    /// `clade_` and the key's first hex digits: enough to tell keys apart.
+    pub prefix: String,
+    pub created_at: UnixMillis,
+    pub last_used_at: Option<UnixMillis>,
+    pub revoked_at: Option<UnixMillis>,
+}
+
+impl ApiKey {
+    pub fn is_revoked(&self) -> bool {
+        self.revoked_at.is_some()
+    }
+
+    fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            id: col(row, "id")?,
+            workspace_id: col(row, "workspace_id")?,
+            name: col(row, "name")?,
+            prefix: col(row, "prefix")?,
+            created_at: col(row, "created_at")?,
+            last_used_at: col(row, "last_used_at")?,
+            revoked_at: col(row, "revoked_at")?,
+        })
+    }
+}
+
+/// A key just made: the only time its secret is known.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    pub key: ApiKey,
+    pub secret: String,
+}
+
+const COLUMNS: &str = "id, workspace_id, name, prefix, created_at, last_used_at, revoked_at";
+
+fn hash(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+impl Store {
+    pub async fn create_key(&self, workspace_id: &str, name: &str) -> Result<NewKey, StoreError> {
+        // A prefix collision (1 in 2^48 per pair) just draws again.
+        for _ in 0..3 {
+            let secret = format!("{KEY_PREFIX}{}", random_hex(32));
+            let key = ApiKey {
+                id: format!("key_{}", random_hex(8)),
+                workspace_id: workspace_id.to_string(),
+                name: name.to_string(),
+                prefix: secret[..KEY_PREFIX.len() + DISPLAY_DIGITS].to_string(),
+                created_at: now_ms(),
+                last_used_at: None,
+                revoked_at: None,
+            };
+            let inserted = sqlx::query(
+                "INSERT INTO api_keys (id, workspace_id, name, prefix, key_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&key.id)
+            .bind(&key.workspace_id)
+            .bind(&key.name)
+            .bind(&key.prefix)
+            .bind(hash(&secret))
+            .bind(key.created_at)
+            .execute(&self.pool)
+            .await;
+            match inserted {
+                Ok(_) => return Ok(NewKey { key, secret }),
+                Err(e) if is_unique_violation(&e) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Conflict("an API key with this prefix".into()))
+    }
+
+    /// The live key with this secret, marked as used now; `None` for an
+    /// unknown or revoked key.
+    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+        if !secret.starts_with(KEY_PREFIX) {
+            return Ok(None);
+        }
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL"))
+            .bind(hash(secret))
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(mut key) = row.as_ref().map(ApiKey::from_row).transpose()? else { return Ok(None) };
+        let now = now_ms();
+        // Recorded at most once a minute: a write per request would serialise SQLite.
+        if key.last_used_at.is_none_or(|t| now - t > 60_000) {
+            sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2").bind(now).bind(&key.id).execute(&self.pool).await?;
+            key.last_used_at = Some(now);
+        }
+        Ok(Some(key))
+    }
+
+    /// Keys of one workspace, or of all when `workspace_id` is `None`; oldest first.
+    pub async fn list_keys(&self, workspace_id: Option<&str>) -> Result<Vec<ApiKey>, StoreError> {
+        let rows = match workspace_id {
+            Some(ws) => {
+                sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE workspace_id = $1 ORDER BY created_at, id"))
+                    .bind(ws)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys ORDER BY created_at, id")).fetch_all(&self.pool).await?,
+        };
+        rows.iter().map(ApiKey::from_row).collect()
+    }
+
+    /// Revokes a key named by its id or its prefix, within a workspace (or
+    /// anywhere when `workspace_id` is `None`). Revoking twice is fine; a key
+    /// that does not exist (there) is [`StoreError::NotFound`].
+    pub async fn revoke_key(&self, workspace_id: Option<&str>, id_or_prefix: &str) -> Result<ApiKey, StoreError> {
+        let mut keys: Vec<ApiKey> = self
+            .list_keys(workspace_id)
+            .await?
+            .into_iter()
+            .filter(|k| k.id == id_or_prefix || k.prefix == id_or_prefix)
+            .collect();
+        let Some(mut key) = keys.pop().filter(|_| keys.is_empty()) else {
+            return Err(StoreError::NotFound(format!("API key {id_or_prefix:?}")));
+        };
+        if key.revoked_at.is_none() {
+            let now = now_ms();
+            sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL")
+                .bind(now)
+                .bind(&key.id)
+                .execute(&self.pool)
+                .await?;
+            key.revoked_at = Some(now);
+        }
+        Ok(key)
+    }
+
+    pub async fn key_count(&self) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM api_keys").fetch_one(&self.pool).await?)
+    }
+}

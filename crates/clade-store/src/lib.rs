@@ -1,0 +1,136 @@
+//! The Clade server's database, behind one type: [`Store`].
+//!
+//! SQLite (the default: one file under the data directory) or PostgreSQL
+//! (selected by a `postgres://` URL). Every query is written once, for both,
+//! through sqlx's `Any` driver: `$N` placeholders, times as Unix milliseconds
+//! (`BIGINT`), flags as 0/1 integers, JSON as text. Only the schema differs
+//! (`migrations/{sqlite,postgres}/`), by the auto-increment key of `events`.
+//!
+//! This crate owns rows, not policy: which workspace may see what is decided
+//! by the server, which passes the workspace id to every scoped query.
+
+mod events;
+mod keys;
+mod migrate;
+mod sandboxes;
+mod snapshots;
+mod workspaces;
+
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::AnyPool;
+
+pub use events::Event;
+pub use keys::{ApiKey, NewKey, KEY_PREFIX};
+pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
+pub use snapshots::SnapshotRow;
+pub use workspaces::Workspace;
+
+/// Unix time in milliseconds.
+pub type UnixMillis = i64;
+
+pub fn now_ms() -> UnixMillis {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("unsupported database URL {0:?}: use sqlite://PATH or postgres://…")]
+    UnsupportedUrl(String),
+    #[error("opening the database")]
+    Connect(#[source] sqlx::Error),
+    #[error("migrating the database to schema version {version}")]
+    Migrate {
+        version: i64,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("database query failed")]
+    Query(#[from] sqlx::Error),
+    #[error("stored {what} is malformed: {detail}")]
+    Corrupt { what: &'static str, detail: String },
+    #[error("{0} already exists")]
+    Conflict(String),
+    #[error("{0} not found")]
+    NotFound(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The database. Cheap to clone (a connection pool).
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl Store {
+    /// The default database of a data directory: `DATA_DIR/clade.db`.
+    pub fn default_url(data_dir: &Path) -> String {
+        format!("sqlite://{}", data_dir.join("clade.db").display())
+    }
+
+    /// Connects (creating a SQLite file if needed) and brings the schema up to date.
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        sqlx::any::install_default_drivers();
+        let (backend, url) = if url.starts_with("sqlite:") {
+            let url = if url.contains('?') { url.to_string() } else { format!("{url}?mode=rwc") };
+            (Backend::Sqlite, url)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            (Backend::Postgres, url.to_string())
+        } else {
+            return Err(StoreError::UnsupportedUrl(url.to_string()));
+        };
+        let options = AnyPoolOptions::new().max_connections(match backend {
+            // One writer at a time anyway; a small pool keeps readers from waiting on it.
+            Backend::Sqlite => 4,
+            Backend::Postgres => 8,
+        });
+        let pool = options.connect(&url).await.map_err(StoreError::Connect)?;
+        if backend == Backend::Sqlite {
+            // Readers do not block the writer (and the reverse); kept in the file.
+            sqlx::query("PRAGMA journal_mode = WAL").execute(&pool).await.map_err(StoreError::Connect)?;
+        }
+        let store = Self { pool, backend };
+        migrate::run(&store).await?;
+        Ok(store)
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Closes every connection (waits for those in use).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// A column that must be present and of the expected type.
+fn col<'r, T>(row: &'r AnyRow, name: &str) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, sqlx::Any> + sqlx::Type<sqlx::Any>,
+{
+    use sqlx::Row;
+    Ok(row.try_get(name)?)
+}
+
+/// Random lowercase hex, `bytes` bytes of entropy.
+fn random_hex(bytes: usize) -> String {
+    let data: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
+    hex::encode(data)
+}
+
+/// Whether an error is a unique-constraint violation (on either backend).
+fn is_unique_violation(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Database(db) => db.is_unique_violation(),
+        _ => false,
+    }
+}

@@ -1,0 +1,44 @@
+//! Schema migrations: numbered SQL files per backend, applied in order, each
+//! in a transaction together with its row in `clade_schema`.
+
+use crate::{now_ms, Backend, Store, StoreError};
+
+struct Migration {
+    version: i64,
+    sqlite: &'static str,
+    postgres: &'static str,
+}
+
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+    postgres: include_str!("../migrations/postgres/0001_init.sql"),
+}];
+
+pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {
+    let fail = |version| move |source| StoreError::Migrate { version, source };
+    sqlx::query("CREATE TABLE IF NOT EXISTS clade_schema (version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)")
+        .execute(&store.pool)
+        .await
+        .map_err(fail(0))?;
+    let current: Option<i64> =
+        sqlx::query_scalar("SELECT MAX(version) FROM clade_schema").fetch_one(&store.pool).await.map_err(fail(0))?;
+    let current = current.unwrap_or(0);
+    for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
+        let sql = match store.backend {
+            Backend::Sqlite => migration.sqlite,
+            Backend::Postgres => migration.postgres,
+        };
+        let mut tx = store.pool.begin().await.map_err(fail(migration.version))?;
+        sqlx::raw_sql(sql).execute(&mut *tx).await.map_err(fail(migration.version))?;
+        sqlx::query("INSERT INTO clade_schema (version, applied_at) VALUES ($1, $2)")
+            .bind(migration.version)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await
+            .map_err(fail(migration.version))?;
+        tx.commit().await.map_err(fail(migration.version))?;
+        tracing::info!(version = migration.version, "database schema migrated");
+    }
+    Ok(())
+}

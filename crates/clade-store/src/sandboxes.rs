@@ -1,0 +1,219 @@
+//! Sandboxes: one row per sandbox, its id being the host VM's id. Deleted
+//! sandboxes keep their row (state `deleted`) so their events stay readable.
+
+use std::collections::BTreeMap;
+
+use sqlx::any::AnyRow;
+
+use crate::{col, now_ms, Store, StoreError, UnixMillis};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SandboxState {
+    Creating,
+    Running,
+    Paused,
+    Hibernated,
+    Failed,
+    Deleted,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Creating => "creating",
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Hibernated => "hibernated",
+            Self::Failed => "failed",
+            Self::Deleted => "deleted",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Creating, Self::Running, Self::Paused, Self::Hibernated, Self::Failed, Self::Deleted]
+            .into_iter()
+            .find(|state| state.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxRow {
+    pub id: String,
+    pub workspace_id: String,
+    pub template: String,
+    pub state: SandboxState,
+    /// Why it is in its state, for `failed` (and any state a caller explains).
+    pub state_reason: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub cpu: u32,
+    pub memory_mb: u32,
+    /// Idle time after which a non-persistent sandbox is deleted.
+    pub ttl_seconds: u64,
+    /// Idle time after which a persistent sandbox is hibernated (unset: never).
+    pub hibernate_after_seconds: Option<u64>,
+    pub persistent: bool,
+    pub created_at: UnixMillis,
+    pub last_activity_at: UnixMillis,
+    pub fork_tree_id: Option<String>,
+}
+
+/// What a create stores; the rest starts at its defaults.
+#[derive(Debug, Clone)]
+pub struct NewSandbox {
+    pub id: String,
+    pub workspace_id: String,
+    pub template: String,
+    pub state: SandboxState,
+    pub metadata: BTreeMap<String, String>,
+    pub cpu: u32,
+    pub memory_mb: u32,
+    pub ttl_seconds: u64,
+    pub persistent: bool,
+    pub fork_tree_id: Option<String>,
+}
+
+const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
+                       hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id";
+
+impl SandboxRow {
+    fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        let state: String = col(row, "state")?;
+        let metadata: String = col(row, "metadata")?;
+        let corrupt = |what, detail: String| StoreError::Corrupt { what, detail };
+        Ok(Self {
+            id: col(row, "id")?,
+            workspace_id: col(row, "workspace_id")?,
+            template: col(row, "template")?,
+            state: SandboxState::parse(&state).ok_or_else(|| corrupt("sandbox state", state.clone()))?,
+            state_reason: col(row, "state_reason")?,
+            metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("sandbox metadata", e.to_string()))?,
+            cpu: col::<i64>(row, "cpu")? as u32,
+            memory_mb: col::<i64>(row, "memory_mb")? as u32,
+            ttl_seconds: col::<i64>(row, "ttl_seconds")?.max(0) as u64,
+            hibernate_after_seconds: col::<Option<i64>>(row, "hibernate_after_seconds")?.map(|s| s.max(0) as u64),
+            persistent: col::<i64>(row, "persistent")? != 0,
+            created_at: col(row, "created_at")?,
+            last_activity_at: col(row, "last_activity_at")?,
+            fork_tree_id: col(row, "fork_tree_id")?,
+        })
+    }
+}
+
+impl Store {
+    pub async fn insert_sandbox(&self, new: NewSandbox) -> Result<SandboxRow, StoreError> {
+        let now = now_ms();
+        let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
+        sqlx::query(&format!(
+            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11)"
+        ))
+        .bind(&new.id)
+        .bind(&new.workspace_id)
+        .bind(&new.template)
+        .bind(new.state.as_str())
+        .bind(&metadata)
+        .bind(i64::from(new.cpu))
+        .bind(i64::from(new.memory_mb))
+        .bind(new.ttl_seconds as i64)
+        .bind(i64::from(new.persistent))
+        .bind(now)
+        .bind(&new.fork_tree_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(SandboxRow {
+            id: new.id,
+            workspace_id: new.workspace_id,
+            template: new.template,
+            state: new.state,
+            state_reason: None,
+            metadata: new.metadata,
+            cpu: new.cpu,
+            memory_mb: new.memory_mb,
+            ttl_seconds: new.ttl_seconds,
+            hibernate_after_seconds: None,
+            persistent: new.persistent,
+            created_at: now,
+            last_activity_at: now,
+            fork_tree_id: new.fork_tree_id,
+        })
+    }
+
+    /// A sandbox of this workspace that is not deleted.
+    pub async fn sandbox(&self, workspace_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND workspace_id = $2 AND state <> 'deleted'"
+        ))
+        .bind(id)
+        .bind(workspace_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(SandboxRow::from_row).transpose()
+    }
+
+    /// The sandboxes of a workspace that are not deleted, oldest first.
+    pub async fn list_sandboxes(&self, workspace_id: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE workspace_id = $1 AND state <> 'deleted' ORDER BY created_at, id"
+        ))
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(SandboxRow::from_row).collect()
+    }
+
+    /// Every sandbox in one of `states`, in any workspace (start-up recovery).
+    pub async fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at, id")).fetch_all(&self.pool).await?;
+        let rows: Result<Vec<SandboxRow>, StoreError> = rows.iter().map(SandboxRow::from_row).collect();
+        Ok(rows?.into_iter().filter(|row| states.contains(&row.state)).collect())
+    }
+
+    /// Moves a sandbox to `state`, recording why (or clearing the reason).
+    pub async fn set_sandbox_state(&self, id: &str, state: SandboxState, reason: Option<&str>) -> Result<(), StoreError> {
+        let updated = sqlx::query("UPDATE sandboxes SET state = $1, state_reason = $2 WHERE id = $3")
+            .bind(state.as_str())
+            .bind(reason)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        if updated.rows_affected() == 0 {
+            return Err(StoreError::NotFound(format!("sandbox {id}")));
+        }
+        Ok(())
+    }
+
+    /// Changes the idle TTL and/or the persistent flag.
+    pub async fn set_sandbox_lifecycle(
+        &self,
+        id: &str,
+        ttl_seconds: Option<u64>,
+        persistent: Option<bool>,
+    ) -> Result<(), StoreError> {
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET ttl_seconds = COALESCE($1, ttl_seconds), persistent = COALESCE($2, persistent) WHERE id = $3",
+        )
+        .bind(ttl_seconds.map(|t| t as i64))
+        .bind(persistent.map(i64::from))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        if updated.rows_affected() == 0 {
+            return Err(StoreError::NotFound(format!("sandbox {id}")));
+        }
+        Ok(())
+    }
+
+    pub async fn touch_sandbox(&self, id: &str, at: UnixMillis) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET last_activity_at = $1 WHERE id = $2 AND last_activity_at < $1")
+            .bind(at)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
