@@ -131,8 +131,16 @@ impl IntoResponse for ApiError {
             }
         };
         let mut response = (status, Json(body)).into_response();
-        if let Self::Unavailable { retry_after: Some(seconds), .. } = self {
-            response.headers_mut().insert("retry-after", HeaderValue::from(seconds));
+        match self {
+            Self::Unavailable { retry_after: Some(seconds), .. } => {
+                response.headers_mut().insert("retry-after", HeaderValue::from(seconds));
+            }
+            // The body was refused unread: the connection cannot carry another
+            // request, and a client must not reuse it.
+            Self::PayloadTooLarge(_) => {
+                response.headers_mut().insert("connection", HeaderValue::from_static("close"));
+            }
+            _ => {}
         }
         response
     }

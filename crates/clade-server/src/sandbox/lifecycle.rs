@@ -7,14 +7,17 @@ use crate::error::{chain, ApiError};
 use std::sync::Arc;
 
 impl SandboxService {
-    /// Wakes a hibernated sandbox (a no-op for a running one). `auto` when a
-    /// request to the sandbox does it: its failure is then a 503 `auto-wake: …`.
+    /// Wakes a hibernated sandbox (a no-op for a running one; `POST /wake`
+    /// also resumes a paused one). `auto` when a request to the sandbox does
+    /// it: its failure is then a 503 `auto-wake: …`.
     pub(super) async fn wake_entry(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
         let mut slot = entry.slot.write().await;
         match slot.state {
             SandboxState::Hibernated => {}
             SandboxState::Running => return Ok(()),
-            SandboxState::Paused if !auto => {
+            // Its caller decides what a paused sandbox means for it.
+            SandboxState::Paused if auto => return Ok(()),
+            SandboxState::Paused => {
                 drop(slot);
                 return self.resume_entry(entry).await;
             }
