@@ -2,6 +2,8 @@
 //! here; everything else is in the library crates.
 
 mod images;
+mod keys;
+mod server;
 mod term;
 mod vm;
 
@@ -38,13 +40,25 @@ enum Command {
     /// Guest images (kernel and root filesystem).
     #[command(subcommand)]
     Images(images::ImagesCommand),
+    /// Serve the HTTP API (PandaStack-compatible) over this host's VMs.
+    Server(server::ServerArgs),
+    /// API keys of a local server, in its database (works whether or not it runs).
+    Keys {
+        /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
+        #[arg(long, env = "CLADE_DATABASE_URL")]
+        database_url: Option<String>,
+        #[command(subcommand)]
+        command: keys::KeysCommand,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A server's log is its record of what happened; a command's is only for trouble.
+    let default_log = if matches!(cli.command, Command::Server(_)) { "info" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| default_log.into()),
         )
         .with_writer(std::io::stderr)
         .with_target(false)
@@ -70,6 +84,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Vm(command) => vm::run(command, config).await,
             Command::Images(command) => images::run(command, config).await,
+            Command::Server(args) => server::run(args, config).await,
+            Command::Keys { database_url, command } => keys::run(command, database_url, config).await,
         }
     });
     // Don't wait for stdin readers or other blocking tasks still parked.

@@ -1,0 +1,81 @@
+//! `clade keys …`: API keys, on a local server's database directly
+//! (`--data-dir`, or `--database-url`), whether or not the server runs.
+
+use std::process::ExitCode;
+
+use clade_host::HostConfig;
+use clade_store::Store;
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum KeysCommand {
+    /// Make a key; prints it alone on the last line (it is shown only this once).
+    Create {
+        /// The workspace, created if it does not exist.
+        #[arg(long, default_value = "default")]
+        workspace: String,
+        /// A name to tell the key apart.
+        #[arg(long, default_value = "cli")]
+        name: String,
+    },
+    /// List the keys (every workspace, or one).
+    List {
+        #[arg(long)]
+        workspace: Option<String>,
+    },
+    /// Revoke a key by its id or prefix (from `clade keys list`).
+    Revoke { id: String },
+}
+
+pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostConfig) -> anyhow::Result<ExitCode> {
+    std::fs::create_dir_all(&host.data_dir)?;
+    let url = database_url.unwrap_or_else(|| Store::default_url(&host.data_dir));
+    let store = Store::open(&url).await?;
+    match command {
+        KeysCommand::Create { workspace, name } => {
+            let workspace = store.ensure_workspace(&workspace).await?;
+            let new = store.create_key(&workspace.id, &name).await?;
+            eprintln!("created key {} ({}) in workspace {}", new.key.id, new.key.prefix, workspace.name);
+            println!("{}", new.secret);
+        }
+        KeysCommand::List { workspace } => {
+            let workspaces = store.list_workspaces().await?;
+            let filter = match &workspace {
+                Some(name) => Some(
+                    workspaces
+                        .iter()
+                        .find(|w| &w.name == name)
+                        .ok_or_else(|| anyhow::anyhow!("no workspace {name:?}"))?
+                        .id
+                        .clone(),
+                ),
+                None => None,
+            };
+            println!("ID\tWORKSPACE\tNAME\tPREFIX\tCREATED\tLAST USED\tSTATUS");
+            for key in store.list_keys(filter.as_deref()).await? {
+                let ws = workspaces.iter().find(|w| w.id == key.workspace_id).map_or("?", |w| w.name.as_str());
+                println!(
+                    "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                    key.id,
+                    ws,
+                    key.name,
+                    key.prefix,
+                    time(key.created_at),
+                    key.last_used_at.map_or_else(|| "never".to_string(), time),
+                    if key.is_revoked() { "revoked" } else { "active" },
+                );
+            }
+        }
+        KeysCommand::Revoke { id } => {
+            let key = store.revoke_key(None, &id).await?;
+            eprintln!("revoked key {} ({})", key.id, key.prefix);
+        }
+    }
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn time(unix_ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
+}

@@ -1,0 +1,45 @@
+//! `clade server`: the HTTP API over this host's VMs, until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clade_host::HostConfig;
+use clade_server::{auth::admin_key_path, Server, ServerConfig};
+use clap::Args;
+use tokio::signal::unix::{signal, SignalKind};
+
+#[derive(Args)]
+pub struct ServerArgs {
+    /// Address to listen on. Env: CLADE_LISTEN.
+    #[arg(long, env = "CLADE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
+    #[arg(long, env = "CLADE_DATABASE_URL")]
+    database_url: Option<String>,
+}
+
+pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
+    let data_dir = host.data_dir.clone();
+    let mut config = ServerConfig::new(args.listen, host);
+    config.database_url = args.database_url;
+    let server = Server::start(config).await?;
+    if let Some(key) = server.admin_key() {
+        eprintln!(
+            "clade server: first start: created workspace \"default\" and its admin key, shown once here \
+             and saved to {} (mode 0600):",
+            admin_key_path(&data_dir).display()
+        );
+        println!("{key}");
+    }
+    eprintln!("clade server: listening on http://{}", server.addr());
+    let mut terminate = signal(SignalKind::terminate())?;
+    server
+        .run_until(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
+            }
+        })
+        .await;
+    Ok(ExitCode::SUCCESS)
+}
