@@ -26,6 +26,9 @@ enum Bench {
         creates: usize,
         #[arg(long, default_value_t = 20)]
         density: usize,
+        /// Run one part only: create, concurrent, density, hibernate or fork.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// Cold boot, exec round trip, file throughput, idle QEMU memory and CPU.
     Vm {
@@ -44,7 +47,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.bench {
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
-            Bench::Snapshot { creates, density } => snapshot(creates, density).await,
+            Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }
     })
 }
@@ -131,6 +134,27 @@ async fn vm(boots: usize, execs: usize, file_mib: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// PSS of QEMU's TCG code buffer (an unnamed anonymous mapping of the
+/// default 1 GiB `tb-size`): memory a KVM host does not spend.
+fn tcg_cache_pss_kib(pid: u32) -> anyhow::Result<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut total = 0;
+    let mut in_buffer = false;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
+            let unnamed = fields.len() == 5;
+            let size = fields[0]
+                .split_once('-')
+                .and_then(|(a, b)| Some(u64::from_str_radix(b, 16).ok()? - u64::from_str_radix(a, 16).ok()?));
+            in_buffer = unnamed && size.is_some_and(|s| s >= (1 << 30) - (1 << 20));
+        } else if in_buffer && fields.first() == Some(&"Pss:") {
+            total += fields.get(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    Ok(total)
+}
+
 fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
     let field = |name: &str| {
@@ -152,10 +176,12 @@ fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
 }
 
-async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
+async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyhow::Result<()> {
+    let want = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let data = std::env::temp_dir().join(format!("clade-bench-{}", std::process::id()));
     let config = HostConfig { data_dir: data.clone(), ..HostConfig::from_env().map_err(anyhow::Error::msg)? };
-    let runtime = VmRuntime::new(config)?;
+    let without_standby = VmRuntime::new(config)?;
+    let runtime = without_standby.clone().with_standby(STANDBY);
     let store = runtime.images().clone();
     let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
     let spec = VmSpec::new(image.clone());
@@ -169,7 +195,7 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
 
     // Cold boot to first exec, for the ratio.
     let mut cold = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..if want("create") { 3 } else { 0 } {
         let start = Instant::now();
         let vm = runtime.boot(spec.clone()).await?;
         vm.agent().run(true_cmd()).await?;
@@ -177,34 +203,46 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
         vm.stop().await?;
     }
     cold.sort();
-    let cold_median = cold[cold.len() / 2];
-    println!("cold boot to first exec: median {} (n=3)", ms(cold_median));
-
-    // Create (restore) to first successful exec, sequential.
-    let mut times = Vec::new();
-    let mut to_ping = Vec::new();
-    for _ in 0..creates {
-        let start = Instant::now();
-        let vm = runtime.create(spec.clone()).await?;
-        to_ping.push(start.elapsed());
-        let out = vm.agent().run(true_cmd()).await?;
-        anyhow::ensure!(out.exit_code() == 0, "true failed");
-        times.push(start.elapsed());
-        vm.stop().await?;
+    if want("create") {
+        let cold_median = cold[cold.len() / 2];
+        println!("cold boot to first exec: median {} (n=3)", ms(cold_median));
     }
-    times.sort();
-    to_ping.sort();
-    let p50 = percentile(&times, 50.0);
-    println!(
-        "create (restore) to agent ready + hook: p50 {} p99 {} (n={creates})",
-        ms(percentile(&to_ping, 50.0)),
-        ms(percentile(&to_ping, 99.0))
-    );
-    println!("create (restore) to first exec: p50 {} p99 {} (n={creates})", ms(p50), ms(percentile(&times, 99.0)));
-    println!("ratio cold boot / create p50: {:.1}x", cold_median.as_secs_f64() / p50.as_secs_f64());
+
+    // Create (restore) to first successful exec, sequential: with a standby
+    // VMM ready (the pool refilled between creates, as between a server's
+    // requests), then without one (QEMU started inside the create).
+    let mut p50s = Vec::new();
+    let create_runs = if want("create") { vec![("standby VMM ready", &runtime), ("no standby VMM", &without_standby)] } else { Vec::new() };
+    for (label, runtime) in create_runs {
+        let mut times = Vec::new();
+        let mut to_hook = Vec::new();
+        for _ in 0..creates {
+            runtime.prestart(&spec).await?;
+            let start = Instant::now();
+            let vm = runtime.create(spec.clone()).await?;
+            to_hook.push(start.elapsed());
+            let out = vm.agent().run(true_cmd()).await?;
+            anyhow::ensure!(out.exit_code() == 0, "true failed");
+            times.push(start.elapsed());
+            vm.stop().await?;
+        }
+        times.sort();
+        to_hook.sort();
+        let p50 = percentile(&times, 50.0);
+        println!(
+            "create ({label}) to agent ready + hook: p50 {} p99 {} (n={creates})",
+            ms(percentile(&to_hook, 50.0)),
+            ms(percentile(&to_hook, 99.0))
+        );
+        println!("create ({label}) to first exec: p50 {} p99 {} (n={creates})", ms(p50), ms(percentile(&times, 99.0)));
+        p50s.push(p50);
+    }
+    if let (Some(p50), Some(cold_median)) = (p50s.first(), cold.get(cold.len() / 2)) {
+        println!("ratio cold boot / create p50 (standby ready): {:.1}x", cold_median.as_secs_f64() / p50.as_secs_f64());
+    }
 
     // Concurrent creates: time until all answer.
-    for n in [10usize, 50] {
+    for n in if want("concurrent") { vec![10usize, 50] } else { Vec::new() } {
         let start = Instant::now();
         let tasks: Vec<_> = (0..n)
             .map(|_| {
@@ -228,15 +266,18 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
     }
 
     // Density: PSS of idle sandboxes of one template.
+    let density = if want("density") { density } else { 0 };
     let mut vms = Vec::new();
     for _ in 0..density {
         vms.push(runtime.create(spec.clone()).await?);
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let mut pss_total = 0;
+    let mut tcg_total = 0;
     let mut ticks_before = Vec::new();
     for vm in &vms {
         pss_total += memory_kib(vm.vmm().pid)?.1;
+        tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
         ticks_before.push(cpu_ticks(vm.vmm().pid)?);
     }
     let wall = Instant::now();
@@ -245,12 +286,15 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
     for (vm, before) in vms.iter().zip(ticks_before) {
         ticks += cpu_ticks(vm.vmm().pid)? - before;
     }
-    let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
-    println!(
-        "{density} idle sandboxes: PSS {:.1} MiB each ({:.0} MiB total); CPU {cpu_each:.2} % of a core each",
-        pss_total as f64 / 1024.0 / density as f64,
-        pss_total as f64 / 1024.0
-    );
+    if density > 0 {
+        let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
+        println!(
+            "{density} idle sandboxes: PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
+            pss_total as f64 / 1024.0 / density as f64,
+            pss_total as f64 / 1024.0,
+            tcg_total as f64 / 1024.0 / density as f64,
+        );
+    }
     for vm in vms {
         vm.stop().await?;
     }
@@ -259,7 +303,7 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
     let spec_persistent = VmSpec { lifetime: clade_host::Lifetime::Persistent, ..spec.clone() };
     let mut hib = Vec::new();
     let mut wake = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..if want("hibernate") { 5 } else { 0 } {
         let vm = runtime.create(spec_persistent.clone()).await?;
         vm.agent().run(ExecRequest::new(Command::Shell("python3 -c 'x = bytearray(32 << 20)'".into()))).await?;
         let id = vm.id();
@@ -275,10 +319,12 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
     }
     hib.sort();
     wake.sort();
-    println!("hibernate: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+    if !hib.is_empty() {
+        println!("hibernate: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+    }
 
     // Fork: the parent has written N MiB of memory since its restore.
-    for written_mib in [10u64, 200] {
+    for written_mib in if want("fork") { vec![10u64, 200] } else { Vec::new() } {
         for count in [1usize, 16] {
             let parent = runtime.create(spec.clone()).await?;
             let hold = format!(
@@ -310,6 +356,10 @@ async fn snapshot(creates: usize, density: usize) -> anyhow::Result<()> {
             parent.stop().await?;
         }
     }
+    runtime.drain_standby();
     let _ = std::fs::remove_dir_all(data);
     Ok(())
 }
+
+/// Standby VMMs kept per template by the benchmark's runtime.
+const STANDBY: usize = 2;

@@ -165,6 +165,10 @@ fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselve
         let err = parent.agent().read_file("/root/child").await.unwrap_err();
         assert!(err.to_string().contains("No such file"), "a child's write reached the parent: {err}");
         assert!(parent.run(sh("cat /tmp/n")).await.unwrap().exit_code() == 0, "the parent runs on");
+        assert!(
+            dirs_in_phase(env.runtime.vms_dir(), clade_host::Phase::Holder).is_empty(),
+            "the holder VMM of the live snapshot is gone"
+        );
     });
 }
 
@@ -210,5 +214,54 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 1, "the layer stays while the VM needs it");
         env.runtime.remove(&id).await.unwrap();
         assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 0, "and goes with the last VM that needed it");
+    });
+}
+
+/// VM directories whose record is in `phase`, read from disk (listings hide
+/// standby and holder VMMs).
+fn dirs_in_phase(vms_dir: &std::path::Path, phase: clade_host::Phase) -> Vec<String> {
+    std::fs::read_dir(vms_dir)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| clade_host::VmRecord::load(&e.path()))
+        .filter(|r| r.phase == phase)
+        .map(|r| r.id)
+        .collect()
+}
+
+#[test]
+fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let runtime = env.runtime.clone().with_standby(1);
+        let spec = VmSpec::new(env.image.clone());
+        runtime.prestart(&spec).await.unwrap();
+        let standby = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+        assert_eq!(standby.len(), 1, "{standby:?}");
+        assert!(runtime.list().iter().all(|(r, _)| !standby.contains(&r.id)), "a standby VMM is not a VM to list");
+
+        let vm = runtime.create(spec.clone()).await.unwrap();
+        assert!(matches!(vm.boot_kind(), BootKind::Restored { standby: true, .. }), "{:?}", vm.boot_kind());
+        assert_eq!(vm.id(), standby[0], "the create used the standby VMM");
+        let out = vm.run(sh("hostname; cat /run/clade/sandbox-id")).await.unwrap();
+        assert_eq!(out.stdout_str(), format!("sb-{0}\n{0}", vm.id()));
+
+        // The pool refills in the background, with a new process.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let refilled = loop {
+            let now = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+            if !now.is_empty() || std::time::Instant::now() > deadline {
+                break now;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(refilled.len(), 1, "refilled: {refilled:?}");
+        let pid = clade_host::VmRecord::load(&runtime.vms_dir().join(&refilled[0])).unwrap().vmm.unwrap();
+        assert!(pid.is_alive());
+
+        runtime.drain_standby();
+        assert!(dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby).is_empty());
+        assert!(!pid.is_alive(), "a drained standby VMM is stopped");
+        vm.stop().await.unwrap();
     });
 }

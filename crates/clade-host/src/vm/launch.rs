@@ -20,7 +20,7 @@ pub struct LaunchSpec {
     pub id: String,
     pub dir: PathBuf,
     pub kernel: PathBuf,
-    pub disk: PathBuf,
+    pub disk: Disk,
     pub memory_mb: u32,
     pub vcpus: u32,
     pub accel: Accel,
@@ -30,6 +30,18 @@ pub struct LaunchSpec {
     pub memory: Memory,
     /// Start paused, waiting for `migrate-incoming` (a restore).
     pub incoming: bool,
+    /// Stay paused after an incoming migration instead of running the guest.
+    pub stay_paused: bool,
+}
+
+/// The root disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disk {
+    /// A qcow2 layer (over the image or an earlier layer).
+    Qcow2(PathBuf),
+    /// No storage, reads as zeros: for a VMM that only receives and re-saves
+    /// state and never runs the guest.
+    Null { bytes: u64 },
 }
 
 /// Where guest RAM lives.
@@ -122,10 +134,13 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         "-serial".into(),
         "chardev:console".into(),
         "-blockdev".into(),
-        format!(
-            r#"{{"driver":"qcow2","node-name":"root","discard":"unmap","file":{{"driver":"file","filename":"{}"}}}}"#,
-            path(spec.disk.clone())
-        ),
+        match &spec.disk {
+            Disk::Qcow2(file) => format!(
+                r#"{{"driver":"qcow2","node-name":"root","discard":"unmap","file":{{"driver":"file","filename":"{}"}}}}"#,
+                path(file.clone())
+            ),
+            Disk::Null { bytes } => format!(r#"{{"driver":"null-co","node-name":"root","size":{bytes},"read-zeroes":true}}"#),
+        },
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
         "-object".into(),
@@ -156,6 +171,9 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
             spec.memory_mb,
             path(file.clone())
         ));
+    }
+    if spec.stay_paused {
+        args.push("-S".into());
     }
     if spec.incoming {
         args.push("-incoming".into());
@@ -235,7 +253,7 @@ mod tests {
             id: "abc".into(),
             dir: "/var/lib/clade/vms/abc".into(),
             kernel: "/k/vmlinux".into(),
-            disk: "/var/lib/clade/vms/abc/disk.qcow2".into(),
+            disk: Disk::Qcow2("/var/lib/clade/vms/abc/disk.qcow2".into()),
             memory_mb: 512,
             vcpus: 1,
             accel,
@@ -243,6 +261,7 @@ mod tests {
             hostname: "sandbox".into(),
             memory: Memory::Anonymous,
             incoming: false,
+            stay_paused: false,
         }
     }
 

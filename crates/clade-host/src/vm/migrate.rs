@@ -17,21 +17,27 @@ pub enum MigrateError {
     Timeout(Duration),
 }
 
-async fn set_ignore_shared(qmp: &Qmp, ignore_shared: bool) -> Result<(), QmpError> {
+/// Sets the two capabilities our migrations differ in, both every time: a
+/// QEMU keeps capabilities from one migration to the next.
+async fn set_capabilities(qmp: &Qmp, ignore_shared: bool, pause_before_switchover: bool) -> Result<(), QmpError> {
     qmp.execute(
         "migrate-set-capabilities",
-        Some(json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": ignore_shared }] })),
+        Some(json!({ "capabilities": [
+            { "capability": "x-ignore-shared", "state": ignore_shared },
+            { "capability": "pause-before-switchover", "state": pause_before_switchover },
+        ] })),
     )
     .await
     .map(drop)
 }
 
-async fn wait_completed(qmp: &Qmp, timeout: Duration) -> Result<(), MigrateError> {
+/// Polls the migration until it reaches `wanted` (or fails).
+async fn wait_for(qmp: &Qmp, wanted: &str, timeout: Duration) -> Result<(), MigrateError> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let info = qmp.execute("query-migrate", None).await?;
         match info.get("status").and_then(Value::as_str) {
-            Some("completed") => return Ok(()),
+            Some(status) if status == wanted => return Ok(()),
             Some("failed") | Some("cancelled") => {
                 let why = info.get("error-desc").and_then(Value::as_str).unwrap_or("failed");
                 return Err(MigrateError::Failed(why.to_string()));
@@ -45,11 +51,15 @@ async fn wait_completed(qmp: &Qmp, timeout: Duration) -> Result<(), MigrateError
     }
 }
 
+pub async fn wait_completed(qmp: &Qmp, timeout: Duration) -> Result<(), MigrateError> {
+    wait_for(qmp, "completed", timeout).await
+}
+
 /// Stops the vCPUs and writes the device state (and RAM, unless it lives in a
 /// shared file and `ignore_shared` is set) to `file`.
 pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
     qmp.execute("stop", None).await?;
-    set_ignore_shared(qmp, ignore_shared).await?;
+    set_capabilities(qmp, ignore_shared, false).await?;
     qmp.execute("migrate", Some(json!({ "uri": format!("file:{}", file.display()) }))).await?;
     wait_completed(qmp, Duration::from_secs(300)).await
 }
@@ -57,7 +67,7 @@ pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), Mig
 /// Loads state saved by [`save`] into a QEMU started with `-incoming defer`,
 /// then runs the vCPUs.
 pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
-    set_ignore_shared(qmp, ignore_shared).await?;
+    set_capabilities(qmp, ignore_shared, false).await?;
     qmp.execute("migrate-incoming", Some(json!({ "uri": format!("file:{}", file.display()) }))).await?;
     wait_completed(qmp, Duration::from_secs(300)).await?;
     // Right after `completed` QEMU may still refuse `cont` for a moment
@@ -70,4 +80,60 @@ pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), Mig
         }
     }
     unreachable!("the loop returns")
+}
+
+/// Makes a QEMU started with `-incoming defer` listen for a live migration
+/// on a unix socket; returns once it listens.
+pub async fn receive(qmp: &Qmp, socket: &Path) -> Result<(), MigrateError> {
+    set_capabilities(qmp, false, false).await?;
+    qmp.execute("migrate-incoming", Some(json!({ "uri": format!("unix:{}", socket.display()) }))).await?;
+    Ok(())
+}
+
+/// How long a live migration may run before its switchover.
+const PRECOPY_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Starts a live migration of a running VM to `socket` and returns when its
+/// RAM has been copied and its vCPUs have just been stopped for the
+/// switchover: the caller may now copy anything that must match the memory
+/// (the disk layer), then call [`switch_over`].
+pub async fn send_live(qmp: &Qmp, socket: &Path) -> Result<(), MigrateError> {
+    set_capabilities(qmp, false, true).await?;
+    // Precopy ends once what is left fits in `downtime-limit` (ms); the
+    // default bandwidth cap (128 MiB/s) is for networks, not a local socket.
+    qmp.execute("migrate-set-parameters", Some(json!({ "downtime-limit": 10, "max-bandwidth": 64u64 << 30 }))).await?;
+    qmp.execute("migrate", Some(json!({ "uri": format!("unix:{}", socket.display()) }))).await?;
+    wait_for(qmp, "pre-switchover", PRECOPY_TIMEOUT).await?;
+    if let Ok(info) = qmp.execute("query-migrate", None).await {
+        tracing::debug!(%info, "precopy done");
+    }
+    Ok(())
+}
+
+/// Sends the last dirty pages and the device state; the source stays stopped.
+pub async fn switch_over(qmp: &Qmp) -> Result<(), MigrateError> {
+    qmp.execute("migrate-continue", Some(json!({ "state": "pre-switchover" }))).await?;
+    wait_completed(qmp, Duration::from_secs(60)).await
+}
+
+/// After a failed or abandoned outgoing migration: cancels it and runs the
+/// source again.
+pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
+    let _ = qmp.execute("migrate_cancel", None).await;
+    for _ in 0..5000 {
+        let info = qmp.execute("query-migrate", None).await?;
+        let active = matches!(
+            info.get("status").and_then(Value::as_str),
+            Some("setup" | "active" | "pre-switchover" | "device" | "cancelling")
+        );
+        if !active {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let status = qmp.execute("query-status", None).await?;
+    if status.get("running").and_then(Value::as_bool) != Some(true) {
+        qmp.execute("cont", None).await?;
+    }
+    Ok(())
 }

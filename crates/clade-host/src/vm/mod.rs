@@ -15,6 +15,7 @@ mod migrate;
 mod process;
 mod record;
 mod snapshot;
+mod standby;
 pub mod template;
 
 use std::path::{Path, PathBuf};
@@ -26,6 +27,7 @@ use clade_proto::{ExecRequest, RestoreRequest};
 use tokio::sync::watch;
 
 pub use admission::{Admission, AdmissionError};
+pub use migrate::MigrateError;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec};
 pub use process::ProcessId;
 pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
@@ -66,6 +68,8 @@ pub enum VmError {
     Hibernated(String),
     #[error("refused: {0}")]
     Admission(#[from] AdmissionError),
+    #[error("moving VM state")]
+    Migrate(#[from] MigrateError),
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
@@ -142,8 +146,9 @@ pub enum BootKind {
     /// Kernel boot from scratch.
     Cold,
     /// Restored from a template snapshot; `baked_now` when this create had to
-    /// bake the template first (the first use of an image on a host).
-    Restored { template: String, baked_now: bool },
+    /// bake the template first (the first use of an image on a host);
+    /// `standby` when the state was loaded into a standby VMM.
+    Restored { template: String, baked_now: bool, standby: bool },
     /// Re-attached to a VM that was already running (after a restart).
     Adopted,
     /// Woken from hibernation.
@@ -163,6 +168,7 @@ pub struct VmRuntime {
     templates_dir: PathBuf,
     images: ImageStore,
     admission: Admission,
+    standby: standby::SharedPool,
 }
 
 impl VmRuntime {
@@ -193,6 +199,7 @@ impl VmRuntime {
             templates_dir,
             images,
             admission: Admission::default(),
+            standby: Default::default(),
             config,
         };
         runtime.collect_snapshot_layers();
@@ -206,6 +213,13 @@ impl VmRuntime {
     /// Replaces the admission limits (tests, operators).
     pub fn with_admission(mut self, admission: Admission) -> Self {
         self.admission = admission;
+        self
+    }
+
+    /// Keeps `count` standby VMMs per template and lifetime in use (see
+    /// [`standby`]): for long-running managers; a one-shot CLI keeps none.
+    pub fn with_standby(mut self, count: usize) -> Self {
+        self.standby = Arc::new(standby::StandbyPool::new(count));
         self
     }
 
@@ -232,6 +246,7 @@ impl VmRuntime {
             .flatten()
             .flatten()
             .filter_map(|entry| VmRecord::load(&entry.path()))
+            .filter(|record| record.phase.is_sandbox())
             .map(|record| {
                 let running = record.vmm.is_some_and(|vmm| vmm.is_alive());
                 (record, running)
@@ -286,7 +301,7 @@ impl VmRuntime {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             kernel: spec.image.kernel.clone(),
-            disk: dir.join("disk.qcow2"),
+            disk: launch::Disk::Qcow2(dir.join("disk.qcow2")),
             memory_mb: spec.memory_mb,
             vcpus: spec.vcpus,
             accel: self.accel,
@@ -294,6 +309,7 @@ impl VmRuntime {
             hostname: "sandbox".into(),
             memory,
             incoming,
+            stay_paused: false,
         }
     }
 
@@ -325,25 +341,43 @@ impl VmRuntime {
     pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
         self.admission.check(spec.memory_mb, &self.config.data_dir)?;
         let (template, baked_now) = self.template(&spec).await?;
-        let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
+        let standby = self.standby.take(&template, spec.lifetime);
+        self.refill_standby(&template, &spec);
+        let from_standby = standby.is_some();
+        let (id, dir, mut record, qmp, exit_rx) = match standby {
+            Some(s) => (s.id, s.dir, s.record, Some(s.qmp), Some(s.exited)),
+            None => {
+                let (id, dir, record) = self.new_vm(&spec, Some(&template))?;
+                (id, dir, record, None, None)
+            }
+        };
         let created = async {
-            let disk = dir.join("disk.qcow2");
-            std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
-            make_writable(&disk)?;
-            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
-            let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
-            record.vmm = Some(vmm);
+            let exit_rx = match exit_rx {
+                Some(exit_rx) => {
+                    record.phase = Phase::Creating;
+                    exit_rx
+                }
+                None => {
+                    let disk = dir.join("disk.qcow2");
+                    std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
+                    make_writable(&disk)?;
+                    let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+                    let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+                    record.vmm = Some(vmm);
+                    exit_rx
+                }
+            };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let started = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, &template.state(), true, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, self.boot_timeout()).await?;
             let restored = started.elapsed();
             let hook = restore_request(&id, true);
             agent.restore_hook(hook).await?;
-            tracing::debug!(vm = %id, ?restored, total = ?started.elapsed(), "restore timings");
+            tracing::debug!(vm = %id, from_standby, ?restored, total = ?started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            tracing::info!(vm = %id, template = %template.key, baked_now, "created by restoring the template");
-            let kind = BootKind::Restored { template: template.key.clone(), baked_now };
+            tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, "created by restoring the template");
+            let kind = BootKind::Restored { template: template.key.clone(), baked_now, standby: from_standby };
             Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
         .await;
@@ -409,7 +443,7 @@ impl VmRuntime {
         record.save(&dir).map_err(io_err("writing the VM record"))?;
         let state = dir.join(HIBERNATED_STATE);
         let woken = async {
-            let (qmp, agent) = restore_into(&dir, &exit_rx, &state, false, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, false, self.boot_timeout()).await?;
             agent.restore_hook(restore_request(id, false)).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -539,13 +573,17 @@ async fn wait_for_agent(
 async fn restore_into(
     dir: &Path,
     exit_rx: &watch::Receiver<Option<String>>,
+    qmp: Option<Qmp>,
     state: &Path,
     ignore_shared: bool,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
         let started = std::time::Instant::now();
-        let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
+        let qmp = match qmp {
+            Some(qmp) => qmp,
+            None => connect_qmp(&launch::qmp_socket(dir), timeout).await?,
+        };
         let qmp_ready = started.elapsed();
         migrate::load(&qmp, state, ignore_shared)
             .await

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::process::ProcessId;
 use crate::accel::Accel;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Lifetime {
     /// Stopped and removed when the owning process goes away.
@@ -34,6 +34,19 @@ pub enum Phase {
     Paused,
     /// State on disk, no QEMU process.
     Hibernated,
+    /// A QEMU process started ahead of need, holding no guest state yet
+    /// (see `standby`): never listed or adopted, swept with its owner.
+    Standby,
+    /// A paused VMM that receives a running VM's state only to save it again
+    /// (a live snapshot): never listed or adopted, swept with its owner.
+    Holder,
+}
+
+impl Phase {
+    /// A VM someone asked for, as opposed to a VMM the runtime keeps for its own use.
+    pub fn is_sandbox(self) -> bool {
+        !matches!(self, Phase::Standby | Phase::Holder)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -89,7 +102,7 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
         }
         let orphaned = match VmRecord::load(&dir) {
             Some(record) => {
-                (record.lifetime == Lifetime::Ephemeral || record.phase == Phase::Creating)
+                (record.lifetime == Lifetime::Ephemeral || matches!(record.phase, Phase::Creating | Phase::Standby | Phase::Holder))
                     && !record.owner.is_alive()
             }
             None => age(&dir).is_some_and(|age| age > CREATION_GRACE),
@@ -186,10 +199,13 @@ mod tests {
         let half_made = vms.path().join("half-made");
         std::fs::create_dir(&half_made).unwrap();
         VmRecord { phase: Phase::Creating, ..record(dead, Lifetime::Persistent) }.save(&half_made).unwrap();
+        let standby = vms.path().join("standby");
+        std::fs::create_dir(&standby).unwrap();
+        VmRecord { phase: Phase::Standby, ..record(dead, Lifetime::Persistent) }.save(&standby).unwrap();
         std::fs::create_dir(vms.path().join("fresh-no-record")).unwrap();
         let mut removed = sweep(vms.path());
         removed.sort();
-        assert_eq!(removed, vec!["dead-owner".to_string(), "half-made".to_string()]);
+        assert_eq!(removed, vec!["dead-owner".to_string(), "half-made".to_string(), "standby".to_string()]);
         assert!(vms.path().join("alive-owner").exists());
         assert!(vms.path().join("persistent").exists());
         assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");

@@ -4,31 +4,37 @@
 //! ```text
 //! <data_dir>/snapshots/<id>/
 //!   snapshot.json   the record (written last: a snapshot without one is incomplete)
-//!   state           device state and the VM's RAM (its private pages)
+//!   ram             the VM's RAM at the snapshot instant (a sparse file)
+//!   state           device state only (saved with x-ignore-shared)
 //!   disk.qcow2      a copy of the VM's disk layer at the snapshot instant
 //!                   (backed by the template's or an earlier snapshot's layer)
 //! ```
 //!
-//! VMs made from a snapshot map the template's RAM file like any other and
-//! load the snapshot's state over it; their disk is a new layer over the
-//! snapshot's `disk.qcow2`. Deleting a snapshot removes its state at once and
-//! its disk layer only when no VM and no other snapshot is backed by it, so a
-//! deletion never breaks a running VM's disk.
+//! A snapshot is taken live: the VM's RAM streams into a holder VMM (paused,
+//! diskless) whose memory is `ram`, mapped shared, while the VM runs on; the
+//! VM stops only for the switchover, when its disk layer is copied and the
+//! last dirty pages and device state are sent; the holder then saves the
+//! device state and exits. VMs made from a snapshot map its `ram`
+//! copy-on-write, exactly like a template, so siblings share every page none
+//! of them wrote; their disk is a new layer over the snapshot's `disk.qcow2`.
+//! Deleting a snapshot removes its state and RAM file at once (running VMs
+//! keep their mappings) and its disk layer only when no VM and no other
+//! snapshot is backed by it, so a deletion never breaks a running VM.
 //!
-//! What a snapshot costs today: the VM pauses while its disk layer is copied
-//! and its RAM written out, both proportional to what the VM wrote or
-//! touched, never to the base image or the template memory.
+//! What a snapshot costs: the VM pauses for the switchover and the copy of
+//! its disk layer; the copy of its memory runs beside it and is proportional
+//! to the non-zero memory of the guest, not to its RAM size.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::launch::Memory;
+use super::launch::{self, Disk, Memory};
 use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
-    hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
+    connect_qmp, hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
@@ -52,6 +58,10 @@ pub struct SnapshotRecord {
     /// How long the source VM's vCPUs were stopped for it.
     #[serde(default)]
     pub source_paused_ms: u64,
+    /// Its RAM is its own file (`ram`), mapped copy-on-write by the VMs made
+    /// from it; otherwise (older snapshots) the RAM is inside `state`.
+    #[serde(default)]
+    pub own_memory: bool,
 }
 
 impl SnapshotRecord {
@@ -123,11 +133,13 @@ impl VmRuntime {
         let created = async {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &dir.join("disk.qcow2")).await?;
-            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+            let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
+            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
             let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral)?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let (qmp, agent) = restore_into(&dir, &exit_rx, &snap_dir.join("state"), false, self.boot_timeout()).await?;
+            let state = snap_dir.join("state");
+            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, snap.own_memory, self.boot_timeout()).await?;
             agent.restore_hook(restore_request(&id, true)).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -147,7 +159,9 @@ impl VmRuntime {
         let (dir, mut snap) = self.load_snapshot(id)?;
         snap.deleted = true;
         snap.save(&dir).map_err(io_err("writing the snapshot record"))?;
+        // VMs made from it keep their mappings of its RAM file.
         let _ = std::fs::remove_file(dir.join("state"));
+        let _ = std::fs::remove_file(dir.join("ram"));
         self.collect_snapshot_layers();
         Ok(())
     }
@@ -180,6 +194,11 @@ impl VmRuntime {
 impl Vm {
     /// Snapshots the VM — memory, disk, running processes — and lets it run
     /// on. Returns the snapshot's id.
+    ///
+    /// The VM keeps running while its memory is copied (a live migration
+    /// into a holder VMM that writes it to the snapshot's RAM file); its
+    /// vCPUs stop only for the switchover: the last dirty pages, the device
+    /// state and a copy of its disk layer.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
         let (template, image, memory_mb, vcpus, vm_id, backing) = {
             let record = self.inner.record.lock().expect("record lock");
@@ -189,47 +208,42 @@ impl Vm {
                 .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?;
             (template, record.image.clone(), record.memory_mb, record.vcpus, record.id.clone(), record.backing_snapshot.clone())
         };
+        let image = runtime
+            .images
+            .cached(&image)?
+            .ok_or_else(|| VmError::Config(format!("image {image} of VM {vm_id} is gone")))?;
         self.transition(&[State::Running], State::Stopping)?;
         let id = hex_id();
         let dir = runtime.snapshots_dir().join(&id);
         let outcome = async {
             std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
+            // A clean session end: copies start waiting for a hello.
+            let quiesce_started = Instant::now();
             self.inner.agent.quiesce().await?;
-            self.inner.qmp.execute("stop", None).await?;
-            let paused_at = std::time::Instant::now();
-            // `stop` drained and flushed the disk: its layer is consistent now.
-            copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
-            let state_tmp = dir.join("state.tmp");
-            migrate::save(&self.inner.qmp, &state_tmp, false)
-                .await
-                .map_err(|e| VmError::Config(format!("saving the snapshot: {e}")))?;
-            std::fs::rename(&state_tmp, dir.join("state")).map_err(io_err("publishing the snapshot state"))?;
-            Ok::<_, VmError>(paused_at)
+            tracing::debug!(quiesce = ?quiesce_started.elapsed(), "snapshot quiesced the guest");
+            let spec = VmSpec { memory_mb, vcpus, lifetime: Lifetime::Ephemeral, watchdog: None, ..VmSpec::new(image.clone()) };
+            self.save_live(runtime, &spec, &dir).await
         }
         .await;
         // Whatever happened, the VM runs again and gets a new session.
-        let resumed = async {
-            self.inner.qmp.execute("cont", None).await?;
-            Ok::<_, VmError>(())
-        }
-        .await;
-        let paused = outcome.as_ref().ok().map(|at| at.elapsed());
+        let resumed = migrate::abandon(&self.inner.qmp).await.map_err(|e| VmError::Config(format!("resuming after the snapshot: {e}")));
         let reconnected = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
         *self.inner.state.lock().expect("vm state lock") = State::Running;
         let outcome = match (outcome, resumed, reconnected) {
             (Err(e), _, _) | (Ok(_), Err(e), _) => Err(e),
             (Ok(_), Ok(()), Err(e)) => Err(e.into()),
-            (Ok(_), Ok(()), Ok(())) => SnapshotRecord {
+            (Ok(paused), Ok(()), Ok(())) => SnapshotRecord {
                 id: id.clone(),
                 source_vm: vm_id,
                 template,
-                image,
+                image: image.name.clone(),
                 memory_mb,
                 vcpus,
                 backing_snapshot: backing,
                 created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
                 deleted: false,
-                source_paused_ms: paused.map_or(0, |d| d.as_millis() as u64),
+                source_paused_ms: paused.as_millis() as u64,
+                own_memory: true,
             }
             .save(&dir)
             .map_err(io_err("writing the snapshot record")),
@@ -238,10 +252,61 @@ impl Vm {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
-        // The restored guests believe they are this VM until their hook runs;
-        // this VM's own clock lost the pause.
+        // The copies believe they are this VM until their hook runs; this
+        // VM's own clock lost the pause.
         let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
         Ok(id)
+    }
+
+    /// Live-migrates this VM into a paused holder VMM whose RAM is the file
+    /// `dir/ram` (shared), copies the disk layer at the switchover, and has
+    /// the holder save the device state to `dir/state`. Returns how long this
+    /// VM's vCPUs were stopped. The caller resumes this VM in any case.
+    async fn save_live(&self, runtime: &VmRuntime, spec: &VmSpec, dir: &Path) -> Result<Duration, VmError> {
+        let started = Instant::now();
+        let (holder_id, holder_dir, mut holder) = runtime.new_vm(spec, None)?;
+        let saved = async {
+            let mut launch = runtime.launch_spec(&holder_id, &holder_dir, spec, Memory::TemplateFile(dir.join("ram")), true);
+            // The holder never runs the guest: no disk, and paused after the transfer.
+            let disk_bytes = std::fs::metadata(&spec.image.rootfs).map_err(io_err("reading the image size"))?.len();
+            launch.disk = Disk::Null { bytes: disk_bytes };
+            launch.stay_paused = true;
+            let (vmm, exited) = spawn_qemu(runtime, &launch, true)?;
+            holder.vmm = Some(vmm);
+            holder.phase = Phase::Holder;
+            holder.save(&holder_dir).map_err(io_err("writing the holder's record"))?;
+            let holder_qmp = connect_qmp(&launch::qmp_socket(&holder_dir), runtime.boot_timeout()).await?;
+            let socket = holder_dir.join("migrate.sock");
+            let holder_ready = started.elapsed();
+            let transfer = async {
+                migrate::receive(&holder_qmp, &socket).await?;
+                migrate::send_live(&self.inner.qmp, &socket).await?;
+                let precopied = started.elapsed();
+                let paused_at = Instant::now();
+                // Stopped and flushed: the disk layer matches the memory now.
+                copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
+                migrate::switch_over(&self.inner.qmp).await?;
+                self.inner.qmp.execute("cont", None).await?;
+                let paused = paused_at.elapsed();
+                migrate::wait_completed(&holder_qmp, Duration::from_secs(60)).await?;
+                let received = started.elapsed();
+                let state_tmp = dir.join("state.tmp");
+                migrate::save(&holder_qmp, &state_tmp, true).await?;
+                std::fs::rename(&state_tmp, dir.join("state")).map_err(io_err("publishing the snapshot state"))?;
+                tracing::debug!(?holder_ready, ?precopied, ?paused, ?received, saved = ?started.elapsed(), "live snapshot phases");
+                Ok::<_, VmError>(paused)
+            };
+            let mut holder_exit = exited.clone();
+            tokio::select! {
+                outcome = transfer => outcome,
+                status = holder_exit.wait_for(Option::is_some) => {
+                    Err(super::exited_during_boot(&holder_dir, status.ok().and_then(|s| s.clone())))
+                }
+            }
+        }
+        .await;
+        record::stop_leftover(&holder_dir);
+        saved
     }
 
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,

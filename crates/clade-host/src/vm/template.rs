@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::launch::{LaunchSpec, Memory};
+use super::launch::{Disk, LaunchSpec, Memory};
 use super::{io_err, migrate, spawn_qemu, wait_for_agent, VmError, VmRuntime};
 use crate::image::GuestImage;
 
@@ -115,7 +115,7 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         id: "template".into(),
         dir: dir.to_path_buf(),
         kernel: image.kernel.clone(),
-        disk: disk.clone(),
+        disk: Disk::Qcow2(disk.clone()),
         memory_mb,
         vcpus,
         accel: runtime.accel,
@@ -123,6 +123,7 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         hostname: "template".into(),
         memory: Memory::TemplateFile(dir.join("ram")),
         incoming: false,
+        stay_paused: false,
     };
     let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true)?;
     let outcome = async {
