@@ -18,6 +18,13 @@ impl SandboxService {
         let failed = self.store().sandboxes_in(&[SandboxState::Failed]).await?;
         let records: HashMap<String, Phase> =
             self.runtime().list().into_iter().map(|(record, _)| (record.id.clone(), record.phase)).collect();
+        // A VM without a row: made by `clade vm create` in this data directory,
+        // or by a server killed between making the VM and its row. Which one
+        // cannot be told, so it is left alone.
+        let known: std::collections::HashSet<&str> = rows.iter().chain(&failed).map(|r| r.id.as_str()).collect();
+        for id in records.keys().filter(|id| !known.contains(id.as_str())) {
+            tracing::warn!(vm = %id, "a VM in the data directory belongs to no sandbox; leaving it");
+        }
         for row in failed {
             let slot = Slot { state: SandboxState::Failed, reason: row.state_reason.clone(), vm: None, watcher: None };
             self.insert(Entry::new(&row.id, &row.workspace_id, slot, row.last_activity_at));
