@@ -115,6 +115,10 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
     removed
 }
 
+/// In a VM directory: a link to a RAM file kept outside it (in memory), which
+/// goes with the directory.
+pub const MEMORY_LINK: &str = "ram.link";
+
 /// Kills the VM's QEMU if it still runs, then removes the directory.
 pub fn stop_leftover(dir: &Path) {
     let recorded = VmRecord::load(dir).and_then(|r| r.vmm).filter(|vmm| vmm.cmdline_mentions(dir));
@@ -125,6 +129,9 @@ pub fn stop_leftover(dir: &Path) {
         None => processes_mentioning(dir),
     };
     kill_and_wait(vmms);
+    if let Ok(memory) = std::fs::read_link(dir.join(MEMORY_LINK)) {
+        let _ = std::fs::remove_file(memory);
+    }
     let _ = std::fs::remove_dir_all(dir);
     if recorded.is_none() {
         // A QEMU forked by a creator that died just now may exec only after
@@ -209,5 +216,18 @@ mod tests {
         assert!(vms.path().join("alive-owner").exists());
         assert!(vms.path().join("persistent").exists());
         assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");
+    }
+
+    #[test]
+    fn removing_a_leftover_removes_the_memory_file_it_links_to() {
+        let vms = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let memory = elsewhere.path().join("clade-holder-x");
+        std::fs::write(&memory, b"ram").unwrap();
+        let dir = vms.path().join("x");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&memory, dir.join(MEMORY_LINK)).unwrap();
+        stop_leftover(&dir);
+        assert!(!dir.exists() && !memory.exists());
     }
 }

@@ -258,15 +258,23 @@ impl Vm {
         Ok(id)
     }
 
-    /// Live-migrates this VM into a paused holder VMM whose RAM is the file
-    /// `dir/ram` (shared), copies the disk layer at the switchover, and has
-    /// the holder save the device state to `dir/state`. Returns how long this
-    /// VM's vCPUs were stopped. The caller resumes this VM in any case.
+    /// Live-migrates this VM into a paused holder VMM, copies the disk layer
+    /// at the switchover, has the holder save the device state to
+    /// `dir/state`, and writes the RAM to `dir/ram` as a sparse file.
+    /// Returns how long this VM's vCPUs were stopped. The caller resumes this
+    /// VM in any case.
+    ///
+    /// The holder's RAM is a file in memory (`/dev/shm`): the incoming
+    /// migration reads every page it is told is zero, and a read of a hole
+    /// in a shared mapping of a disk file costs a filesystem fault per page,
+    /// which made the copy take seconds. The holder's file lives only until
+    /// its non-zero pages are copied out.
     async fn save_live(&self, runtime: &VmRuntime, spec: &VmSpec, dir: &Path) -> Result<Duration, VmError> {
         let started = Instant::now();
         let (holder_id, holder_dir, mut holder) = runtime.new_vm(spec, None)?;
+        let holder_ram = holder_ram_file(&holder_dir, &holder_id)?;
         let saved = async {
-            let mut launch = runtime.launch_spec(&holder_id, &holder_dir, spec, Memory::TemplateFile(dir.join("ram")), true);
+            let mut launch = runtime.launch_spec(&holder_id, &holder_dir, spec, Memory::TemplateFile(holder_ram.clone()), true);
             // The holder never runs the guest: no disk, and paused after the transfer.
             let disk_bytes = std::fs::metadata(&spec.image.rootfs).map_err(io_err("reading the image size"))?.len();
             launch.disk = Disk::Null { bytes: disk_bytes };
@@ -276,8 +284,8 @@ impl Vm {
             holder.phase = Phase::Holder;
             holder.save(&holder_dir).map_err(io_err("writing the holder's record"))?;
             let holder_qmp = connect_qmp(&launch::qmp_socket(&holder_dir), runtime.boot_timeout()).await?;
-            let socket = holder_dir.join("migrate.sock");
             let holder_ready = started.elapsed();
+            let socket = holder_dir.join("migrate.sock");
             let transfer = async {
                 migrate::receive(&holder_qmp, &socket).await?;
                 migrate::send_live(&self.inner.qmp, &socket).await?;
@@ -305,8 +313,20 @@ impl Vm {
             }
         }
         .await;
+        let copied = match saved {
+            Ok(paused) => {
+                let (from, to) = (holder_ram.clone(), dir.join("ram"));
+                tokio::task::spawn_blocking(move || copy_sparse(&from, &to))
+                    .await
+                    .map_err(|e| VmError::Config(format!("RAM copy task: {e}")))?
+                    .map_err(io_err("writing the snapshot's RAM file"))?;
+                tracing::debug!(total = ?started.elapsed(), "live snapshot RAM written");
+                Ok(paused)
+            }
+            Err(e) => Err(e),
+        };
         record::stop_leftover(&holder_dir);
-        saved
+        copied
     }
 
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
@@ -339,6 +359,54 @@ impl Vm {
         }
         Ok(made)
     }
+}
+
+/// Where a holder's RAM lives: a file in memory, linked from the holder's
+/// directory so that the sweep removes it with the holder.
+fn holder_ram_file(holder_dir: &Path, holder_id: &str) -> Result<PathBuf, VmError> {
+    let shm = Path::new("/dev/shm");
+    let file = if shm.is_dir() { shm.join(format!("clade-holder-{holder_id}")) } else { holder_dir.join("ram") };
+    if file.parent() != Some(holder_dir) {
+        std::os::unix::fs::symlink(&file, holder_dir.join(record::MEMORY_LINK)).map_err(io_err("linking the holder's RAM"))?;
+    }
+    Ok(file)
+}
+
+/// Copies `from` to a new file `to`, leaving every all-zero page a hole.
+fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    const PAGE: usize = 4096;
+    const ZERO: [u8; PAGE] = [0; PAGE];
+    let mut source = std::fs::File::open(from)?;
+    let len = source.metadata()?.len();
+    let tmp = to.with_extension("tmp");
+    let target = std::fs::File::create(&tmp)?;
+    target.set_len(len)?;
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut offset = 0u64;
+    while offset < len {
+        let n = (len - offset).min(chunk.len() as u64) as usize;
+        source.read_exact(&mut chunk[..n])?;
+        // Write runs of non-zero pages with one call each.
+        let mut run: Option<usize> = None;
+        for page in (0..n).step_by(PAGE).chain(std::iter::once(n)) {
+            let zero = page == n || {
+                let bytes = &chunk[page..(page + PAGE).min(n)];
+                bytes == &ZERO[..bytes.len()]
+            };
+            match (zero, run) {
+                (false, None) => run = Some(page),
+                (true, Some(start)) => {
+                    target.write_all_at(&chunk[start..page], offset + start as u64)?;
+                    run = None;
+                }
+                _ => {}
+            }
+        }
+        offset += n as u64;
+    }
+    std::fs::rename(&tmp, to)
 }
 
 async fn copy_file(from: &Path, to: &Path) -> Result<(), VmError> {
