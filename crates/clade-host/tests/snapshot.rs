@@ -135,7 +135,8 @@ const COUNTER: &str = "nohup python3 -c 'import os, time\ni = 0\nwhile True:\n  
 fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselves() {
     let Some(env) = vm_env() else { return };
     block_on(async {
-        let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let tagged = VmSpec { tag: Some("fork-test".into()), ..VmSpec::new(env.image.clone()) };
+        let parent = env.runtime.create(tagged).await.unwrap();
         parent.run(sh(COUNTER)).await.unwrap();
         parent.agent().write_file("/root/before-fork", b"from the parent").await.unwrap();
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -145,6 +146,8 @@ fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselve
         let mut seen = HashSet::new();
         for (i, child) in children.iter().enumerate() {
             assert!(matches!(child.boot_kind(), BootKind::FromSnapshot { .. }));
+            let record = clade_host::VmRecord::load(child.dir()).unwrap();
+            assert_eq!(record.tag.as_deref(), Some("fork-test"), "children carry the parent's tag");
             let out = child
                 .run(sh("cat /root/before-fork; echo; pgrep -c -f 'os[.]replace'; cat /tmp/n; echo; sleep 0.5; cat /tmp/n; echo; \
                          test -e /root/after-fork && echo leaked || echo private; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))

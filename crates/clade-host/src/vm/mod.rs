@@ -125,6 +125,9 @@ pub struct VmSpec {
     /// Unset: 90 s under TCG, 20 s under KVM.
     pub boot_timeout: Option<Duration>,
     pub watchdog: Option<Watchdog>,
+    /// Recorded with the VM (and inherited by VMs made from its snapshots):
+    /// lets a manager recognise its own VMs, e.g. after it died mid-create.
+    pub tag: Option<String>,
 }
 
 impl VmSpec {
@@ -136,6 +139,7 @@ impl VmSpec {
             lifetime: Lifetime::Ephemeral,
             boot_timeout: None,
             watchdog: Some(Watchdog::default()),
+            tag: None,
         }
     }
 }
@@ -288,6 +292,7 @@ impl VmRuntime {
             phase: Phase::Creating,
             template: template.map(|t| t.key.clone()),
             backing_snapshot: None,
+            tag: spec.tag.clone(),
         };
         if let Err(e) = record.save(&dir) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -355,6 +360,7 @@ impl VmRuntime {
             let exit_rx = match exit_rx {
                 Some(exit_rx) => {
                     record.phase = Phase::Creating;
+                    record.tag = spec.tag.clone();
                     exit_rx
                 }
                 None => {
@@ -467,9 +473,14 @@ impl VmRuntime {
     /// Stops a VM in whatever state it is and deletes everything it has.
     pub async fn remove(&self, id: &str) -> Result<(), VmError> {
         let (dir, _) = self.load_record(id)?;
-        record::stop_leftover(&dir);
-        self.collect_snapshot_layers();
-        Ok(())
+        let runtime = self.clone();
+        // Killing and waiting for QEMU, and file removal, block: not on a runtime worker.
+        tokio::task::spawn_blocking(move || {
+            record::stop_leftover(&dir);
+            runtime.collect_snapshot_layers();
+        })
+        .await
+        .map_err(|e| VmError::Config(format!("removal task: {e}")))
     }
 }
 

@@ -69,6 +69,9 @@ pub struct VmRecord {
     /// The snapshot whose disk layer backs this VM's disk, if created from one.
     #[serde(default)]
     pub backing_snapshot: Option<String>,
+    /// The creator's label (see `VmSpec::tag`).
+    #[serde(default)]
+    pub tag: Option<String>,
 }
 
 const RECORD: &str = "vm.json";
@@ -186,6 +189,7 @@ mod tests {
             phase: Phase::Running,
             template: None,
             backing_snapshot: None,
+            tag: None,
         }
     }
 

@@ -62,6 +62,9 @@ pub struct SnapshotRecord {
     /// from it; otherwise (older snapshots) the RAM is inside `state`.
     #[serde(default)]
     pub own_memory: bool,
+    /// The source VM's tag, given to the VMs made from it.
+    #[serde(default)]
+    pub tag: Option<String>,
 }
 
 impl SnapshotRecord {
@@ -126,7 +129,14 @@ impl VmRuntime {
             .images
             .cached(&snap.image)?
             .ok_or_else(|| VmError::Config(format!("image {} of snapshot {snapshot_id} is gone", snap.image)))?;
-        let spec = VmSpec { memory_mb: snap.memory_mb, vcpus: snap.vcpus, lifetime, watchdog, ..VmSpec::new(image) };
+        let spec = VmSpec {
+            memory_mb: snap.memory_mb,
+            vcpus: snap.vcpus,
+            lifetime,
+            watchdog,
+            tag: snap.tag.clone(),
+            ..VmSpec::new(image)
+        };
         let template = Template { dir: self.templates_dir.join(&snap.template), key: snap.template.clone() };
         let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
         record.backing_snapshot = Some(snapshot_id.to_string());
@@ -200,13 +210,14 @@ impl Vm {
     /// vCPUs stop only for the switchover: the last dirty pages, the device
     /// state and a copy of its disk layer.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
-        let (template, image, memory_mb, vcpus, vm_id, backing) = {
+        let (template, image, memory_mb, vcpus, vm_id, backing, tag) = {
             let record = self.inner.record.lock().expect("record lock");
             let template = record
                 .template
                 .clone()
                 .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?;
-            (template, record.image.clone(), record.memory_mb, record.vcpus, record.id.clone(), record.backing_snapshot.clone())
+            let r = &record;
+            (template, r.image.clone(), r.memory_mb, r.vcpus, r.id.clone(), r.backing_snapshot.clone(), r.tag.clone())
         };
         let image = runtime
             .images
@@ -244,6 +255,7 @@ impl Vm {
                 deleted: false,
                 source_paused_ms: paused.as_millis() as u64,
                 own_memory: true,
+                tag,
             }
             .save(&dir)
             .map_err(io_err("writing the snapshot record")),
