@@ -267,8 +267,9 @@ def other_client(server) -> pandastack.Client:
 
 @pytest.fixture(scope="session")
 def sandbox(client) -> Iterator[pandastack.Sandbox]:
-    """A sandbox shared by the tests that only run things in it (exec, files)."""
-    sb = client.sandboxes.create(template=TEMPLATE)
+    """A sandbox shared by the tests that only run things in it (exec, files);
+    with an idle TTL longer than the suite, so the reaper leaves it alone."""
+    sb = client.sandboxes.create(template=TEMPLATE, ttl_seconds=3600)
     yield sb
     try:
         sb.kill()

@@ -18,20 +18,26 @@ def test_logs_as_text(sandbox):
 def test_logs_follow_yields_new_lines(sandbox):
     marker = "clade-sdk-follow-marker"
     seen = []
+    errors = []
     done = threading.Event()
-    stream = sandbox.logs(follow=True)
+    stream = sandbox.logs(follow=True)  # a generator: the request is sent on the first next()
 
     def read():
-        for line in stream:
-            seen.append(line)
-            if marker in line:
-                break
-        done.set()
+        try:
+            for line in stream:
+                seen.append(line)
+                if marker in line:
+                    break
+        except Exception as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
-    # Something the console prints: a kernel message written through /dev/kmsg.
-    wait_for(lambda: sandbox.exec(f"echo {marker} > /dev/kmsg; echo {marker} > /dev/console") and done.wait(2),
+    # Something the console prints: a kernel message.
+    wait_for(lambda: sandbox.exec(f"echo {marker} > /dev/console; echo {marker} > /dev/kmsg") and done.wait(2),
              timeout=60, what="the marker in the followed log")
+    assert not errors, errors
     assert any(marker in line for line in seen)
-    stream.close()
+    assert all("\n" not in line for line in seen)
