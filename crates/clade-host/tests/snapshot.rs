@@ -67,7 +67,9 @@ fn hibernate_then_wake_keeps_processes_files_and_fixes_a_day_old_clock() {
         let counter = "nohup python3 -c 'import os, time\ni = 0\nwhile True:\n    open(\"/tmp/n.new\", \"w\").write(str(i)); os.replace(\"/tmp/n.new\", \"/tmp/n\"); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
         vm.run(sh(counter)).await.unwrap();
         vm.agent().write_file("/root/keep.txt", b"kept across hibernation").await.unwrap();
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Python starts slowly on a loaded TCG host: wait for its first count.
+        let waited = vm.run(sh("for i in $(seq 300); do [ -s /tmp/n ] && [ \"$(cat /tmp/n)\" -gt 0 ] && exit 0; sleep 0.1; done; exit 1")).await.unwrap();
+        assert_eq!(waited.exit_code(), 0, "the counter never started");
         // Make the saved guest look a day old.
         let day_ago = (host_now() - 86_400.0) as u64;
         vm.run(argv(&["date", "-s", &format!("@{day_ago}")])).await.unwrap();

@@ -377,8 +377,7 @@ impl VmRuntime {
             let started = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, self.boot_timeout()).await?;
             let restored = started.elapsed();
-            let hook = restore_request(&id, true);
-            agent.restore_hook(hook).await?;
+            run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?restored, total = ?started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -450,7 +449,7 @@ impl VmRuntime {
         let state = dir.join(HIBERNATED_STATE);
         let woken = async {
             let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, false, self.boot_timeout()).await?;
-            agent.restore_hook(restore_request(id, false)).await?;
+            run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
         .await;
@@ -489,6 +488,32 @@ const AGENT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The file a hibernated VM's state is saved in, inside its directory.
 const HIBERNATED_STATE: &str = "hibernated.state";
+
+/// How long one post-restore hook may take before the session is presumed lost.
+const HOOK_ATTEMPT: Duration = Duration::from_secs(10);
+
+/// Runs the post-restore hook; if its session is lost or the answer does not
+/// come (a guest that ended the session under it, e.g. after a handshake
+/// retry on a loaded host), opens a new session and runs it once more. The
+/// hook is idempotent. Never waits longer than `timeout` in all.
+async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, timeout: Duration) -> Result<(), VmError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let first = tokio::time::timeout(HOOK_ATTEMPT.min(timeout), agent.restore_hook(request.clone())).await;
+    match first {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(e)) if !e.is_session_lost() => return Err(e.into()),
+        Ok(Err(e)) => tracing::warn!("post-restore hook: session lost ({e}); retrying on a new session"),
+        Err(_) => tracing::warn!("post-restore hook: no answer in {HOOK_ATTEMPT:?}; retrying on a new session"),
+    }
+    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+    agent.reconnect(remaining).await?;
+    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+    request.unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    tokio::time::timeout(remaining, agent.restore_hook(request))
+        .await
+        .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+    Ok(())
+}
 
 fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
     let entropy: Vec<u8> = (0..64).map(|_| rand::random::<u8>()).collect();

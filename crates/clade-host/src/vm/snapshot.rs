@@ -150,7 +150,7 @@ impl VmRuntime {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let state = snap_dir.join("state");
             let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, snap.own_memory, self.boot_timeout()).await?;
-            agent.restore_hook(restore_request(&id, true)).await?;
+            super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let kind = BootKind::FromSnapshot { snapshot: snapshot_id.to_string() };
