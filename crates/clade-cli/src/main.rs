@@ -1,9 +1,16 @@
 //! `clade`: the command line. Argument parsing and terminal handling live
-//! here; everything else is in the library crates.
+//! here, and the HTTP client of `clade sandbox`/`clade fs`; everything else
+//! is in the library crates.
 
+mod client;
+mod config;
+mod fs;
 mod images;
 mod keys;
+mod output;
+mod sandbox;
 mod server;
+mod shell;
 mod term;
 mod vm;
 
@@ -50,6 +57,20 @@ enum Command {
         #[command(subcommand)]
         command: keys::KeysCommand,
     },
+    /// Sandboxes on a Clade server, over its API (flags > CLADE_API_URL/CLADE_API_KEY > ~/.config/clade/config.json).
+    Sandbox {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: sandbox::SandboxCommand,
+    },
+    /// Files of a sandbox on a Clade server, over its API.
+    Fs {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: fs::FsCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -86,6 +107,8 @@ fn main() -> ExitCode {
             Command::Images(command) => images::run(command, config).await,
             Command::Server(args) => server::run(args, config).await,
             Command::Keys { database_url, command } => keys::run(command, database_url, config).await,
+            Command::Sandbox { api, command } => sandbox::run(command, &client(&api)?, api.json).await,
+            Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
         }
     });
     // Don't wait for stdin readers or other blocking tasks still parked.
@@ -94,6 +117,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => fail(e),
     }
+}
+
+/// A client of the server the flags, environment or config file name.
+fn client(api: &config::ApiArgs) -> anyhow::Result<client::Client> {
+    Ok(client::Client::new(&api.endpoint()?)?)
 }
 
 fn fail(e: anyhow::Error) -> ExitCode {

@@ -7,6 +7,7 @@ mod files;
 mod lifecycle;
 mod meta;
 mod sandboxes;
+mod terminal;
 mod tokens;
 
 use axum::routing::{get, post};
@@ -33,6 +34,8 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/stop", post(lifecycle::hibernate))
         .route("/sandboxes/{id}/wake", post(lifecycle::wake))
         .route("/sandboxes/{id}/start", post(lifecycle::wake))
+        .route("/sandboxes/{id}/ssh", get(terminal::terminal))
+        .route("/sandboxes/{id}/exec/pty", get(terminal::terminal))
         .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch));
     let router = Router::new()
         .route("/healthz", get(meta::healthz))
