@@ -50,6 +50,8 @@ impl FromRequestParts<AppState> for Caller {
             .workspace(&key.workspace_id)
             .await?
             .ok_or_else(|| ApiError::internal("internal error", format!("key {} has no workspace", key.id)))?;
+        // Per workspace, once per request (§2.6).
+        state.limiter.check(&workspace)?;
         Ok(Self { key, workspace })
     }
 }

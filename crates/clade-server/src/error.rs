@@ -34,6 +34,10 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// 429: the rate limiter (with Retry-After, retried by the SDK) or a
+    /// quota (without: not retried, §2.6).
+    #[error("{message}")]
+    TooManyRequests { message: String, retry_after: Option<u32>, workspace: Option<String> },
     /// 503; with Retry-After only when nothing was made and a retry may work.
     #[error("{message}")]
     Unavailable { message: String, retry_after: Option<u32> },
@@ -77,6 +81,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
             Self::ExecTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -99,6 +104,7 @@ impl ApiError {
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed(message),
             StatusCode::CONFLICT => Self::Conflict(message),
             StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge(message),
+            StatusCode::TOO_MANY_REQUESTS => Self::TooManyRequests { message, retry_after: None, workspace: None },
             s if s.is_client_error() => Self::BadRequest(message),
             _ => Self::internal("internal error", message),
         }
@@ -119,6 +125,9 @@ impl IntoResponse for ApiError {
             Self::Unauthorized(detail) => {
                 serde_json::json!({ "error": "unauthorized", "detail": detail, "request_id": request_id })
             }
+            Self::TooManyRequests { message, workspace: Some(workspace), .. } => {
+                serde_json::json!({ "error": message, "workspace": workspace, "request_id": request_id })
+            }
             Self::Internal { public, cause } => {
                 tracing::error!(request_id = %request_id, "{public}: {}", chain(cause.as_ref()));
                 serde_json::json!({ "error": public, "request_id": request_id })
@@ -132,7 +141,7 @@ impl IntoResponse for ApiError {
         };
         let mut response = (status, Json(body)).into_response();
         match self {
-            Self::Unavailable { retry_after: Some(seconds), .. } => {
+            Self::Unavailable { retry_after: Some(seconds), .. } | Self::TooManyRequests { retry_after: Some(seconds), .. } => {
                 response.headers_mut().insert("retry-after", HeaderValue::from(seconds));
             }
             // The body was refused unread: the connection cannot carry another

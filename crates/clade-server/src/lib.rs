@@ -5,16 +5,23 @@
 //!   panic catcher) and the body readers with their limits.
 //! - [`error`]: `ApiError`, turned into a response in one place.
 //! - [`auth`]: API keys → workspace; the first start's admin key.
-//! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery).
+//! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery,
+//!   quotas, snapshots, forks, the idle reaper).
+//! - [`capacity`]: the per-workspace request rate limiter.
+//! - [`metrics`]: `/metrics` (Prometheus text).
+//! - [`sse`]: server-sent event framing for the streaming endpoints.
 //! - [`routes`]: the endpoints, one file per resource.
 //!
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
 
 pub mod auth;
+pub mod capacity;
 pub mod error;
 pub mod http;
+pub mod metrics;
 mod routes;
 pub mod sandbox;
+pub mod sse;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -38,6 +45,10 @@ pub struct Limits {
     pub exec_max_timeout_s: u64,
     /// Output kept per stream (stdout, stderr) of a blocking exec.
     pub exec_output_bytes: u64,
+    /// Requests per workspace: a burst of this many…
+    pub rate_burst: u32,
+    /// …refilled at this rate (0: no rate limit).
+    pub rate_per_sec: u32,
 }
 
 impl Default for Limits {
@@ -48,6 +59,8 @@ impl Default for Limits {
             exec_default_timeout_s: 300,
             exec_max_timeout_s: 24 * 3600,
             exec_output_bytes: 16 << 20,
+            rate_burst: 50,
+            rate_per_sec: 25,
         }
     }
 }
@@ -103,6 +116,7 @@ pub struct AppState {
     pub store: Store,
     pub service: sandbox::SandboxService,
     pub limits: Arc<Limits>,
+    pub limiter: Arc<capacity::RateLimiter>,
 }
 
 /// A server accepting requests.
@@ -113,6 +127,7 @@ pub struct Server {
     state: AppState,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
+    reaper: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
@@ -124,10 +139,13 @@ impl Server {
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
         let store = Store::open(&config.database_url()).await?;
         let admin_key = auth::first_start(&store, &data_dir).await?;
-        let runtime = VmRuntime::new(config.host.clone())?;
+        let runtime = VmRuntime::new(config.host.clone())?.with_standby(config.sandboxes.standby);
         let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
-        let state = AppState { store, service, limits: Arc::new(config.limits.clone()) };
+        service.start_standby();
+        let reaper = service.start_reaper();
+        let limiter = Arc::new(capacity::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
+        let state = AppState { store, service, limits: Arc::new(config.limits.clone()), limiter };
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| ServerError::Listen { addr: config.listen, source })?;
@@ -142,7 +160,7 @@ impl Server {
                 .await
         });
         tracing::info!(%addr, "clade server listening");
-        Ok(Self { addr, admin_key, state, stop, task })
+        Ok(Self { addr, admin_key, state, stop, task, reaper })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -158,9 +176,14 @@ impl Server {
         &self.state.store
     }
 
+    pub fn service(&self) -> &sandbox::SandboxService {
+        &self.state.service
+    }
+
     /// Stops accepting requests, lets those in flight finish, and lets go of
     /// the VMs, which keep running for the next start to adopt.
     pub async fn shutdown(self) {
+        self.reaper.abort();
         let _ = self.stop.send(());
         match self.task.await {
             Ok(Ok(())) => {}
@@ -168,6 +191,7 @@ impl Server {
             Err(e) => tracing::error!("server task: {e}"),
         }
         self.state.service.detach().await;
+        self.state.service.runtime().drain_standby();
         self.state.store.close().await;
     }
 

@@ -9,11 +9,18 @@ struct Migration {
     postgres: &'static str,
 }
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
-    postgres: include_str!("../migrations/postgres/0001_init.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+        postgres: include_str!("../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        sqlite: include_str!("../migrations/sqlite/0002_from_snapshot.sql"),
+        postgres: include_str!("../migrations/postgres/0002_from_snapshot.sql"),
+    },
+];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {
     let fail = |version| move |source| StoreError::Migrate { version, source };

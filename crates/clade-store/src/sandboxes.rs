@@ -61,6 +61,8 @@ pub struct SandboxRow {
     pub created_at: UnixMillis,
     pub last_activity_at: UnixMillis,
     pub fork_tree_id: Option<String>,
+    /// The snapshot it was made from (`POST /sandboxes {"from_snapshot"}`).
+    pub from_snapshot: Option<String>,
 }
 
 /// What a create stores; the rest starts at its defaults.
@@ -76,10 +78,11 @@ pub struct NewSandbox {
     pub ttl_seconds: u64,
     pub persistent: bool,
     pub fork_tree_id: Option<String>,
+    pub from_snapshot: Option<String>,
 }
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
-                       hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id";
+                       hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot";
 
 impl SandboxRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -101,6 +104,7 @@ impl SandboxRow {
             created_at: col(row, "created_at")?,
             last_activity_at: col(row, "last_activity_at")?,
             fork_tree_id: col(row, "fork_tree_id")?,
+            from_snapshot: col(row, "from_snapshot")?,
         })
     }
 }
@@ -110,7 +114,7 @@ impl Store {
         let now = now_ms();
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
-            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11)"
+            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -123,6 +127,7 @@ impl Store {
         .bind(i64::from(new.persistent))
         .bind(now)
         .bind(&new.fork_tree_id)
+        .bind(&new.from_snapshot)
         .execute(&self.pool)
         .await?;
         Ok(SandboxRow {
@@ -140,6 +145,7 @@ impl Store {
             created_at: now,
             last_activity_at: now,
             fork_tree_id: new.fork_tree_id,
+            from_snapshot: new.from_snapshot,
         })
     }
 
@@ -206,6 +212,19 @@ impl Store {
             return Err(StoreError::NotFound(format!("sandbox {id}")));
         }
         Ok(())
+    }
+
+    /// The sandboxes of a fork tree in a workspace that are not deleted.
+    pub async fn sandboxes_in_tree(&self, workspace_id: &str, tree_id: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE workspace_id = $1 AND fork_tree_id = $2 AND state <> 'deleted' \
+             ORDER BY created_at, id"
+        ))
+        .bind(workspace_id)
+        .bind(tree_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(SandboxRow::from_row).collect()
     }
 
     pub async fn touch_sandbox(&self, id: &str, at: UnixMillis) -> Result<(), StoreError> {

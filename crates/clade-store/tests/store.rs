@@ -92,6 +92,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         ttl_seconds: 300,
         persistent: false,
         fork_tree_id: None,
+        from_snapshot: None,
     }
 }
 
@@ -129,6 +130,29 @@ async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
             store.set_sandbox_state("nope", SandboxState::Running, None).await,
             Err(StoreError::NotFound(_))
         ));
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn fork_trees_and_snapshot_origins_are_kept_per_workspace() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("a").await.unwrap();
+        let b = store.create_workspace("b").await.unwrap();
+        let child = |id: &str, ws: &str, tree: &str| NewSandbox { fork_tree_id: Some(tree.into()), ..new_sandbox(id, ws) };
+        store.insert_sandbox(child("c1", &a.id, "t1")).await.unwrap();
+        store.insert_sandbox(child("c2", &a.id, "t1")).await.unwrap();
+        store.insert_sandbox(child("c3", &a.id, "t2")).await.unwrap();
+        store.insert_sandbox(child("c4", &b.id, "t1")).await.unwrap();
+        let from = NewSandbox { from_snapshot: Some("snap1".into()), ..new_sandbox("r1", &a.id) };
+        store.insert_sandbox(from).await.unwrap();
+        let tree: Vec<String> = store.sandboxes_in_tree(&a.id, "t1").await.unwrap().into_iter().map(|s| s.id).collect();
+        assert_eq!(tree, ["c1", "c2"], "{}: only this workspace's tree", db.name());
+        store.set_sandbox_state("c2", SandboxState::Deleted, None).await.unwrap();
+        assert_eq!(store.sandboxes_in_tree(&a.id, "t1").await.unwrap().len(), 1, "deleted members are not listed");
+        let restored = store.sandbox(&a.id, "r1").await.unwrap().unwrap();
+        assert_eq!((restored.from_snapshot.as_deref(), restored.fork_tree_id), (Some("snap1"), None));
         store.close().await;
     }
 }

@@ -3,10 +3,15 @@
 //! section each handler names.
 
 mod exec;
+mod exec_stream;
 mod files;
+mod fork;
 mod lifecycle;
+mod logs;
 mod meta;
+mod metrics;
 mod sandboxes;
+mod snapshots;
 mod terminal;
 mod tokens;
 
@@ -25,6 +30,14 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
         .route("/sandboxes/{id}/events", get(sandboxes::events))
         .route("/sandboxes/{id}/exec", post(exec::exec))
+        .route("/sandboxes/{id}/exec/stream", post(exec_stream::exec_stream))
+        .route("/sandboxes/{id}/logs", get(logs::logs))
+        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/sandboxes/{id}/fork", post(fork::fork))
+        .route("/sandboxes/{id}/fork-tree", post(fork::fork_tree))
+        .route("/sandboxes/{id}/promote", post(fork::promote))
+        .route("/snapshots", get(snapshots::list))
+        .route("/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
         .route("/sandboxes/{id}/fs", get(files::read).put(files::write).delete(files::remove))
         .route("/sandboxes/{id}/fs/dir", get(files::list))
         .route("/sandboxes/{id}/fs/stat", get(files::stat))
@@ -40,9 +53,11 @@ pub fn router(state: AppState) -> Router {
     let router = Router::new()
         .route("/healthz", get(meta::healthz))
         .route("/version", get(meta::version))
+        .route("/metrics", get(metrics::metrics))
         .nest("/v1", api)
-        .with_state(state);
-    crate::http::with_middleware(router)
+        .with_state(state.clone());
+    // Outermost: every response is counted, the envelope's and the router's 404s too.
+    crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state, crate::metrics::track))
 }
 
 /// RFC 3339 UTC with milliseconds, from Unix milliseconds.

@@ -36,6 +36,9 @@ pub fn sandbox_json(row: &SandboxRow) -> Value {
         "persistent": row.persistent,
         "ttl_seconds": row.ttl_seconds,
     });
+    if let Some(snapshot) = &row.from_snapshot {
+        out["from_snapshot"] = Value::String(snapshot.clone());
+    }
     if let Some(reason) = &row.state_reason {
         out["error"] = Value::String(reason.clone());
     }
@@ -55,9 +58,6 @@ pub struct CreateBody {
 
 impl CreateBody {
     fn validate(self) -> Result<CreateParams, ApiError> {
-        if self.from_snapshot.is_some() {
-            return Err(ApiError::bad_request("from_snapshot is not supported by this server yet"));
-        }
         if self.volumes.is_some_and(|v| !v.is_empty()) {
             return Err(ApiError::bad_request("volumes are not supported by this server yet"));
         }
@@ -75,7 +75,8 @@ impl CreateBody {
                 _ => return Err(ApiError::bad_request(format!("metadata values must be strings (key {key:?})"))),
             }
         }
-        Ok(CreateParams { template, metadata, ttl_seconds, persistent: self.persistent.unwrap_or(false) })
+        let from_snapshot = self.from_snapshot.filter(|s| !s.is_empty());
+        Ok(CreateParams { template, metadata, ttl_seconds, persistent: self.persistent.unwrap_or(false), from_snapshot })
     }
 }
 

@@ -1,5 +1,6 @@
-//! Creating a sandbox: the template's image, a VM restored from its template
-//! snapshot (persistent, so it outlives this process), then its row.
+//! Creating a sandbox: admission (quota, host, the line of creates), the
+//! template's image, a VM restored from its template snapshot or from a
+//! user's snapshot (persistent, so it outlives this process), then its row.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -10,6 +11,7 @@ use clade_host::{Lifetime, VmSpec};
 use clade_store::{NewSandbox, SandboxRow, SandboxState, Workspace};
 
 use super::{vm_error, watchdog, Entry, SandboxService, Slot};
+use clade_host::VmError;
 use crate::error::{chain, ApiError};
 
 #[derive(Debug, Clone)]
@@ -18,7 +20,12 @@ pub struct CreateParams {
     pub metadata: BTreeMap<String, String>,
     pub ttl_seconds: Option<u64>,
     pub persistent: bool,
+    /// Made from this snapshot (of the same workspace) instead of the template.
+    pub from_snapshot: Option<String>,
 }
+
+/// The template of a create that names none.
+pub const DEFAULT_TEMPLATE: &str = "base";
 
 /// How the VM of a new sandbox came to run.
 #[derive(Debug, Clone)]
@@ -30,22 +37,79 @@ pub struct Boot {
 impl SandboxService {
     pub async fn create(&self, workspace: &Workspace, params: CreateParams) -> Result<(SandboxRow, Boot), ApiError> {
         let started = Instant::now();
+        let _reservation = self.reserve(&workspace.id, 1).await?;
+        let mut params = params;
+        let vm = match &params.from_snapshot {
+            Some(snapshot_id) => {
+                let snapshot = self
+                    .store()
+                    .snapshot(&workspace.id, snapshot_id)
+                    .await?
+                    .ok_or_else(|| super::snapshot::snapshot_not_found(snapshot_id))?;
+                params.template = snapshot.template.clone();
+                match self.runtime().create_from_snapshot(snapshot_id, Lifetime::Persistent, watchdog()).await {
+                    Ok(vm) => vm,
+                    Err(VmError::NotFound(_)) => return Err(super::snapshot::snapshot_not_found(snapshot_id)),
+                    Err(e) => return Err(vm_error("creating the sandbox from the snapshot", e)),
+                }
+            }
+            None => self.create_vm(&params.template).await?,
+        };
+        self.adopt_new(workspace, params, vm, started).await
+    }
+
+    /// A VM restored from the template of `template` (an image name).
+    async fn create_vm(&self, template: &str) -> Result<clade_host::Vm, ApiError> {
         let images = self.runtime().images().clone();
-        let name = params.template.clone();
+        let name = template.to_string();
         // Instant when the image is built; the first use on a host builds it (minutes).
         let image = tokio::task::spawn_blocking(move || images.ensure(&name, &Progress::Quiet))
             .await
             .map_err(|e| ApiError::internal("preparing the template failed", e))?
             .map_err(|e| vm_error("preparing the template", e.into()))?;
+        self.runtime().create(self.vm_spec(image)).await.map_err(|e| vm_error("creating the sandbox", e))
+    }
+
+    fn vm_spec(&self, image: clade_host::GuestImage) -> VmSpec {
         let settings = self.settings();
-        let spec = VmSpec {
+        VmSpec {
             memory_mb: settings.memory_mb,
             vcpus: settings.vcpus,
             lifetime: Lifetime::Persistent,
             watchdog: watchdog(),
+            tag: Some(super::VM_TAG.to_string()),
             ..VmSpec::new(image)
-        };
-        let vm = self.runtime().create(spec).await.map_err(|e| vm_error("creating the sandbox", e))?;
+        }
+    }
+
+    /// Starts the standby VMMs of the default template in the background,
+    /// when its image is built (a first start builds it on the first create).
+    pub fn start_standby(&self) {
+        if self.settings().standby == 0 {
+            return;
+        }
+        let service = self.clone();
+        tokio::spawn(async move {
+            let images = service.runtime().images().clone();
+            let image = match tokio::task::spawn_blocking(move || images.cached(DEFAULT_TEMPLATE)).await {
+                Ok(Ok(Some(image))) => image,
+                _ => return,
+            };
+            if let Err(e) = service.runtime().prestart(&service.vm_spec(image)).await {
+                tracing::warn!("starting standby VMMs: {}", chain(&e));
+            }
+        });
+    }
+
+    /// Gives a new VM its row and its entry; without a row, no VM stays.
+    async fn adopt_new(
+        &self,
+        workspace: &Workspace,
+        params: CreateParams,
+        vm: clade_host::Vm,
+        started: Instant,
+    ) -> Result<(SandboxRow, Boot), ApiError> {
+        let settings = self.settings();
         let id = vm.id();
         let boot = Boot {
             ms: started.elapsed().as_millis() as u64,
@@ -66,6 +130,7 @@ impl SandboxService {
             ttl_seconds: params.ttl_seconds.unwrap_or(settings.default_ttl_seconds),
             persistent: params.persistent,
             fork_tree_id: None,
+            from_snapshot: params.from_snapshot.clone(),
         };
         let row = match self.store().insert_sandbox(new).await {
             Ok(row) => row,
@@ -84,7 +149,13 @@ impl SandboxService {
             slot.vm = Some(vm);
         }
         self.insert(entry.clone());
-        let detail = serde_json::json!({ "template": row.template, "boot_ms": boot.ms, "boot_mode": boot.mode });
+        self.metrics().observe_create(started.elapsed());
+        let detail = serde_json::json!({
+            "template": row.template,
+            "boot_ms": boot.ms,
+            "boot_mode": boot.mode,
+            "from_snapshot": row.from_snapshot,
+        });
         self.record(&entry, "created", detail).await;
         tracing::info!(sandbox = %id, workspace = %workspace.name, boot_ms = boot.ms, "sandbox created");
         Ok((row, boot))

@@ -2,7 +2,7 @@
 
 use clade_store::SandboxState;
 
-use super::{not_found, not_usable, vm_error, watchdog, Entry, SandboxService};
+use super::{not_found, not_usable, vm_error, watchdog, Entry, SandboxService, Slot};
 use crate::error::{chain, ApiError};
 use std::sync::Arc;
 
@@ -19,7 +19,7 @@ impl SandboxService {
             SandboxState::Paused if auto => return Ok(()),
             SandboxState::Paused => {
                 drop(slot);
-                return self.resume_entry(entry).await;
+                return self.resume_entry(entry, false).await;
             }
             state => return Err(not_usable(&entry.id, state, slot.reason.as_deref())),
         }
@@ -51,18 +51,25 @@ impl SandboxService {
     pub async fn hibernate(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
         let mut slot = entry.slot.write().await;
+        if self.hibernate_locked(&entry, &mut slot).await? {
+            drop(slot);
+            self.record(&entry, "hibernated", serde_json::json!({})).await;
+        }
+        Ok(())
+    }
+
+    /// Hibernates the sandbox whose slot the caller holds; false when it already was.
+    pub(super) async fn hibernate_locked(&self, entry: &Entry, slot: &mut Slot) -> Result<bool, ApiError> {
         let vm = match (slot.state, &slot.vm) {
-            (SandboxState::Hibernated, _) => return Ok(()),
+            (SandboxState::Hibernated, _) => return Ok(false),
             (SandboxState::Running | SandboxState::Paused, Some(vm)) => vm.clone(),
-            (state, _) => return Err(not_usable(id, state, slot.reason.as_deref())),
+            (state, _) => return Err(not_usable(&entry.id, state, slot.reason.as_deref())),
         };
         vm.hibernate().await.map_err(|e| vm_error("hibernating the sandbox", e))?;
         slot.stop_watching();
         slot.vm = None;
-        self.set_state(&entry, &mut slot, SandboxState::Hibernated, None).await?;
-        drop(slot);
-        self.record(&entry, "hibernated", serde_json::json!({})).await;
-        Ok(())
+        self.set_state(entry, slot, SandboxState::Hibernated, None).await?;
+        Ok(true)
     }
 
     /// Stops the vCPUs (a hibernated sandbox is woken first, like any use).
@@ -87,10 +94,11 @@ impl SandboxService {
         let entry = self.entry(workspace_id, id)?;
         self.touch(&entry);
         self.wake_entry(&entry, true).await?;
-        self.resume_entry(&entry).await
+        self.resume_entry(&entry, false).await
     }
 
-    async fn resume_entry(&self, entry: &Arc<Entry>) -> Result<(), ApiError> {
+    /// `auto` when a request to the paused sandbox resumes it.
+    pub(super) async fn resume_entry(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
         let mut slot = entry.slot.write().await;
         let vm = match (slot.state, &slot.vm) {
             (SandboxState::Running, _) => return Ok(()),
@@ -100,7 +108,7 @@ impl SandboxService {
         vm.resume().await.map_err(|e| vm_error("resuming the sandbox", e))?;
         self.set_state(entry, &mut slot, SandboxState::Running, None).await?;
         drop(slot);
-        self.record(entry, "resumed", serde_json::json!({})).await;
+        self.record(entry, "resumed", serde_json::json!({ "auto": auto })).await;
         Ok(())
     }
 
@@ -109,6 +117,15 @@ impl SandboxService {
     pub async fn delete(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
         let mut slot = entry.slot.write().await;
+        self.delete_locked(&entry, &mut slot).await?;
+        drop(slot);
+        self.record(&entry, "deleted", serde_json::json!({})).await;
+        Ok(())
+    }
+
+    /// Deletes the sandbox whose slot the caller holds.
+    pub(super) async fn delete_locked(&self, entry: &Entry, slot: &mut Slot) -> Result<(), ApiError> {
+        let id = entry.id.as_str();
         if slot.state == SandboxState::Deleted {
             return Err(not_found(id));
         }
@@ -120,10 +137,8 @@ impl SandboxService {
                 Err(e) => return Err(vm_error("deleting the sandbox", e)),
             },
         }
-        self.set_state(&entry, &mut slot, SandboxState::Deleted, None).await?;
-        drop(slot);
+        self.set_state(entry, slot, SandboxState::Deleted, None).await?;
         self.forget(id);
-        self.record(&entry, "deleted", serde_json::json!({})).await;
         Ok(())
     }
 }

@@ -8,13 +8,18 @@
 //!
 //! It owns sandbox state and the VM handles; HTTP shapes belong to `routes`.
 
+mod capacity;
 mod create;
+mod fork;
 mod lifecycle;
+mod reaper;
 mod recover;
+mod snapshot;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use clade_host::agent::AgentError;
 use clade_host::vm::{VmFailure, Watchdog};
@@ -25,21 +30,52 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio::task::AbortHandle;
 
 pub use create::CreateParams;
+pub use fork::{ForkParams, Forked, Promoted};
+pub use snapshot::snapshot_not_found;
+
+/// The tag of the VMs this server makes (`VmSpec::tag`): at start-up, a VM
+/// with this tag and no row is the leftover of a create the server died in.
+pub const VM_TAG: &str = "clade-server";
 
 use crate::error::{chain, ApiError};
 
-/// Shapes and defaults of the sandboxes this server makes.
+/// Shapes, defaults and limits of the sandboxes this server makes.
 #[derive(Debug, Clone)]
 pub struct SandboxSettings {
     pub memory_mb: u32,
     pub vcpus: u32,
-    /// Idle TTL of a sandbox whose create names none.
+    /// Idle TTL of a sandbox whose create names none (0: no idle TTL).
     pub default_ttl_seconds: u64,
+    /// Idle time after which a persistent sandbox is hibernated (0: never).
+    pub idle_hibernate_seconds: u64,
+    /// How often the reaper looks for idle sandboxes.
+    pub reaper_interval: Duration,
+    /// Quota: sandboxes a workspace may have (not deleted or failed); 429 beyond.
+    pub max_sandboxes_per_workspace: usize,
+    /// Scheduler: sandboxes whose VM runs on this host; 503 with Retry-After beyond.
+    pub max_running_per_host: usize,
+    /// Scheduler: creates and forks under way at once; others wait in line…
+    pub max_concurrent_creates: usize,
+    /// …at most this long, then 503 with Retry-After.
+    pub create_queue_timeout: Duration,
+    /// Standby VMMs kept for the default template (`VmRuntime::with_standby`).
+    pub standby: usize,
 }
 
 impl Default for SandboxSettings {
     fn default() -> Self {
-        Self { memory_mb: 512, vcpus: 1, default_ttl_seconds: 300 }
+        Self {
+            memory_mb: 512,
+            vcpus: 1,
+            default_ttl_seconds: 300,
+            idle_hibernate_seconds: 300,
+            reaper_interval: Duration::from_secs(30),
+            max_sandboxes_per_workspace: 100,
+            max_running_per_host: 64,
+            max_concurrent_creates: 4,
+            create_queue_timeout: Duration::from_secs(10),
+            standby: 1,
+        }
     }
 }
 
@@ -54,6 +90,8 @@ struct Inner {
     store: Store,
     settings: SandboxSettings,
     live: Mutex<HashMap<String, Arc<Entry>>>,
+    capacity: capacity::Capacity,
+    metrics: crate::metrics::Metrics,
 }
 
 #[derive(Debug)]
@@ -85,11 +123,18 @@ impl Slot {
 }
 
 /// A running sandbox, held so that no lifecycle change happens under it.
+/// Its use counts as activity until it is dropped (a long exec is not idle).
 #[derive(Debug)]
 pub struct Running {
     pub vm: Vm,
     pub entry: Arc<Entry>,
     _guard: OwnedRwLockReadGuard<Slot>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.entry.last_activity.store(now_ms(), Ordering::Relaxed);
+    }
 }
 
 /// How often at most the last activity time is written to the store.
@@ -113,7 +158,27 @@ impl Entry {
 
 impl SandboxService {
     pub fn new(runtime: VmRuntime, store: Store, settings: SandboxSettings) -> Self {
-        Self { inner: Arc::new(Inner { runtime, store, settings, live: Mutex::default() }) }
+        let capacity = capacity::Capacity::new(&settings);
+        let inner = Inner { runtime, store, settings, live: Mutex::default(), capacity, metrics: Default::default() };
+        Self { inner: Arc::new(inner) }
+    }
+
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.inner.metrics
+    }
+
+    /// How many sandboxes are in each state (for `/metrics`).
+    pub async fn count_by_state(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let entries: Vec<Arc<Entry>> = self.inner.live.lock().expect("sandbox map lock").values().cloned().collect();
+        let mut counts = std::collections::BTreeMap::new();
+        for state in [SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated, SandboxState::Failed] {
+            counts.insert(state.as_str(), 0);
+        }
+        for entry in entries {
+            let state = entry.slot.read().await.state;
+            *counts.entry(state.as_str()).or_insert(0) += 1;
+        }
+        counts
     }
 
     pub fn runtime(&self) -> &VmRuntime {
@@ -161,8 +226,8 @@ impl SandboxService {
         }
     }
 
-    /// The sandbox, running: a hibernated one is woken first (auto-wake); a
-    /// paused or failed one is refused with the reason.
+    /// The sandbox, running: a hibernated one is woken first (auto-wake), a
+    /// paused one resumed; a failed one is refused with the reason.
     pub async fn running(&self, workspace_id: &str, id: &str) -> Result<Running, ApiError> {
         let entry = self.entry(workspace_id, id)?;
         self.touch(&entry);
@@ -176,6 +241,10 @@ impl SandboxService {
                 (SandboxState::Hibernated, _) => {
                     drop(guard);
                     self.wake_entry(&entry, true).await?;
+                }
+                (SandboxState::Paused, _) => {
+                    drop(guard);
+                    self.resume_entry(&entry, true).await?;
                 }
                 (state, _) => return Err(not_usable(id, state, guard.reason.as_deref())),
             }
@@ -231,6 +300,24 @@ impl SandboxService {
             "console_tail": failure.console_tail,
         });
         self.record(entry, "failed", detail).await;
+    }
+
+    /// Brings a sandbox to running (waking or resuming it) without holding
+    /// it: for operations that then take it alone (snapshot, fork).
+    async fn make_running(&self, entry: &Arc<Entry>) -> Result<(), ApiError> {
+        for _ in 0..3 {
+            let (state, reason) = {
+                let slot = entry.slot.read().await;
+                (slot.state, slot.reason.clone())
+            };
+            match state {
+                SandboxState::Running => return Ok(()),
+                SandboxState::Hibernated => self.wake_entry(entry, true).await?,
+                SandboxState::Paused => self.resume_entry(entry, true).await?,
+                state => return Err(not_usable(&entry.id, state, reason.as_deref())),
+            }
+        }
+        Err(ApiError::conflict(format!("sandbox {} keeps changing state; try again", entry.id)))
     }
 
     /// Lets go of every VM handle (the VMs keep running: they are

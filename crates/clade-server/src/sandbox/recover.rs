@@ -1,6 +1,8 @@
 //! Start-up: the sandboxes the store says exist get their VMs back. Running
 //! and paused VMs are adopted, hibernated ones stay wakeable, and a sandbox
-//! whose VM is gone is marked failed with the reason.
+//! whose VM is gone is marked failed with the reason. A VM with this
+//! server's tag and no row is the leftover of a create the server died in
+//! (between the VM and its row): it is removed.
 
 use std::collections::HashMap;
 
@@ -8,7 +10,7 @@ use clade_host::vm::Phase;
 use clade_host::VmError;
 use clade_store::SandboxState;
 
-use super::{watchdog, Entry, SandboxService, Slot};
+use super::{watchdog, Entry, SandboxService, Slot, VM_TAG};
 use crate::error::{chain, ApiError};
 
 impl SandboxService {
@@ -16,14 +18,22 @@ impl SandboxService {
         let live = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated];
         let rows = self.store().sandboxes_in(&live).await?;
         let failed = self.store().sandboxes_in(&[SandboxState::Failed]).await?;
-        let records: HashMap<String, Phase> =
-            self.runtime().list().into_iter().map(|(record, _)| (record.id.clone(), record.phase)).collect();
-        // A VM without a row: made by `clade vm create` in this data directory,
-        // or by a server killed between making the VM and its row. Which one
-        // cannot be told, so it is left alone.
+        let listed = self.runtime().list();
+        let records: HashMap<String, Phase> = listed.iter().map(|(record, _)| (record.id.clone(), record.phase)).collect();
+        // A VM without a row: made by a server killed between making the VM
+        // and its row (tagged: removed), or by `clade vm create` in this data
+        // directory (untagged: not ours, left alone).
         let known: std::collections::HashSet<&str> = rows.iter().chain(&failed).map(|r| r.id.as_str()).collect();
-        for id in records.keys().filter(|id| !known.contains(id.as_str())) {
-            tracing::warn!(vm = %id, "a VM in the data directory belongs to no sandbox; leaving it");
+        for (record, _) in listed.iter().filter(|(record, _)| !known.contains(record.id.as_str())) {
+            if record.tag.as_deref() != Some(VM_TAG) {
+                tracing::warn!(vm = %record.id, "a VM in the data directory belongs to no sandbox; leaving it");
+                continue;
+            }
+            tracing::warn!(vm = %record.id, "removing a VM of this server that has no sandbox (the server stopped while creating it)");
+            match self.runtime().remove(&record.id).await {
+                Ok(()) | Err(VmError::NotFound(_)) => {}
+                Err(e) => tracing::error!(vm = %record.id, "removing an orphan VM: {}", chain(&e)),
+            }
         }
         for row in failed {
             let slot = Slot { state: SandboxState::Failed, reason: row.state_reason.clone(), vm: None, watcher: None };

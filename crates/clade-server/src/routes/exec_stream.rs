@@ -1,0 +1,145 @@
+//! `POST /v1/sandboxes/{id}/exec/stream` (§3.3): a command's output as
+//! server-sent events while it runs, then `exit` (or `error`). A failure
+//! before the command starts is an ordinary JSON error response.
+//!
+//! Cancellation is the server's: when the client goes away, the response
+//! body is dropped, the pump sees its channel closed and drops the guest
+//! session, and the guest kills the command's whole process group. A quiet
+//! command is noticed within two keep-alives (`sse::KEEPALIVE`).
+
+use std::time::Instant;
+
+use axum::extract::{Path, State};
+use axum::response::Response;
+use bytes::Bytes;
+use clade_host::{ExecEvent, ExecSession};
+use clade_proto::{Command, ExecRequest};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::http::JsonBody;
+use crate::sandbox::{agent_error, Running, SandboxService};
+use crate::sse::{self, Utf8Decoder};
+use crate::AppState;
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamBody {
+    cmd: Option<String>,
+    timeout_seconds: Option<i64>,
+}
+
+/// Output a streamed command may send per stream: nothing is kept in
+/// memory, so this only bounds a runaway command.
+const STREAM_OUTPUT_LIMIT: u64 = 1 << 30;
+
+/// Characters of a command kept in its event.
+const EVENT_CMD_CHARS: usize = 200;
+
+pub async fn exec_stream(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<StreamBody>,
+) -> Result<Response, ApiError> {
+    let cmd = body.cmd.filter(|c| !c.trim().is_empty()).ok_or_else(|| ApiError::bad_request("cmd required"))?;
+    let limits = &state.limits;
+    let timeout_s = match body.timeout_seconds {
+        None | Some(0) => limits.exec_default_timeout_s,
+        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout_seconds must be positive")),
+        Some(t) if t as u64 > limits.exec_max_timeout_s => {
+            return Err(ApiError::bad_request(format!("timeout_seconds may be at most {}", limits.exec_max_timeout_s)));
+        }
+        Some(t) => t as u64,
+    };
+    let running = state.service.running(&caller.workspace.id, &id).await?;
+    let request = ExecRequest {
+        timeout_ms: Some(timeout_s * 1000),
+        output_limit: Some(STREAM_OUTPUT_LIMIT),
+        ..ExecRequest::new(Command::Shell(cmd.clone()))
+    };
+    let session = running.vm.agent().exec(request).await.map_err(|e| agent_error("exec", e, None))?;
+    let (tx, rx) = mpsc::channel::<Bytes>(32);
+    tokio::spawn(pump(state.service.clone(), running, session, tx, cmd, timeout_s));
+    Ok(sse::response(rx))
+}
+
+/// How a streamed command ended.
+enum End {
+    Exited { exit_code: i32, timed_out: bool },
+    /// The client went away; the command was cancelled.
+    Disconnected,
+    Failed(String),
+}
+
+/// Moves the command's output into the response until it exits or the
+/// client goes away; holds the sandbox (no lifecycle change) meanwhile.
+async fn pump(service: SandboxService, running: Running, mut session: ExecSession, tx: mpsc::Sender<Bytes>, cmd: String, timeout_s: u64) {
+    let started = Instant::now();
+    let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
+    let send = |chunk: Bytes| {
+        let tx = tx.clone();
+        async move { tx.send(chunk).await.is_ok() }
+    };
+    let end = loop {
+        let event = tokio::select! {
+            event = session.next() => event,
+            () = tx.closed() => break End::Disconnected,
+        };
+        let (name, text) = match event {
+            Ok(Some(ExecEvent::Stdout(data))) => ("stdout", stdout.decode(&data)),
+            Ok(Some(ExecEvent::Stderr(data))) => ("stderr", stderr.decode(&data)),
+            Ok(Some(ExecEvent::Truncated { .. })) => continue,
+            Ok(Some(ExecEvent::Exited(status))) => {
+                for (name, rest) in [("stdout", stdout.finish()), ("stderr", stderr.finish())] {
+                    if !rest.is_empty() {
+                        send(sse::event(name, &json!({ "chunk": rest }))).await;
+                    }
+                }
+                break End::Exited { exit_code: status.shell_code(), timed_out: status.timed_out };
+            }
+            Ok(None) => break End::Failed("the guest ended the command without an exit status".into()),
+            Err(e) => {
+                let error = agent_error("exec", e, None);
+                break End::Failed(error.to_string());
+            }
+        };
+        if !text.is_empty() && !send(sse::event(name, &json!({ "chunk": text }))).await {
+            break End::Disconnected;
+        }
+    };
+    let terminal = match &end {
+        End::Exited { timed_out: true, .. } => Some(sse::event(
+            "error",
+            &json!({ "error": format!("exec timeout: context deadline exceeded (the command ran longer than {timeout_s} s and was killed)") }),
+        )),
+        End::Exited { exit_code, .. } => Some(sse::event("exit", &json!({ "exit_code": exit_code }))),
+        End::Failed(message) => Some(sse::event("error", &json!({ "error": message }))),
+        End::Disconnected => None,
+    };
+    if let Some(terminal) = terminal {
+        send(terminal).await;
+    }
+    if matches!(end, End::Disconnected) {
+        // Dropping the session cancels the command too; say it explicitly.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), session.input().cancel()).await;
+    }
+    drop(session);
+    let (exit_code, timed_out, outcome) = match &end {
+        End::Exited { exit_code, timed_out } => (Some(*exit_code), *timed_out, "exited"),
+        End::Disconnected => (None, false, "cancelled: the client disconnected"),
+        End::Failed(_) => (None, false, "failed"),
+    };
+    let detail = json!({
+        "cmd": cmd.chars().take(EVENT_CMD_CHARS).collect::<String>(),
+        "stream": true,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "outcome": outcome,
+        "duration_ms": started.elapsed().as_millis() as u64,
+    });
+    service.record(&running.entry, "exec", detail).await;
+    drop(running);
+}

@@ -1,0 +1,133 @@
+//! `GET /v1/sandboxes/{id}/logs` (§3.6): the VM's serial console, as text,
+//! or followed as server-sent events (`follow=true` or `follow=1`), one
+//! `line` event per line; the stream ends only when the client goes away
+//! (or the sandbox is deleted). `stream` (stdout/stderr/both) is accepted
+//! and ignored: the console is one stream. Reading logs does not wake a
+//! hibernated sandbox; its console up to hibernation is served.
+
+use std::io::SeekFrom;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio::sync::mpsc;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::sandbox::not_found;
+use crate::sse;
+use crate::AppState;
+
+/// The end of the console served as text, and replayed before following.
+const TEXT_TAIL_BYTES: u64 = 1 << 20;
+const FOLLOW_REPLAY_BYTES: u64 = 16 << 10;
+const POLL: Duration = Duration::from_millis(200);
+
+#[derive(Debug, Deserialize)]
+pub struct LogsQuery {
+    follow: Option<String>,
+    #[allow(dead_code)] // accepted for the SDKs; the console is one stream
+    stream: Option<String>,
+}
+
+fn wants_follow(value: Option<&str>) -> bool {
+    matches!(value.map(str::to_ascii_lowercase).as_deref(), Some("1" | "true" | "yes"))
+}
+
+pub async fn logs(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<LogsQuery>,
+) -> Result<Response, ApiError> {
+    let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
+    let path = state.service.runtime().vms_dir().join(&row.id).join("console.log");
+    if !wants_follow(query.follow.as_deref()) {
+        let (text, _) = read_tail(&path, TEXT_TAIL_BYTES).await?;
+        let text = String::from_utf8_lossy(&text).into_owned();
+        return Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response());
+    }
+    let (replay, offset) = read_tail(&path, FOLLOW_REPLAY_BYTES).await?;
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(follow(path, replay, offset, tx));
+    Ok(sse::response(rx))
+}
+
+/// The last `max` bytes of the file from a line start, and the file's length.
+async fn read_tail(path: &std::path::Path, max: u64) -> Result<(Vec<u8>, u64), ApiError> {
+    let mut file = match tokio::fs::File::open(path).await {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
+        Err(e) => return Err(ApiError::internal("reading the logs failed", e)),
+    };
+    let len = file.metadata().await.map_err(|e| ApiError::internal("reading the logs failed", e))?.len();
+    let start = len.saturating_sub(max);
+    file.seek(SeekFrom::Start(start)).await.map_err(|e| ApiError::internal("reading the logs failed", e))?;
+    let mut data = Vec::new();
+    file.take(len - start).read_to_end(&mut data).await.map_err(|e| ApiError::internal("reading the logs failed", e))?;
+    if start > 0 {
+        // Start at a whole line.
+        let cut = data.iter().position(|b| *b == b'\n').map_or(0, |i| i + 1);
+        data.drain(..cut);
+    }
+    Ok((data, len))
+}
+
+/// Sends the replay, then every line the console gains, until the client
+/// goes away or the console file is removed (the sandbox was deleted).
+async fn follow(path: PathBuf, replay: Vec<u8>, mut offset: u64, tx: mpsc::Sender<Bytes>) {
+    let mut pending = replay;
+    loop {
+        let mut chunk = Vec::new();
+        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line).into_owned();
+            chunk.extend_from_slice(&sse::event("line", &json!({ "line": line })));
+        }
+        if !chunk.is_empty() && tx.send(Bytes::from(chunk)).await.is_err() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(POLL) => {}
+            () = tx.closed() => return,
+        }
+        let Ok(mut file) = tokio::fs::File::open(&path).await else { return };
+        let Ok(meta) = file.metadata().await else { return };
+        if meta.len() < offset {
+            offset = 0; // a new QEMU (woken) started the file again
+        }
+        if meta.len() == offset {
+            continue;
+        }
+        if file.seek(SeekFrom::Start(offset)).await.is_err() {
+            return;
+        }
+        let mut more = Vec::new();
+        match file.take((meta.len() - offset).min(1 << 20)).read_to_end(&mut more).await {
+            Ok(n) => offset += n as u64,
+            Err(_) => return,
+        }
+        pending.extend_from_slice(&more);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follow_accepts_both_spellings() {
+        for yes in ["1", "true", "True"] {
+            assert!(wants_follow(Some(yes)), "{yes}");
+        }
+        for no in [None, Some("0"), Some("false"), Some("")] {
+            assert!(!wants_follow(no), "{no:?}");
+        }
+    }
+}

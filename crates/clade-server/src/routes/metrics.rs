@@ -1,0 +1,13 @@
+//! `GET /metrics` (Prometheus text format; unauthenticated, like `/healthz`).
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+
+use crate::AppState;
+
+pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let sandboxes = state.service.count_by_state().await;
+    let text = state.service.metrics().render(&sandboxes);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+}
