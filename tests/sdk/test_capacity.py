@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TEMPLATE
 
-pytestmark = pytest.mark.xfail(strict=True, reason="the server has no setting for its host capacity yet (CLADE_MAX_RUNNING)")
+pytestmark = pytest.mark.xfail(strict=True, reason="clade server has no setting for its host capacity (SandboxSettings.max_running_per_host) yet; this test sets CLADE_MAX_RUNNING=1")
 
 # How a server is told to run at most one sandbox.
 ONE_SANDBOX = {"CLADE_MAX_RUNNING": "1"}

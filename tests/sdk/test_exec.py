@@ -10,8 +10,6 @@ from pandastack import CommandFailed, ExecInterrupted, SandboxTimeout
 
 from conftest import TEMPLATE, wait_for
 
-STREAM = pytest.mark.xfail(strict=True, reason="POST /v1/sandboxes/{id}/exec/stream (SSE) is not in the server yet")
-
 
 def test_exec_returns_output_and_exit_code(sandbox):
     result = sandbox.exec("echo out; echo err >&2; exit 3")
@@ -62,7 +60,6 @@ def test_run_code_python_and_shell(sandbox):
         sandbox.run_code("x", language="cobol")
 
 
-@STREAM
 def test_exec_stream_calls_back_with_chunks_and_returns_the_exit_code(sandbox):
     out, err = [], []
     code = sandbox.exec_stream(
@@ -75,7 +72,6 @@ def test_exec_stream_calls_back_with_chunks_and_returns_the_exit_code(sandbox):
     assert "".join(err) == "oops\n"
 
 
-@STREAM
 def test_exec_stream_delivers_output_while_the_command_runs(sandbox):
     seen = []
     first_at = []
@@ -93,14 +89,12 @@ def test_exec_stream_delivers_output_while_the_command_runs(sandbox):
     assert first_at[0] < total - 2, "the first chunk came before the command ended"
 
 
-@STREAM
 def test_exec_stream_utf8(sandbox):
     out = []
     assert sandbox.exec_stream("printf 'h\\303\\251llo \\342\\234\\223\\n'", on_stdout=out.append) == 0
     assert "".join(out) == "héllo ✓\n"
 
 
-@STREAM
 def test_exec_stream_timeout_raises_sandbox_timeout(sandbox):
     with pytest.raises(SandboxTimeout):
         sandbox.exec_stream("echo start; sleep 60", timeout_seconds=2)
@@ -130,7 +124,6 @@ def _stream_until_the_server_goes(start_server, name, end_server):
     return outcome, "".join(out)
 
 
-@STREAM
 def test_exec_stream_never_reports_success_when_the_server_is_killed(start_server):
     """The stream is the only channel of the exit code: a command whose
     server is killed (SIGKILL) mid-stream must never read as a success.

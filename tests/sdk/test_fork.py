@@ -4,8 +4,6 @@
 import pytest
 from pandastack import Candidate, NotFoundError
 
-pytestmark = pytest.mark.xfail(strict=True, reason="fork, fork-tree and promote are not in the server yet")
-
 
 def test_fork_copies_memory_and_disk(client, fresh_sandbox):
     parent = fresh_sandbox

@@ -55,7 +55,6 @@ def test_hibernate_wake_and_auto_wake(fresh_sandbox):
     assert sb.refresh().status == "running"
 
 
-@pytest.mark.xfail(strict=True, reason="auto-resume of a paused sandbox on use is not in the server yet")
 def test_auto_resume_of_a_paused_sandbox(fresh_sandbox):
     sb = fresh_sandbox
     sb.pause()
@@ -63,7 +62,6 @@ def test_auto_resume_of_a_paused_sandbox(fresh_sandbox):
     assert sb.refresh().status == "running"
 
 
-@pytest.mark.xfail(strict=True, reason="the idle-TTL reaper is not in the server yet")
 def test_the_idle_ttl_reaps_a_sandbox_but_not_a_persistent_one(client):
     """TTL is an idle TTL (§3.7): the reaper (every 30 s) deletes a sandbox
     idle longer than it; a persistent sandbox is exempt."""

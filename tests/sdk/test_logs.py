@@ -2,11 +2,7 @@
 
 import threading
 
-import pytest
-
 from conftest import wait_for
-
-pytestmark = pytest.mark.xfail(strict=True, reason="GET /v1/sandboxes/{id}/logs is not in the server yet")
 
 
 def test_logs_as_text(sandbox):

@@ -6,8 +6,6 @@ from pandastack import NotFoundError
 
 from conftest import TEMPLATE
 
-pytestmark = pytest.mark.xfail(strict=True, reason="snapshots (POST /v1/sandboxes/{id}/snapshots, /v1/snapshots, from_snapshot) are not in the server yet")
-
 
 def test_snapshot_and_from_snapshot(client, other_client, fresh_sandbox):
     sb = fresh_sandbox
