@@ -9,9 +9,7 @@ import pytest
 
 from conftest import TEMPLATE
 
-pytestmark = pytest.mark.xfail(strict=True, reason="clade server has no setting for its host capacity (SandboxSettings.max_running_per_host) yet; this test sets CLADE_MAX_RUNNING=1")
-
-# How a server is told to run at most one sandbox.
+# How a server is told to run at most one sandbox (`clade server --max-running`).
 ONE_SANDBOX = {"CLADE_MAX_RUNNING": "1"}
 
 

@@ -16,12 +16,17 @@ pub struct ServerArgs {
     /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
     #[arg(long, env = "CLADE_DATABASE_URL")]
     database_url: Option<String>,
+    /// Sandboxes whose VM may run on this host at once; creates beyond are
+    /// refused with 503 and Retry-After. Env: CLADE_MAX_RUNNING.
+    #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
+    max_running: usize,
 }
 
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
     let data_dir = host.data_dir.clone();
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = args.database_url;
+    config.sandboxes.max_running_per_host = args.max_running;
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         eprintln!(
