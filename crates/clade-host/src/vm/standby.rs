@@ -70,6 +70,10 @@ impl StandbyPool {
         None
     }
 
+    fn park(&self, key: &PoolKey, standby: Standby) {
+        self.ready.lock().expect("standby lock").entry(key.clone()).or_default().push(standby);
+    }
+
     fn count(&self, key: &PoolKey) -> usize {
         self.ready.lock().expect("standby lock").get(key).map_or(0, Vec::len)
     }
@@ -95,7 +99,7 @@ impl VmRuntime {
         tokio::spawn(async move {
             while runtime.standby.count(&key) < runtime.standby.target() {
                 match runtime.start_standby(&template, &spec).await {
-                    Ok(standby) => runtime.standby.ready.lock().expect("standby lock").entry(key.clone()).or_default().push(standby),
+                    Ok(standby) => runtime.standby.park(&key, standby),
                     Err(e) => {
                         tracing::warn!("could not start a standby VMM: {e}");
                         break;
@@ -113,7 +117,7 @@ impl VmRuntime {
         let key = (template.key.clone(), spec.lifetime);
         while self.standby.count(&key) < self.standby.target() {
             let standby = self.start_standby(&template, spec).await?;
-            self.standby.ready.lock().expect("standby lock").entry(key.clone()).or_default().push(standby);
+            self.standby.park(&key, standby);
         }
         Ok(())
     }

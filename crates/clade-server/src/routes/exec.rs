@@ -13,7 +13,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::http::JsonBody;
 use crate::sandbox::vm_error;
-use crate::AppState;
+use crate::{AppState, Limits};
 
 #[derive(Debug, Default, Deserialize)]
 pub struct ExecBody {
@@ -21,8 +21,25 @@ pub struct ExecBody {
     timeout_seconds: Option<i64>,
 }
 
+impl ExecBody {
+    /// The command and its timeout in seconds (the server's default when
+    /// absent or 0), checked against the limits. Shared with `exec/stream`.
+    pub(super) fn command(self, limits: &Limits) -> Result<(String, u64), ApiError> {
+        let cmd = self.cmd.filter(|c| !c.trim().is_empty()).ok_or_else(|| ApiError::bad_request("cmd required"))?;
+        let timeout_s = match self.timeout_seconds {
+            None | Some(0) => limits.exec_default_timeout_s,
+            Some(t) if t < 0 => return Err(ApiError::bad_request("timeout_seconds must be positive")),
+            Some(t) if t as u64 > limits.exec_max_timeout_s => {
+                return Err(ApiError::bad_request(format!("timeout_seconds may be at most {}", limits.exec_max_timeout_s)));
+            }
+            Some(t) => t as u64,
+        };
+        Ok((cmd, timeout_s))
+    }
+}
+
 /// Characters of a command kept in its event.
-const EVENT_CMD_CHARS: usize = 200;
+pub(super) const EVENT_CMD_CHARS: usize = 200;
 
 pub async fn exec(
     State(state): State<AppState>,
@@ -30,16 +47,8 @@ pub async fn exec(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Json<Value>, ApiError> {
-    let cmd = body.cmd.filter(|c| !c.trim().is_empty()).ok_or_else(|| ApiError::bad_request("cmd required"))?;
     let limits = &state.limits;
-    let timeout_s = match body.timeout_seconds {
-        None | Some(0) => limits.exec_default_timeout_s,
-        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout_seconds must be positive")),
-        Some(t) if t as u64 > limits.exec_max_timeout_s => {
-            return Err(ApiError::bad_request(format!("timeout_seconds may be at most {}", limits.exec_max_timeout_s)));
-        }
-        Some(t) => t as u64,
-    };
+    let (cmd, timeout_s) = body.command(limits)?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let request = ExecRequest {
         timeout_ms: Some(timeout_s * 1000),

@@ -14,7 +14,6 @@ use axum::response::Response;
 use bytes::Bytes;
 use clade_host::{ExecEvent, ExecSession};
 use clade_proto::{Command, ExecRequest};
-use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -25,35 +24,21 @@ use crate::sandbox::{agent_error, Running, SandboxService};
 use crate::sse::{self, Utf8Decoder};
 use crate::AppState;
 
-#[derive(Debug, Default, Deserialize)]
-pub struct StreamBody {
-    cmd: Option<String>,
-    timeout_seconds: Option<i64>,
-}
+use super::exec::{ExecBody, EVENT_CMD_CHARS};
+
 
 /// Output a streamed command may send per stream: nothing is kept in
 /// memory, so this only bounds a runaway command.
 const STREAM_OUTPUT_LIMIT: u64 = 1 << 30;
 
-/// Characters of a command kept in its event.
-const EVENT_CMD_CHARS: usize = 200;
 
 pub async fn exec_stream(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    JsonBody(body): JsonBody<StreamBody>,
+    JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Response, ApiError> {
-    let cmd = body.cmd.filter(|c| !c.trim().is_empty()).ok_or_else(|| ApiError::bad_request("cmd required"))?;
-    let limits = &state.limits;
-    let timeout_s = match body.timeout_seconds {
-        None | Some(0) => limits.exec_default_timeout_s,
-        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout_seconds must be positive")),
-        Some(t) if t as u64 > limits.exec_max_timeout_s => {
-            return Err(ApiError::bad_request(format!("timeout_seconds may be at most {}", limits.exec_max_timeout_s)));
-        }
-        Some(t) => t as u64,
-    };
+    let (cmd, timeout_s) = body.command(&state.limits)?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let request = ExecRequest {
         timeout_ms: Some(timeout_s * 1000),

@@ -50,6 +50,18 @@ fn children_json(forked: &Forked) -> Vec<Value> {
         .collect()
 }
 
+impl ForkBody {
+    /// `count` (`default` when absent or 0) and the children's metadata.
+    fn params(self, default: usize, tree: bool) -> Result<ForkParams, ApiError> {
+        let count = match self.count {
+            None | Some(0) => default,
+            Some(n) if n < 0 => return Err(ApiError::bad_request("count must be positive")),
+            Some(n) => n as usize,
+        };
+        Ok(ForkParams { count, metadata: string_metadata(self.metadata)?, tree })
+    }
+}
+
 /// `POST /v1/sandboxes/{id}/fork`: one child (`count` up to 16 is accepted, as OSS does).
 pub async fn fork(
     State(state): State<AppState>,
@@ -57,12 +69,7 @@ pub async fn fork(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ForkBody>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let count = match body.count {
-        None | Some(0) => 1,
-        Some(n) if n < 0 => return Err(ApiError::bad_request("count must be positive")),
-        Some(n) => n as usize,
-    };
-    let params = ForkParams { count, metadata: string_metadata(body.metadata)?, tree: false };
+    let params = body.params(1, false)?;
     let forked = state.service.fork(&caller.workspace, &id, params).await?;
     let children = children_json(&forked);
     Ok((
@@ -83,12 +90,7 @@ pub async fn fork_tree(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ForkBody>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let count = match body.count {
-        None | Some(0) => 2,
-        Some(n) if n < 0 => return Err(ApiError::bad_request("count must be positive")),
-        Some(n) => n as usize,
-    };
-    let params = ForkParams { count, metadata: string_metadata(body.metadata)?, tree: true };
+    let params = body.params(2, true)?;
     let forked = state.service.fork(&caller.workspace, &id, params).await?;
     Ok((
         StatusCode::CREATED,
