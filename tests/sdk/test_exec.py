@@ -141,8 +141,6 @@ def test_exec_stream_never_reports_success_when_the_server_is_killed(start_serve
     assert seen == "before\n"
 
 
-@pytest.mark.xfail(strict=True, reason="the server does not end open streams when it stops: its graceful "
-                   "shutdown waits for the streamed command instead of ending the stream without an exit event")
 def test_exec_stream_raises_exec_interrupted_when_the_server_stops(start_server):
     """A server that stops (SIGTERM) while a command streams ends the stream
     without an `exit` event, which the SDK reports as ExecInterrupted with

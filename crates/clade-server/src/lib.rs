@@ -30,6 +30,7 @@ use std::sync::Arc;
 use clade_host::{HostConfig, VmRuntime};
 use clade_store::{Store, StoreError};
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 pub use sandbox::SandboxSettings;
 
@@ -117,6 +118,10 @@ pub struct AppState {
     pub service: sandbox::SandboxService,
     pub limits: Arc<Limits>,
     pub limiter: Arc<capacity::RateLimiter>,
+    /// Cancelled when the server begins to stop: long-lived responses
+    /// (event streams, terminals) end on it, or a graceful shutdown would
+    /// wait for them forever.
+    pub stopping: CancellationToken,
 }
 
 /// A server accepting requests.
@@ -145,7 +150,13 @@ impl Server {
         service.start_standby();
         let reaper = service.start_reaper();
         let limiter = Arc::new(capacity::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
-        let state = AppState { store, service, limits: Arc::new(config.limits.clone()), limiter };
+        let state = AppState {
+            store,
+            service,
+            limits: Arc::new(config.limits.clone()),
+            limiter,
+            stopping: CancellationToken::new(),
+        };
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| ServerError::Listen { addr: config.listen, source })?;
@@ -184,6 +195,7 @@ impl Server {
     /// the VMs, which keep running for the next start to adopt.
     pub async fn shutdown(self) {
         self.reaper.abort();
+        self.state.stopping.cancel();
         let _ = self.stop.send(());
         match self.task.await {
             Ok(Ok(())) => {}

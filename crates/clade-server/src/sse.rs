@@ -10,6 +10,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// Between keep-alive comments on a quiet stream. Also how soon a client
 /// that went away is noticed: only a write finds a closed connection.
@@ -23,14 +24,21 @@ pub fn event(name: &str, data: &serde_json::Value) -> Bytes {
 }
 
 /// A streaming response of the chunks `rx` yields, with keep-alives while
-/// it is quiet. The stream ends when every sender is dropped; dropping the
-/// response (the client went away) closes `rx`, which the senders see.
-pub fn response(rx: mpsc::Receiver<Bytes>) -> Response {
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-            Ok(Some(chunk)) => Some((Ok::<_, Infallible>(chunk), rx)),
+/// it is quiet. The stream ends when every sender is dropped, or when the
+/// server stops (`stopping`): then it ends cleanly but early, without the
+/// closing event, which clients read as an interrupted stream. Ending the
+/// response drops `rx`, which the senders see (as when the client goes).
+pub fn response(rx: mpsc::Receiver<Bytes>, stopping: CancellationToken) -> Response {
+    let stream = futures::stream::unfold((rx, stopping), |(mut rx, stopping)| async move {
+        let next = tokio::select! {
+            biased;
+            () = stopping.cancelled() => return None,
+            next = tokio::time::timeout(KEEPALIVE, rx.recv()) => next,
+        };
+        match next {
+            Ok(Some(chunk)) => Some((Ok::<_, Infallible>(chunk), (rx, stopping))),
             Ok(None) => None,
-            Err(_) => Some((Ok(Bytes::from_static(PING)), rx)),
+            Err(_) => Some((Ok(Bytes::from_static(PING)), (rx, stopping))),
         }
     });
     (

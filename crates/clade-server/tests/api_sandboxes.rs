@@ -154,8 +154,27 @@ async fn a_sandbox_from_create_to_delete() {
     let woken_event = events["events"].as_array().unwrap().iter().find(|e| e["type"] == "woken").unwrap();
     assert_eq!(woken_event["payload"]["auto"], true);
 
-    // Delete: gone from the API and from the host.
+    // Delete while a long command runs: the delete does not wait for it,
+    // and the command's caller hears why it ended.
+    let busy = {
+        let api = api.clone();
+        let path = format!("/v1/sandboxes/{id}/exec");
+        tokio::spawn(async move { api.post(&path, json!({ "cmd": "sleep 600", "timeout_seconds": 600 })).await })
+    };
+    for _ in 0..100 {
+        if api.exec(&id, "pgrep -x sleep >/dev/null && echo yes").await["stdout"] == "yes\n" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let started = Instant::now();
     api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    assert!(started.elapsed() < Duration::from_secs(60), "the delete waited {:?} for the command", started.elapsed());
+    let busy = tokio::time::timeout(Duration::from_secs(60), busy).await.expect("the exec ended with the delete").unwrap();
+    busy.expect(409);
+    assert_eq!(busy.error(), format!("sandbox {id} was deleted while the command ran"));
+
+    // Delete: gone from the API and from the host.
     api.get(&format!("/v1/sandboxes/{id}")).await.expect(404);
     api.delete(&format!("/v1/sandboxes/{id}")).await.expect(404);
     assert_eq!(api.get("/v1/sandboxes").await.json(), json!([]));

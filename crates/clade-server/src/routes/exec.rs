@@ -56,7 +56,13 @@ pub async fn exec(
         ..ExecRequest::new(Command::Shell(cmd.clone()))
     };
     let started = Instant::now();
-    let output = running.vm.run(request).await.map_err(|e| vm_error("exec", e))?;
+    let output = running.vm.run(request).await.map_err(|e| {
+        if running.entry.is_deleting() {
+            ApiError::conflict(format!("sandbox {id} was deleted while the command ran"))
+        } else {
+            vm_error("exec", e)
+        }
+    })?;
     let duration_ms = started.elapsed().as_millis() as u64;
     let status = output.status.clone().ok_or_else(|| ApiError::internal("exec failed", "the guest reported no exit status"))?;
     let exit_code = output.exit_code();

@@ -48,7 +48,7 @@ pub async fn exec_stream(
     let session = running.vm.agent().exec(request).await.map_err(|e| agent_error("exec", e, None))?;
     let (tx, rx) = mpsc::channel::<Bytes>(32);
     tokio::spawn(pump(state.service.clone(), running, session, tx, cmd, timeout_s));
-    Ok(sse::response(rx))
+    Ok(sse::response(rx, state.stopping.clone()))
 }
 
 /// How a streamed command ended.

@@ -56,7 +56,7 @@ pub async fn logs(
     let (replay, offset) = read_tail(&path, FOLLOW_REPLAY_BYTES).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(follow(path, replay, offset, tx));
-    Ok(sse::response(rx))
+    Ok(sse::response(rx, state.stopping.clone()))
 }
 
 /// The last `max` bytes of the file from a line start, and the file's length.

@@ -103,6 +103,7 @@ async fn relay(mut socket: WebSocket, session: ExecSession, entry: std::sync::Ar
     let mut in_use = tokio::time::interval(IN_USE_TOUCH);
     let last = loop {
         tokio::select! {
+            () = state.stopping.cancelled() => break Some(json!({ "error": "the server is stopping" })),
             _ = in_use.tick() => state.service.touch(&entry),
             event = events.recv() => match event {
                 Some(Ok(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => {

@@ -4,6 +4,7 @@ use clade_store::SandboxState;
 
 use super::{not_found, not_usable, vm_error, watchdog, Entry, SandboxService, Slot};
 use crate::error::{chain, ApiError};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 impl SandboxService {
@@ -116,6 +117,17 @@ impl SandboxService {
     /// stays (state `deleted`) with its events.
     pub async fn delete(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
+        // A running command holds the slot for reading until it ends, which
+        // may be minutes away: stop the VM first, so that it ends now. (Only
+        // when no writer holds the slot: a hibernate or fork in progress
+        // finishes first, and the delete follows it.)
+        entry.deleting.store(true, Ordering::Relaxed);
+        let busy_vm = entry.slot.try_read().ok().and_then(|slot| slot.vm.clone());
+        if let Some(vm) = busy_vm {
+            if let Err(e) = vm.stop().await {
+                tracing::warn!(sandbox = %entry.id, "stopping the VM before its delete: {e}");
+            }
+        }
         let mut slot = entry.slot.write().await;
         self.delete_locked(&entry, &mut slot).await?;
         drop(slot);

@@ -17,7 +17,7 @@ mod recover;
 mod snapshot;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -102,6 +102,9 @@ pub struct Entry {
     last_activity: AtomicI64,
     /// The last activity time written to the store.
     stored_activity: AtomicI64,
+    /// Set when a delete begins: requests that fail because the VM went
+    /// away under them say so, rather than reporting a guest failure.
+    deleting: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -141,6 +144,10 @@ impl Drop for Running {
 const ACTIVITY_WRITE_INTERVAL_MS: i64 = 30_000;
 
 impl Entry {
+    pub fn is_deleting(&self) -> bool {
+        self.deleting.load(Ordering::Relaxed)
+    }
+
     fn new(id: &str, workspace_id: &str, slot: Slot, last_activity: i64) -> Arc<Self> {
         Arc::new(Self {
             id: id.to_string(),
@@ -148,6 +155,7 @@ impl Entry {
             slot: Arc::new(RwLock::new(slot)),
             last_activity: AtomicI64::new(last_activity),
             stored_activity: AtomicI64::new(last_activity),
+            deleting: AtomicBool::new(false),
         })
     }
 
