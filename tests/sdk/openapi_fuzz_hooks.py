@@ -6,7 +6,9 @@ sandbox named by CLADE_FUZZ_SANDBOX (the rest keep their random id: 404s),
 file operations stay under /tmp/fuzz in the guest, commands time out within
 10 s, the real sandbox keeps an idle TTL of at least an hour, and logs are
 not followed (a followed log never ends). Deleting the real sandbox is left
-to random ids. Each steer keeps the value's kind (an out-of-range or
+to random ids, and so is revoking the admin key (schemathesis reuses values
+from earlier answers, such as the key prefixes `GET /v1/me/tokens` lists,
+and a key may revoke itself). Each steer keeps the value's kind (an out-of-range or
 wrong-typed value still goes out as generated).
 """
 
@@ -18,6 +20,7 @@ import zlib
 import schemathesis
 
 SANDBOX = os.environ.get("CLADE_FUZZ_SANDBOX", "")
+ADMIN_PREFIX = os.environ.get("CLADE_FUZZ_ADMIN_PREFIX", "")
 FS_ROOT = "/tmp/fuzz"
 
 
@@ -35,8 +38,13 @@ def before_call(context, case, kwargs):
     path = case.operation.path
     method = case.method.upper()
     params = case.path_parameters if isinstance(case.path_parameters, dict) else None
-    if params is not None and "id" in params and _real_sandbox(path, method, params["id"]):
-        params["id"] = SANDBOX
+    if params is not None and "id" in params:
+        if _real_sandbox(path, method, params["id"]):
+            params["id"] = SANDBOX
+        elif path == "/v1/sandboxes/{id}" and method == "DELETE" and params["id"] == SANDBOX:
+            params["id"] = "not-" + SANDBOX
+    if params is not None and path == "/v1/me/tokens/{prefix}" and ADMIN_PREFIX and params.get("prefix") == ADMIN_PREFIX:
+        params["prefix"] = "not-" + ADMIN_PREFIX
     query = case.query if isinstance(case.query, dict) else None
     if query is not None:
         if path.startswith("/v1/sandboxes/{id}/fs") and isinstance(query.get("path"), str) and query["path"].startswith("/"):

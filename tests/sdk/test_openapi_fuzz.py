@@ -10,7 +10,7 @@ Checks (tests/sdk/openapi_fuzz_hooks.py):
   documented body.
 
 Bounded for a 2-core TCG host: FUZZ_EXAMPLES cases per operation (default
-10), one worker, and `--max-running 1` with one real sandbox already
+20; about 1300 requests, 1.5 min here), one worker at 20 requests/s, and `--max-running 1` with one real sandbox already
 running, so random creates and forks are refused (503) instead of booting
 VMs. The hooks point most sandbox-scoped requests at that sandbox so they
 reach real handlers. The command line of the run is printed; `--seed`
@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from conftest import REPO, TEMPLATE, skip_or_fail
 
 DOCUMENT = REPO / "docs" / "openapi.json"
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "20"))
 SEED = os.environ.get("FUZZ_SEED", "20261202")
 
 
@@ -44,6 +45,7 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
         skip_or_fail(f"schemathesis is not installed next to {sys.executable} (scripts/install-sdk-deps)")
     server = start_server("fuzz", args=["--max-running", "1"])
     sandbox = server.client().sandboxes.create(template=TEMPLATE, ttl_seconds=3600)
+    me = requests.get(f"{server.url}/v1/me", headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=30).json()
     cmd = [
         str(schemathesis_bin()), "run", str(DOCUMENT),
         "--url", server.url,
@@ -52,6 +54,8 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
         "--max-examples", str(EXAMPLES),
         "--phases", "examples,coverage,fuzzing",
         "--workers", "1",
+        # Under the server's rate limit (25/s per workspace): 429s reach no handler.
+        "--rate-limit", "20/s",
         "--seed", SEED,
         "--request-timeout", "120",
         "--suppress-health-check", "all",
@@ -63,6 +67,7 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
         "SCHEMATHESIS_HOOKS": "openapi_fuzz_hooks",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
         "CLADE_FUZZ_SANDBOX": sandbox.id,
+        "CLADE_FUZZ_ADMIN_PREFIX": me["key"]["prefix"],
         "NO_COLOR": "1",
     }
     started = time.monotonic()

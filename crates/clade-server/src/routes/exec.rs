@@ -20,6 +20,7 @@ use crate::{AppState, Limits};
 #[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct ExecBody {
     /// Required, not blank.
+    #[schema(required = true, value_type = String, min_length = 1, pattern = r"\S")]
     cmd: Option<String>,
     /// The server's default (300 s) when absent or 0; at most 86400.
     #[schema(minimum = 0, maximum = 86400)]

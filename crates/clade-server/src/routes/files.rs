@@ -20,7 +20,7 @@ use crate::AppState;
 #[into_params(parameter_in = Query)]
 pub struct PathQuery {
     /// An absolute path in the sandbox (required).
-    #[param(required = true)]
+    #[param(required = true, value_type = String, pattern = "^/")]
     path: Option<String>,
 }
 
@@ -108,7 +108,7 @@ fn basename(path: &str) -> &str {
 #[utoipa::path(get, operation_id = "readFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
     responses(
         (status = 200, description = "The file's bytes", content_type = "application/octet-stream", body = FileBytes),
-        (status = 400, description = "No path, a relative path, or a guest refusal (permission denied…)", body = ErrorBody),
+        (status = 400, description = "No path, a relative path, not a regular file (a device, FIFO or socket), or a guest refusal (permission denied, an I/O error…)", body = ErrorBody),
         (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
@@ -128,15 +128,21 @@ pub async fn read(
     if stat.kind == FileKind::Dir {
         return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
     }
-    let too_large = |size: u64| {
-        ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {}", human_bytes(limit as u64)))
-    };
-    if stat.size > limit as u64 {
-        return Err(too_large(stat.size));
+    // A device, FIFO or socket may never end, or block forever.
+    if stat.kind == FileKind::Other {
+        return Err(ApiError::bad_request(format!("not a regular file: {path} (read it with exec)")));
     }
-    let data = agent.read_file(&path).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
+    if stat.size > limit as u64 {
+        let (size, limit) = (stat.size, human_bytes(limit as u64));
+        return Err(ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {limit}")));
+    }
+    // One byte past the limit tells a file that grew since the stat (or a
+    // `/proc` file whose size says 0) from one that fits.
+    let data =
+        agent.read_file_head(&path, limit as u64 + 1).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
     if data.len() > limit {
-        return Err(too_large(data.len() as u64)); // it grew since the stat
+        let limit = human_bytes(limit as u64);
+        return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
     }
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::sandbox::not_found;
-use crate::sse;
+use crate::sse::{self, SseEvent};
 use crate::AppState;
 
 /// The end of the console served as text, and replayed before following.
@@ -47,7 +47,7 @@ fn wants_follow(value: Option<&str>) -> bool {
 #[utoipa::path(get, operation_id = "logs", path = "/v1/sandboxes/{id}/logs", tag = "logs", params(("id" = String, Path, description = "A sandbox id"), LogsQuery),
     responses(
         (status = 200, description = "The serial console (its last MiB) as text; with `follow`, server-sent `line` events \
-            `{\"line\": \"…\"}` until the client goes away", content((String = "text/plain"), (String = "text/event-stream"))),
+            `{\"line\": \"…\"}` until the client goes away", content((String = "text/plain"), (SseEvent = "text/event-stream"))),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn logs(
