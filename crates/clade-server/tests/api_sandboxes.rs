@@ -92,7 +92,8 @@ async fn a_sandbox_from_create_to_delete() {
     let reply = api.get(&fs("/root/big")).await;
     reply.expect(413);
     assert!(reply.error().ends_with("larger than the read limit of 1 MiB"), "{}", reply.error());
-    // Found by the schemathesis run: files that never end or fail to read are
+    // Found probing the file routes beyond what the fuzz run's hooks let it
+    // reach (it keeps to /tmp/fuzz): files that never end or fail to read are
     // 4xx answers, not a hung request or a 500. A device is refused; a
     // `/proc` file (size 0 in its stat) is read up to the limit; an I/O
     // error on the named path is the path's, not the server's.
