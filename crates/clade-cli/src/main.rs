@@ -71,6 +71,8 @@ enum Command {
         #[command(subcommand)]
         command: fs::FsCommand,
     },
+    /// Print the server's OpenAPI 3.1 document (docs/openapi.json; also served at GET /openapi.json).
+    Openapi,
 }
 
 fn main() -> ExitCode {
@@ -109,6 +111,10 @@ fn main() -> ExitCode {
             Command::Keys { database_url, command } => keys::run(command, database_url, config).await,
             Command::Sandbox { api, command } => sandbox::run(command, &client(&api)?, api.json).await,
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
+            Command::Openapi => {
+                print!("{}", clade_server::openapi::document());
+                Ok(ExitCode::SUCCESS)
+            }
         }
     });
     // Don't wait for stdin readers or other blocking tasks still parked.

@@ -243,9 +243,21 @@ impl AgentClient {
         Ok(out)
     }
 
+    /// At most the first `max` bytes of a file: bounded even for files that
+    /// never end (`/dev/zero`, some of `/proc`).
+    pub async fn read_file_head(&self, path: &str, max: u64) -> Result<Vec<u8>, AgentError> {
+        let mut out = Vec::new();
+        self.read_range_to(path, Some(max), &mut out).await?;
+        Ok(out)
+    }
+
     /// Streams a file into `sink`; returns its metadata.
     pub async fn read_file_to<W: AsyncWrite + Unpin>(&self, path: &str, sink: &mut W) -> Result<FileStat, AgentError> {
-        let request = Request::ReadFile(ReadFileRequest { path: path.to_string(), offset: 0, length: None });
+        self.read_range_to(path, None, sink).await
+    }
+
+    async fn read_range_to<W: AsyncWrite + Unpin>(&self, path: &str, length: Option<u64>, sink: &mut W) -> Result<FileStat, AgentError> {
+        let request = Request::ReadFile(ReadFileRequest { path: path.to_string(), offset: 0, length });
         let mut stream = self.open(&request).await?;
         let stat = match read_frame::<_, GuestFrame>(&mut stream).await? {
             Some(GuestFrame::FileInfo(stat)) => stat,

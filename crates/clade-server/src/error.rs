@@ -19,6 +19,21 @@ pub fn request_id() -> String {
 
 type Cause = Box<dyn std::error::Error + Send + Sync>;
 
+/// The body of every error response (§2.4).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong; for a 4xx, also how to fix it. `unauthorized` for a 401.
+    pub error: String,
+    /// The request's id, also in the `X-Request-Id` header.
+    pub request_id: String,
+    /// Why a 401 was refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The workspace whose sandbox quota a 429 refers to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("{0}")]
@@ -121,22 +136,21 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         let request_id = request_id();
+        let body = |error: &str| ErrorBody { error: error.to_string(), request_id: request_id.clone(), detail: None, workspace: None };
         let body = match &self {
-            Self::Unauthorized(detail) => {
-                serde_json::json!({ "error": "unauthorized", "detail": detail, "request_id": request_id })
-            }
+            Self::Unauthorized(detail) => ErrorBody { detail: Some(detail.clone()), ..body("unauthorized") },
             Self::TooManyRequests { message, workspace: Some(workspace), .. } => {
-                serde_json::json!({ "error": message, "workspace": workspace, "request_id": request_id })
+                ErrorBody { workspace: Some(workspace.clone()), ..body(message) }
             }
             Self::Internal { public, cause } => {
                 tracing::error!(request_id = %request_id, "{public}: {}", chain(cause.as_ref()));
-                serde_json::json!({ "error": public, "request_id": request_id })
+                body(public)
             }
             other => {
                 if status.is_server_error() {
                     tracing::warn!(request_id = %request_id, status = status.as_u16(), "{other}");
                 }
-                serde_json::json!({ "error": other.to_string(), "request_id": request_id })
+                body(&other.to_string())
             }
         };
         let mut response = (status, Json(body)).into_response();

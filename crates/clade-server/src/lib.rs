@@ -11,6 +11,7 @@
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
 //! - [`routes`]: the endpoints, one file per resource.
+//! - [`openapi`]: the OpenAPI document, generated from the routes' types.
 //!
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
 
@@ -19,6 +20,7 @@ pub mod capacity;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod openapi;
 mod routes;
 pub mod sandbox;
 pub mod sse;

@@ -18,6 +18,17 @@ pub const KEEPALIVE: Duration = Duration::from_secs(2);
 
 pub const PING: &[u8] = b": ping\n\n";
 
+/// One event as the OpenAPI document describes a `text/event-stream`
+/// answer (a schema only: [`event`] writes them).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // a schema, never constructed
+pub struct SseEvent {
+    /// `stdout`, `stderr`, then `exit` or `error` (exec/stream); `line` (logs).
+    event: String,
+    /// One line of JSON: `{"chunk": "…"}`, `{"exit_code": N}`, `{"error": "…"}`, `{"line": "…"}`.
+    data: String,
+}
+
 /// One event. `data` is serialised on one line (JSON escapes newlines).
 pub fn event(name: &str, data: &serde_json::Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))

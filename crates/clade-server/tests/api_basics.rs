@@ -48,6 +48,10 @@ async fn requests_without_a_valid_key_are_401_envelopes() {
     assert_eq!(health.json(), json!({ "status": "ok" }));
     assert!(health.headers.contains_key("x-request-id"));
     assert_eq!(anonymous.get("/version").await.expect(200).json()["name"], "clade");
+    let openapi = anonymous.get("/openapi.json").await;
+    openapi.expect(200);
+    assert_eq!(openapi.headers["content-type"], "application/json");
+    assert!(openapi.bytes == clade_server::openapi::document().into_bytes(), "/openapi.json is the generated document");
 
     for (api, detail) in [
         (anonymous.clone(), "missing bearer token"),

@@ -6,19 +6,45 @@ use std::time::Instant;
 use axum::extract::{Path, State};
 use axum::Json;
 use clade_proto::{Command, ExecRequest};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::vm_error;
 use crate::{AppState, Limits};
 
-#[derive(Debug, Default, Deserialize)]
+/// A shell command (`sh -c`) and its timeout.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct ExecBody {
+    /// Required, not blank.
+    #[schema(required = true, value_type = String, min_length = 1, pattern = r"\S")]
     cmd: Option<String>,
+    /// The server's default (300 s) when absent or 0; at most 86400.
+    #[schema(minimum = 0, maximum = 86400)]
     timeout_seconds: Option<i64>,
+}
+
+/// A finished command (§3.3).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExecResult {
+    pub stdout: String,
+    pub stderr: String,
+    /// The shell's exit code (128 + n for a signal).
+    pub exit_code: i32,
+    pub duration_ms: u64,
+    /// Present when output beyond the limit was dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<Truncated>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Truncated {
+    pub limit_bytes: u64,
+    pub stdout_dropped: u64,
+    pub stderr_dropped: u64,
 }
 
 impl ExecBody {
@@ -41,12 +67,21 @@ impl ExecBody {
 /// Characters of a command kept in its event.
 pub(super) const EVENT_CMD_CHARS: usize = 200;
 
+#[utoipa::path(post, operation_id = "exec", path = "/v1/sandboxes/{id}/exec", tag = "exec", params(("id" = String, Path, description = "A sandbox id")), request_body = ExecBody,
+    responses(
+        (status = 200, description = "The command ran to completion", body = ExecResult),
+        (status = 400, description = "No command, or a timeout out of range", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+        (status = 504, description = "The command ran longer than its timeout and was killed", body = ErrorBody),
+    ))]
 pub async fn exec(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<ExecResult>, ApiError> {
     let limits = &state.limits;
     let (cmd, timeout_s) = body.command(limits)?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
@@ -78,18 +113,16 @@ pub async fn exec(
             "exec timeout: context deadline exceeded (the command ran longer than {timeout_s} s and was killed)"
         )));
     }
-    let mut out = json!({
-        "stdout": output.stdout_str(),
-        "stderr": output.stderr_str(),
-        "exit_code": exit_code,
-        "duration_ms": duration_ms,
+    let truncated = (status.stdout_dropped > 0 || status.stderr_dropped > 0).then(|| Truncated {
+        limit_bytes: limits.exec_output_bytes,
+        stdout_dropped: status.stdout_dropped,
+        stderr_dropped: status.stderr_dropped,
     });
-    if status.stdout_dropped > 0 || status.stderr_dropped > 0 {
-        out["truncated"] = json!({
-            "limit_bytes": limits.exec_output_bytes,
-            "stdout_dropped": status.stdout_dropped,
-            "stderr_dropped": status.stderr_dropped,
-        });
-    }
-    Ok(Json(out))
+    Ok(Json(ExecResult {
+        stdout: output.stdout_str(),
+        stderr: output.stderr_str(),
+        exit_code,
+        duration_ms,
+        truncated,
+    }))
 }

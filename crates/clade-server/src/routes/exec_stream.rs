@@ -18,20 +18,27 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::{agent_error, Running, SandboxService};
-use crate::sse::{self, Utf8Decoder};
+use crate::sse::{self, SseEvent, Utf8Decoder};
 use crate::AppState;
 
 use super::exec::{ExecBody, EVENT_CMD_CHARS};
-
 
 /// Output a streamed command may send per stream: nothing is kept in
 /// memory, so this only bounds a runaway command.
 const STREAM_OUTPUT_LIMIT: u64 = 1 << 30;
 
-
+#[utoipa::path(post, operation_id = "execStream", path = "/v1/sandboxes/{id}/exec/stream", tag = "exec", params(("id" = String, Path, description = "A sandbox id")), request_body = ExecBody,
+    responses(
+        (status = 200, description = "Server-sent events while the command runs: `stdout`/`stderr` `{\"chunk\": \"…\"}`, \
+            then `exit` `{\"exit_code\": N}` or `error` `{\"error\": \"…\"}`; `: ping` comments every 2 s", content_type = "text/event-stream", body = SseEvent),
+        (status = 400, description = "No command, or a timeout out of range", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn exec_stream(
     State(state): State<AppState>,
     caller: Caller,

@@ -7,17 +7,20 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use clade_proto::{FileKind, FileStat};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::{content_length, human_bytes, read_body};
 use crate::sandbox::agent_error;
 use crate::AppState;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PathQuery {
+    /// An absolute path in the sandbox (required).
+    #[param(required = true, value_type = String, pattern = "^/")]
     path: Option<String>,
 }
 
@@ -41,16 +44,53 @@ fn type_letter(kind: FileKind) -> &'static str {
     }
 }
 
-fn entry_json(name: &str, path: &str, stat: &FileStat) -> Value {
-    json!({
-        "name": name,
-        "path": path,
-        "is_dir": stat.kind == FileKind::Dir,
-        "size": stat.size,
-        "mode": type_letter(stat.kind),
-        "permissions": format!("{:04o}", stat.mode & 0o7777),
-        "mtime": stat.mtime_ms.div_euclid(1000),
-    })
+/// A file, directory or link (§3.5).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileEntry {
+    pub name: String,
+    pub path: String,
+    pub is_dir: bool,
+    pub size: u64,
+    /// `f` file, `d` directory, `l` symlink, `o` other.
+    pub mode: &'static str,
+    /// Octal, e.g. `0644`.
+    pub permissions: String,
+    /// Unix seconds.
+    pub mtime: i64,
+}
+
+impl FileEntry {
+    fn new(name: &str, path: &str, stat: &FileStat) -> Self {
+        Self {
+            name: name.to_string(),
+            path: path.to_string(),
+            is_dir: stat.kind == FileKind::Dir,
+            size: stat.size,
+            mode: type_letter(stat.kind),
+            permissions: format!("{:04o}", stat.mode & 0o7777),
+            mtime: stat.mtime_ms.div_euclid(1000),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DirListing {
+    pub path: String,
+    /// Sorted by name.
+    pub entries: Vec<FileEntry>,
+}
+
+/// A file's raw bytes: the schema of `GET`'s answer and `PUT`'s body only
+/// (the handlers move `Bytes`).
+#[derive(ToSchema)]
+#[schema(value_type = String, format = Binary)]
+#[allow(dead_code)] // a schema, never constructed
+pub struct FileBytes(Vec<u8>);
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Written {
+    pub path: String,
+    pub bytes: u64,
 }
 
 fn join(dir: &str, name: &str) -> String {
@@ -65,6 +105,15 @@ fn basename(path: &str) -> &str {
     path.trim_end_matches('/').rsplit('/').next().filter(|n| !n.is_empty()).unwrap_or("/")
 }
 
+#[utoipa::path(get, operation_id = "readFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
+    responses(
+        (status = 200, description = "The file's bytes", content_type = "application/octet-stream", body = FileBytes),
+        (status = 400, description = "No path, a relative path, not a regular file (a device, FIFO or socket), or a guest refusal (permission denied, an I/O error…)", body = ErrorBody),
+        (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+        (status = 413, description = "The file is larger than the read limit (64 MiB)", body = ErrorBody),
+    ))]
 pub async fn read(
     State(state): State<AppState>,
     caller: Caller,
@@ -79,63 +128,103 @@ pub async fn read(
     if stat.kind == FileKind::Dir {
         return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
     }
-    let too_large = |size: u64| {
-        ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {}", human_bytes(limit as u64)))
-    };
-    if stat.size > limit as u64 {
-        return Err(too_large(stat.size));
+    // A device, FIFO or socket may never end, or block forever.
+    if stat.kind == FileKind::Other {
+        return Err(ApiError::bad_request(format!("not a regular file: {path} (read it with exec)")));
     }
-    let data = agent.read_file(&path).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
+    if stat.size > limit as u64 {
+        let (size, limit) = (stat.size, human_bytes(limit as u64));
+        return Err(ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {limit}")));
+    }
+    // One byte past the limit tells a file that grew since the stat (or a
+    // `/proc` file whose size says 0) from one that fits.
+    let data =
+        agent.read_file_head(&path, limit as u64 + 1).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
     if data.len() > limit {
-        return Err(too_large(data.len() as u64)); // it grew since the stat
+        let limit = human_bytes(limit as u64);
+        return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
     }
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }
 
+#[utoipa::path(put, operation_id = "writeFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
+    request_body(description = "The file's new contents; parent directories are created", content_type = "application/octet-stream", content = FileBytes),
+    responses(
+        (status = 200, description = "Written", body = Written),
+        (status = 400, description = "No path, a relative path, or a guest refusal (permission denied…)", body = ErrorBody),
+        (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+        (status = 413, description = "The body is larger than the write limit (64 MiB)", body = ErrorBody),
+    ))]
 pub async fn write(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<PathQuery>,
     request: Request,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Written>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let length = content_length(&request);
     let data = read_body(request.into_body(), length, state.limits.fs_write_bytes, "the file").await?;
     let written =
         running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
-    Ok(Json(json!({ "path": path, "bytes": written })))
+    Ok(Json(Written { path, bytes: written }))
 }
 
+#[utoipa::path(get, operation_id = "listDir", path = "/v1/sandboxes/{id}/fs/dir", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
+    responses(
+        (status = 200, description = "The directory's entries", body = DirListing),
+        (status = 400, description = "No path, a relative path, or a guest refusal (permission denied…)", body = ErrorBody),
+        (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn list(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<PathQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<DirListing>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let mut entries =
         running.vm.agent().list_dir(&path).await.map_err(|e| agent_error("listing the directory", e, Some(&path)))?;
     entries.sort_by(|a, b| a.name.cmp(&b.name));
-    let entries: Vec<Value> = entries.iter().map(|e| entry_json(&e.name, &join(&path, &e.name), &e.stat)).collect();
-    Ok(Json(json!({ "path": path, "entries": entries })))
+    let entries = entries.iter().map(|e| FileEntry::new(&e.name, &join(&path, &e.name), &e.stat)).collect();
+    Ok(Json(DirListing { path, entries }))
 }
 
+#[utoipa::path(get, operation_id = "statPath", path = "/v1/sandboxes/{id}/fs/stat", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
+    responses(
+        (status = 200, description = "The path's metadata", body = FileEntry),
+        (status = 400, description = "No path, a relative path, or a guest refusal (permission denied…)", body = ErrorBody),
+        (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn stat(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<PathQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<FileEntry>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let stat = running.vm.agent().stat(&path).await.map_err(|e| agent_error("stat", e, Some(&path)))?;
-    Ok(Json(entry_json(basename(&path), &path, &stat)))
+    Ok(Json(FileEntry::new(basename(&path), &path, &stat)))
 }
 
 /// `rm -rf` semantics: a missing path is fine (§3.5).
+#[utoipa::path(delete, operation_id = "removePath", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
+    responses(
+        (status = 204, description = "Deleted, or there was nothing to delete"),
+        (status = 400, description = "No path, a relative path, or a guest refusal (permission denied…)", body = ErrorBody),
+        (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn remove(
     State(state): State<AppState>,
     caller: Caller,

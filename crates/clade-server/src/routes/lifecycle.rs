@@ -4,62 +4,133 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::not_found;
 use crate::AppState;
 
+#[utoipa::path(post, operation_id = "pause", path = "/v1/sandboxes/{id}/pause", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 204, description = "Paused (vCPUs stopped, memory kept)"),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn pause(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     state.service.pause(&caller.workspace.id, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(post, operation_id = "resume", path = "/v1/sandboxes/{id}/resume", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 204, description = "Running again"),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn resume(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     state.service.resume(&caller.workspace.id, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn hibernate(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// The state a lifecycle change left the sandbox in.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LifecycleStatus {
+    /// `hibernated` or `running`.
+    pub status: &'static str,
+}
+
+/// `POST …/hibernate`, and its alias `…/stop` (documented on its own path).
+#[utoipa::path(post, operation_id = "hibernate", path = "/v1/sandboxes/{id}/hibernate", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "Hibernated: memory and disk saved, the VM stopped", body = LifecycleStatus),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
+pub async fn hibernate(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<LifecycleStatus>, ApiError> {
     state.service.hibernate(&caller.workspace.id, &id).await?;
-    Ok(Json(json!({ "status": "hibernated" })))
+    Ok(Json(LifecycleStatus { status: "hibernated" }))
 }
 
-pub async fn wake(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(post, operation_id = "stop", path = "/v1/sandboxes/{id}/stop", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "An alias of hibernate", body = LifecycleStatus),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
+#[allow(dead_code)] // documents the alias; the router serves it with `hibernate`
+fn stop() {}
+
+#[utoipa::path(post, operation_id = "wake", path = "/v1/sandboxes/{id}/wake", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "Running again (a hibernated sandbox restored)", body = LifecycleStatus),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
+pub async fn wake(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<LifecycleStatus>, ApiError> {
     state.service.wake(&caller.workspace.id, &id).await?;
-    Ok(Json(json!({ "status": "running" })))
+    Ok(Json(LifecycleStatus { status: "running" }))
 }
 
-async fn lifecycle_json(state: &AppState, workspace_id: &str, id: &str) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(post, operation_id = "start", path = "/v1/sandboxes/{id}/start", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "An alias of wake", body = LifecycleStatus),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
+#[allow(dead_code)] // documents the alias; the router serves it with `wake`
+fn start() {}
+
+/// A sandbox's idle settings (§3.7).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LifecycleSettings {
+    /// Idle time after which a non-persistent sandbox is deleted (0: never).
+    pub ttl_seconds: u64,
+    /// A persistent sandbox is hibernated when idle instead of deleted.
+    pub persistent: bool,
+    pub idle_seconds: u64,
+    pub status: String,
+}
+
+async fn settings(state: &AppState, workspace_id: &str, id: &str) -> Result<Json<LifecycleSettings>, ApiError> {
     let entry = state.service.entry(workspace_id, id)?;
     let row = state.store.sandbox(workspace_id, id).await?.ok_or_else(|| not_found(id))?;
-    Ok(Json(json!({
-        "ttl_seconds": row.ttl_seconds,
-        "persistent": row.persistent,
-        "idle_seconds": entry.idle_seconds(),
-        "status": row.state.as_str(),
-    })))
+    Ok(Json(LifecycleSettings {
+        ttl_seconds: row.ttl_seconds,
+        persistent: row.persistent,
+        idle_seconds: entry.idle_seconds(),
+        status: row.state.as_str().to_string(),
+    }))
 }
 
-pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    lifecycle_json(&state, &caller.workspace.id, &id).await
+#[utoipa::path(get, operation_id = "getLifecycle", path = "/v1/sandboxes/{id}/lifecycle", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "The idle settings", body = LifecycleSettings),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
+pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<LifecycleSettings>, ApiError> {
+    settings(&state, &caller.workspace.id, &id).await
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// At least one field.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct LifecyclePatch {
+    #[schema(minimum = 0)]
     ttl_seconds: Option<i64>,
     persistent: Option<bool>,
 }
 
+#[utoipa::path(patch, operation_id = "patchLifecycle", path = "/v1/sandboxes/{id}/lifecycle", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")), request_body = LifecyclePatch,
+    responses((status = 200, description = "The new idle settings", body = LifecycleSettings),
+        (status = 400, description = "Nothing to change, or a negative ttl_seconds", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<LifecyclePatch>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<LifecycleSettings>, ApiError> {
     let entry = state.service.entry(&caller.workspace.id, &id)?;
     let ttl = match body.ttl_seconds {
         Some(t) if t < 0 => return Err(ApiError::bad_request("ttl_seconds must be non-negative")),
@@ -73,5 +144,5 @@ pub async fn patch(
         .service
         .record(&entry, "lifecycle", json!({ "ttl_seconds": ttl, "persistent": body.persistent }))
         .await;
-    lifecycle_json(&state, &caller.workspace.id, &id).await
+    settings(&state, &caller.workspace.id, &id).await
 }

@@ -15,13 +15,14 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::IntoParams;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::mpsc;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::sandbox::not_found;
-use crate::sse;
+use crate::sse::{self, SseEvent};
 use crate::AppState;
 
 /// The end of the console served as text, and replayed before following.
@@ -29,9 +30,12 @@ const TEXT_TAIL_BYTES: u64 = 1 << 20;
 const FOLLOW_REPLAY_BYTES: u64 = 16 << 10;
 const POLL: Duration = Duration::from_millis(200);
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct LogsQuery {
+    /// `1` or `true`: follow as server-sent events.
     follow: Option<String>,
+    /// `stdout`, `stderr` or `both`: accepted and ignored (the console is one stream).
     #[allow(dead_code)] // accepted for the SDKs; the console is one stream
     stream: Option<String>,
 }
@@ -40,6 +44,12 @@ fn wants_follow(value: Option<&str>) -> bool {
     matches!(value.map(str::to_ascii_lowercase).as_deref(), Some("1" | "true" | "yes"))
 }
 
+#[utoipa::path(get, operation_id = "logs", path = "/v1/sandboxes/{id}/logs", tag = "logs", params(("id" = String, Path, description = "A sandbox id"), LogsQuery),
+    responses(
+        (status = 200, description = "The serial console (its last MiB) as text; with `follow`, server-sent `line` events \
+            `{\"line\": \"…\"}` until the client goes away", content((String = "text/plain"), (SseEvent = "text/event-stream"))),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
 pub async fn logs(
     State(state): State<AppState>,
     caller: Caller,

@@ -1,37 +1,111 @@
-//! `/healthz`, `/version`, `GET /v1/me` (§3.1), `GET /v1/templates` (§3.11).
+//! `/healthz`, `/version`, `/openapi.json`, `GET /v1/me` (§3.1), `GET /v1/templates` (§3.11).
 
 use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
 use axum::Json;
 use clade_host::ImageStore;
-use serde_json::{json, Value};
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::AppState;
 
-pub async fn healthz() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: &'static str,
 }
 
-pub async fn version() -> Json<Value> {
-    Json(json!({ "name": "clade", "version": env!("CARGO_PKG_VERSION") }))
+#[utoipa::path(get, operation_id = "healthz", path = "/healthz", tag = "meta", security(()),
+    responses((status = 200, description = "The server answers", body = Health)))]
+pub async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
 }
 
-pub async fn me(caller: Caller) -> Json<Value> {
-    let workspace = json!({ "id": caller.workspace.id, "name": caller.workspace.name });
-    Json(json!({
-        "user_id": caller.key.id,
-        "email": "",
-        "auth_method": "token",
-        "workspace": workspace,
-        "current_org": workspace,
-        "orgs": [workspace],
-        "key": { "id": caller.key.id, "prefix": caller.key.prefix, "name": caller.key.name },
-    }))
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Version {
+    /// `clade`.
+    pub name: &'static str,
+    pub version: &'static str,
+}
+
+#[utoipa::path(get, operation_id = "version", path = "/version", tag = "meta", security(()),
+    responses((status = 200, description = "The server's version", body = Version)))]
+pub async fn version() -> Json<Version> {
+    Json(Version { name: "clade", version: env!("CARGO_PKG_VERSION") })
+}
+
+/// This API's OpenAPI document (`docs/openapi.json`), unauthenticated.
+#[utoipa::path(get, operation_id = "openapi", path = "/openapi.json", tag = "meta", security(()),
+    responses((status = 200, description = "The OpenAPI 3.1 document of this API", content_type = "application/json", body = Object)))]
+pub async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], crate::openapi::document())
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct WorkspaceRef {
+    pub id: String,
+    pub name: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeyRef {
+    pub id: String,
+    pub prefix: String,
+    pub name: String,
+}
+
+/// The caller: its key and workspace (§3.1).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Me {
+    /// The key's id (there are no user accounts).
+    pub user_id: String,
+    /// Always empty.
+    pub email: &'static str,
+    /// `token`.
+    pub auth_method: &'static str,
+    pub workspace: WorkspaceRef,
+    pub current_org: WorkspaceRef,
+    pub orgs: Vec<WorkspaceRef>,
+    pub key: KeyRef,
+}
+
+#[utoipa::path(get, operation_id = "me", path = "/v1/me", tag = "meta",
+    responses((status = 200, description = "The caller", body = Me),
+        (status = 401, description = "No key, or an unknown or revoked one", body = ErrorBody)))]
+pub async fn me(caller: Caller) -> Json<Me> {
+    let workspace = WorkspaceRef { id: caller.workspace.id, name: caller.workspace.name };
+    Json(Me {
+        user_id: caller.key.id.clone(),
+        email: "",
+        auth_method: "token",
+        workspace: workspace.clone(),
+        current_org: workspace.clone(),
+        orgs: vec![workspace],
+        key: KeyRef { id: caller.key.id, prefix: caller.key.prefix, name: caller.key.name },
+    })
+}
+
+/// A guest image this host can run (§3.11).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Template {
+    pub name: &'static str,
+    pub cpu: u32,
+    pub memory_mb: u32,
+    /// The root filesystem's size when built, else 0.
+    pub size_bytes: u64,
+    pub is_global: bool,
+    /// Built and cached on this host.
+    pub ready: bool,
+    pub label: &'static str,
 }
 
 /// The guest images this host can run, as templates: a bare array (§3.11).
-pub async fn templates(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, operation_id = "listTemplates", path = "/v1/templates", tag = "meta",
+    responses((status = 200, description = "The templates", body = Vec<Template>)))]
+pub async fn templates(State(state): State<AppState>, _caller: Caller) -> Result<Json<Vec<Template>>, ApiError> {
     let images = state.service.runtime().images().clone();
     let settings = state.service.settings().clone();
     let templates = tokio::task::spawn_blocking(move || {
@@ -40,19 +114,19 @@ pub async fn templates(State(state): State<AppState>, _caller: Caller) -> Result
             .map(|name| {
                 let built = images.cached(name).ok().flatten();
                 let size = built.as_ref().and_then(|i| std::fs::metadata(&i.rootfs).ok()).map_or(0, |m| m.len());
-                json!({
-                    "name": name,
-                    "cpu": settings.vcpus,
-                    "memory_mb": settings.memory_mb,
-                    "size_bytes": size,
-                    "is_global": true,
-                    "ready": built.is_some(),
-                    "label": "Debian 12 with Python 3",
-                })
+                Template {
+                    name,
+                    cpu: settings.vcpus,
+                    memory_mb: settings.memory_mb,
+                    size_bytes: size,
+                    is_global: true,
+                    ready: built.is_some(),
+                    label: "Debian 12 with Python 3",
+                }
             })
             .collect::<Vec<_>>()
     })
     .await
     .map_err(|e| ApiError::internal("listing templates failed", e))?;
-    Ok(Json(Value::Array(templates)))
+    Ok(Json(templates))
 }

@@ -2,18 +2,18 @@
 //! the PandaStack wire spec (`shared/reference/pandastack-api.md`), whose
 //! section each handler names.
 
-mod exec;
-mod exec_stream;
-mod files;
-mod fork;
-mod lifecycle;
-mod logs;
-mod meta;
-mod metrics;
-mod sandboxes;
-mod snapshots;
-mod terminal;
-mod tokens;
+pub(crate) mod exec;
+pub(crate) mod exec_stream;
+pub(crate) mod files;
+pub(crate) mod fork;
+pub(crate) mod lifecycle;
+pub(crate) mod logs;
+pub(crate) mod meta;
+pub(crate) mod metrics;
+pub(crate) mod sandboxes;
+pub(crate) mod snapshots;
+pub(crate) mod terminal;
+pub(crate) mod tokens;
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -54,6 +54,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(meta::healthz))
         .route("/version", get(meta::version))
         .route("/metrics", get(metrics::metrics))
+        .route("/openapi.json", get(meta::openapi))
         .nest("/v1", api)
         .with_state(state.clone());
     // Outermost: every response is counted, the envelope's and the router's 404s too.

@@ -6,12 +6,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 use clade_store::SandboxRow;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::{IntoParams, ToSchema};
 
 use super::rfc3339;
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::{not_found, CreateParams};
 use crate::AppState;
@@ -22,36 +23,73 @@ const DEFAULT_TEMPLATE: &str = "base";
 /// Metadata keys starting with this are write-only (§3.2).
 const SECRET_METADATA: &str = "secret.";
 
-pub fn sandbox_json(row: &SandboxRow) -> Value {
-    let metadata: BTreeMap<&String, &String> =
-        row.metadata.iter().filter(|(k, _)| !k.starts_with(SECRET_METADATA)).collect();
-    let mut out = json!({
-        "id": row.id,
-        "template": row.template,
-        "cpu": row.cpu,
-        "memory_mb": row.memory_mb,
-        "status": row.state.as_str(),
-        "created_at": rfc3339(row.created_at),
-        "metadata": metadata,
-        "persistent": row.persistent,
-        "ttl_seconds": row.ttl_seconds,
-    });
-    if let Some(snapshot) = &row.from_snapshot {
-        out["from_snapshot"] = Value::String(snapshot.clone());
-    }
-    if let Some(reason) = &row.state_reason {
-        out["error"] = Value::String(reason.clone());
-    }
-    out
+/// A sandbox (§3.2).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Sandbox {
+    pub id: String,
+    pub template: String,
+    pub cpu: u32,
+    pub memory_mb: u32,
+    /// `creating`, `running`, `paused`, `hibernated`, `failed` or `deleted`.
+    pub status: String,
+    /// RFC 3339.
+    pub created_at: String,
+    /// Without the write-only `secret.` keys.
+    pub metadata: BTreeMap<String, String>,
+    pub persistent: bool,
+    /// Idle time after which a non-persistent sandbox is deleted (0: never).
+    pub ttl_seconds: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
+    /// Why the sandbox is `failed`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// How long the boot took (answers of create and fork only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot_ms: Option<u64>,
+    /// `cold`, `standby`, `template` or `snapshot` (answers of create and fork only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot_mode: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+impl Sandbox {
+    pub fn from_row(row: &SandboxRow) -> Self {
+        let metadata =
+            row.metadata.iter().filter(|(k, _)| !k.starts_with(SECRET_METADATA)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        Self {
+            id: row.id.clone(),
+            template: row.template.clone(),
+            cpu: row.cpu,
+            memory_mb: row.memory_mb,
+            status: row.state.as_str().to_string(),
+            created_at: rfc3339(row.created_at),
+            metadata,
+            persistent: row.persistent,
+            ttl_seconds: row.ttl_seconds,
+            from_snapshot: row.from_snapshot.clone(),
+            error: row.state_reason.clone(),
+            boot_ms: None,
+            boot_mode: None,
+        }
+    }
+}
+
+/// Every field is optional; an empty body creates a `base` sandbox.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct CreateBody {
+    /// An image name (`GET /v1/templates`); `base` when absent or empty.
     template: Option<String>,
+    /// String values only; keys starting with `secret.` are write-only.
+    #[schema(value_type = Option<BTreeMap<String, String>>)]
     metadata: Option<serde_json::Map<String, Value>>,
+    /// Idle time after which the sandbox is deleted (0: never).
+    #[schema(minimum = 0)]
     ttl_seconds: Option<i64>,
     persistent: Option<bool>,
+    /// A snapshot id to create the sandbox from.
     from_snapshot: Option<String>,
+    /// Not supported yet: only an empty list is accepted.
+    #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
     volumes: Option<Vec<Value>>,
     // `cpu` and `memory_mb` are deprecated in the SDK and ignored (§3.2).
 }
@@ -80,51 +118,87 @@ impl CreateBody {
     }
 }
 
+#[utoipa::path(post, operation_id = "createSandbox", path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateBody,
+    responses(
+        (status = 201, description = "The sandbox, running", body = Sandbox),
+        (status = 400, description = "Invalid body", body = ErrorBody),
+        (status = 404, description = "No such template or snapshot", body = ErrorBody),
+        (status = 429, description = "Rate limit (with Retry-After) or the workspace's sandbox quota (without)", body = ErrorBody),
+        (status = 503, description = "No compute capacity available (Retry-After)", body = ErrorBody),
+        (status = 507, description = "The host cannot hold another sandbox", body = ErrorBody),
+    ))]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
     JsonBody(body): JsonBody<CreateBody>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
     let params = body.validate()?;
     let (row, boot) = state.service.create(&caller.workspace, params).await?;
-    let mut out = sandbox_json(&row);
-    out["boot_ms"] = json!(boot.ms);
-    out["boot_mode"] = json!(boot.mode);
+    let out = Sandbox { boot_ms: Some(boot.ms), boot_mode: Some(boot.mode.to_string()), ..Sandbox::from_row(&row) };
     Ok((StatusCode::CREATED, Json(out)))
 }
 
-pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, operation_id = "listSandboxes", path = "/v1/sandboxes", tag = "sandboxes",
+    responses((status = 200, description = "The workspace's sandboxes", body = Vec<Sandbox>)))]
+pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Vec<Sandbox>>, ApiError> {
     let rows = state.store.list_sandboxes(&caller.workspace.id).await?;
-    Ok(Json(Value::Array(rows.iter().map(sandbox_json).collect())))
+    Ok(Json(rows.iter().map(Sandbox::from_row).collect()))
 }
 
-pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, operation_id = "getSandbox", path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 200, description = "The sandbox", body = Sandbox), (status = 404, description = "No such sandbox", body = ErrorBody)))]
+pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
-    Ok(Json(sandbox_json(&row)))
+    Ok(Json(Sandbox::from_row(&row)))
 }
 
+#[utoipa::path(delete, operation_id = "deleteSandbox", path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id")),
+    responses((status = 204, description = "Deleted"), (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     state.service.delete(&caller.workspace.id, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
+    /// The last this many events (default 1000, at most 10000).
     tail: Option<u32>,
 }
 
+/// One entry of a sandbox's event log (§3.19).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Event {
+    /// RFC 3339.
+    pub time: String,
+    pub sandbox_id: String,
+    /// `created`, `exec`, `paused`, `resumed`, `hibernated`, `woken`, `adopted`, `lifecycle`, `failed`, `reaped`, `deleted`…
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// What the event carries; its shape depends on `type`.
+    pub payload: Value,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Events {
+    pub events: Vec<Event>,
+}
+
+#[utoipa::path(get, operation_id = "listEvents", path = "/v1/sandboxes/{id}/events", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id"), EventsQuery),
+    responses((status = 200, description = "The sandbox's events, oldest first", body = Events),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn events(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<EventsQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Events>, ApiError> {
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
     let events = state.store.events(&caller.workspace.id, &row.id, query.tail.unwrap_or(1000).min(10_000)).await?;
-    let events: Vec<Value> = events
-        .iter()
-        .map(|e| json!({ "time": rfc3339(e.at), "sandbox_id": e.sandbox_id, "type": e.kind, "payload": e.detail }))
+    let events = events
+        .into_iter()
+        .map(|e| Event { time: rfc3339(e.at), sandbox_id: e.sandbox_id, kind: e.kind, payload: e.detail })
         .collect();
-    Ok(Json(json!({ "events": events })))
+    Ok(Json(Events { events }))
 }
 

@@ -6,53 +6,92 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 use clade_store::SnapshotRow;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::rfc3339;
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::sandbox::snapshot_not_found;
 use crate::AppState;
 
-fn snapshot_json(row: &SnapshotRow, workspace: &str) -> Value {
-    json!({
-        "id": row.id,
-        "snapshot_id": row.id,
-        "sandbox_id": row.sandbox_id,
-        "template": row.template,
-        "size_bytes": row.size_bytes,
-        "created_at": rfc3339(row.created_at),
-        "workspace": workspace,
-    })
+/// A snapshot of a sandbox (§3.8).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Snapshot {
+    pub id: String,
+    /// The same as `id`.
+    pub snapshot_id: String,
+    pub sandbox_id: String,
+    pub template: String,
+    pub size_bytes: u64,
+    /// RFC 3339.
+    pub created_at: String,
+    /// The workspace's name.
+    pub workspace: String,
 }
 
+impl Snapshot {
+    fn new(row: SnapshotRow, workspace: &str) -> Self {
+        Self {
+            snapshot_id: row.id.clone(),
+            id: row.id,
+            sandbox_id: row.sandbox_id,
+            template: row.template,
+            size_bytes: row.size_bytes,
+            created_at: rfc3339(row.created_at),
+            workspace: workspace.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Snapshots {
+    pub snapshots: Vec<Snapshot>,
+}
+
+#[utoipa::path(post, operation_id = "createSnapshot", path = "/v1/sandboxes/{id}/snapshots", tag = "snapshots", params(("id" = String, Path, description = "A sandbox id")),
+    responses(
+        (status = 201, description = "The snapshot (memory and disk; the sandbox runs on)", body = Snapshot),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+        (status = 507, description = "No room for the snapshot", body = ErrorBody),
+    ))]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Snapshot>), ApiError> {
     let row = state.service.snapshot(&caller.workspace.id, &id).await?;
-    Ok((StatusCode::CREATED, Json(snapshot_json(&row, &caller.workspace.name))))
+    Ok((StatusCode::CREATED, Json(Snapshot::new(row, &caller.workspace.name))))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only the snapshots of this sandbox.
     sandbox_id: Option<String>,
 }
 
-pub async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, operation_id = "listSnapshots", path = "/v1/snapshots", tag = "snapshots", params(ListQuery),
+    responses((status = 200, description = "The workspace's snapshots", body = Snapshots)))]
+pub async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query<ListQuery>) -> Result<Json<Snapshots>, ApiError> {
     let sandbox_id = query.sandbox_id.filter(|s| !s.is_empty());
     let rows = state.store.list_snapshots(&caller.workspace.id, sandbox_id.as_deref()).await?;
-    let items: Vec<Value> = rows.iter().map(|r| snapshot_json(r, &caller.workspace.name)).collect();
-    Ok(Json(json!({ "snapshots": items })))
+    let snapshots = rows.into_iter().map(|r| Snapshot::new(r, &caller.workspace.name)).collect();
+    Ok(Json(Snapshots { snapshots }))
 }
 
-pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, operation_id = "getSnapshot", path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path, description = "A snapshot id")),
+    responses((status = 200, description = "The snapshot", body = Snapshot), (status = 404, description = "No such snapshot", body = ErrorBody)))]
+pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Snapshot>, ApiError> {
     let row = state.store.snapshot(&caller.workspace.id, &id).await?.ok_or_else(|| snapshot_not_found(&id))?;
-    Ok(Json(snapshot_json(&row, &caller.workspace.name)))
+    Ok(Json(Snapshot::new(row, &caller.workspace.name)))
 }
 
+#[utoipa::path(delete, operation_id = "deleteSnapshot", path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path, description = "A snapshot id")),
+    responses((status = 204, description = "Deleted"), (status = 404, description = "No such snapshot", body = ErrorBody),
+        (status = 409, description = "A sandbox is being created from it", body = ErrorBody)))]
 pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     state.service.delete_snapshot(&caller.workspace.id, &id).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -20,17 +20,21 @@ use axum::response::Response;
 use clade_host::agent::{ExecEvent, ExecInput, ExecSession};
 use clade_proto::{Command, ExecRequest, PtySize};
 use serde::Deserialize;
+use utoipa::IntoParams;
 use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::sandbox::{agent_error, Entry};
 use crate::AppState;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct TerminalQuery {
+    /// Terminal rows (24 by default; clamped to 1..=1000).
     rows: Option<u16>,
+    /// Terminal columns (80 by default; clamped to 1..=1000).
     cols: Option<u16>,
     /// A shell command to run instead of a login shell.
     cmd: Option<String>,
@@ -48,6 +52,19 @@ fn pty_size(rows: Option<u16>, cols: Option<u16>) -> PtySize {
     PtySize { rows: rows.unwrap_or(24).clamp(1, MAX_SIDE), cols: cols.unwrap_or(80).clamp(1, MAX_SIDE) }
 }
 
+#[utoipa::path(get, operation_id = "execPty", path = "/v1/sandboxes/{id}/exec/pty", tag = "terminal", params(("id" = String, Path, description = "A sandbox id"), TerminalQuery),
+    responses(
+        (status = 101, description = "A WebSocket: binary frames carry stdin and terminal output; the client may send \
+            `{\"resize\":{\"rows\":N,\"cols\":M}}` text frames; the server's last text frame is `{\"exit\":N}` or `{\"error\":\"…\"}`"),
+        (status = 400, description = "Not a WebSocket upgrade request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
+        (status = 426, description = "Not a WebSocket upgrade request", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
+#[allow(dead_code)] // documents the alias; the router serves it with `terminal`
+fn exec_pty() {}
+
 /// A client's text frame.
 #[derive(Debug, Deserialize)]
 struct Control {
@@ -60,6 +77,16 @@ struct Resize {
     cols: u16,
 }
 
+#[utoipa::path(get, operation_id = "ssh", path = "/v1/sandboxes/{id}/ssh", tag = "terminal", params(("id" = String, Path, description = "A sandbox id"), TerminalQuery),
+    responses(
+        (status = 101, description = "A WebSocket: binary frames carry stdin and terminal output; the client may send \
+            `{\"resize\":{\"rows\":N,\"cols\":M}}` text frames; the server's last text frame is `{\"exit\":N}` or `{\"error\":\"…\"}`"),
+        (status = 400, description = "Not a WebSocket upgrade request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
+        (status = 426, description = "Not a WebSocket upgrade request", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+    ))]
 pub async fn terminal(
     State(state): State<AppState>,
     caller: Caller,

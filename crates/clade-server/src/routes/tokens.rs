@@ -6,44 +6,81 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use clade_store::{ApiKey, StoreError};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::rfc3339;
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::AppState;
 
-fn token_json(key: &ApiKey) -> Value {
-    json!({
-        "id": key.id,
-        "prefix": key.prefix,
-        "label": key.name,
-        "name": key.name,
-        "created_at": rfc3339(key.created_at),
-        "last_used_at": key.last_used_at.map(rfc3339),
-    })
+/// An API key of the workspace, without its secret (§3.17).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Token {
+    pub id: String,
+    /// `clade_` and the key's first hex digits; what `DELETE` takes.
+    pub prefix: String,
+    pub label: String,
+    /// The same as `label`.
+    pub name: String,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339, or null if never used.
+    pub last_used_at: Option<String>,
+    /// The secret: only in the answer of the create.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
-pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
+impl Token {
+    fn new(key: &ApiKey) -> Self {
+        Self {
+            id: key.id.clone(),
+            prefix: key.prefix.clone(),
+            label: key.name.clone(),
+            name: key.name.clone(),
+            created_at: rfc3339(key.created_at),
+            last_used_at: key.last_used_at.map(rfc3339),
+            token: None,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Tokens {
+    pub items: Vec<Token>,
+}
+
+#[utoipa::path(get, operation_id = "listTokens", path = "/v1/me/tokens", tag = "tokens",
+    responses((status = 200, description = "The workspace's keys that are not revoked", body = Tokens)))]
+pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Tokens>, ApiError> {
     let keys = state.store.list_keys(Some(&caller.workspace.id)).await?;
-    let items: Vec<Value> = keys.iter().filter(|k| !k.is_revoked()).map(token_json).collect();
-    Ok(Json(json!({ "items": items })))
+    let items = keys.iter().filter(|k| !k.is_revoked()).map(Token::new).collect();
+    Ok(Json(Tokens { items }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct CreateToken {
+    /// The key's name (`api` when absent), at most 200 bytes.
+    #[schema(max_length = 200)]
     label: Option<String>,
+    /// The same as `label`, which wins.
+    #[schema(max_length = 200)]
     name: Option<String>,
+    /// Not supported (keys are valid until revoked): only null is accepted.
+    #[schema(value_type = Option<()>)]
     expires_in_days: Option<serde_json::Value>,
 }
 
+#[utoipa::path(post, operation_id = "createToken", path = "/v1/me/tokens", tag = "tokens", request_body = CreateToken,
+    responses((status = 200, description = "The new key, with its secret (shown only here)", body = Token),
+        (status = 400, description = "Invalid body", body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
     JsonBody(body): JsonBody<CreateToken>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Token>, ApiError> {
     if body.expires_in_days.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request("expires_in_days is not supported: keys are valid until revoked"));
     }
@@ -52,11 +89,12 @@ pub async fn create(
         return Err(ApiError::bad_request("label is longer than 200 bytes"));
     }
     let new = state.store.create_key(&caller.workspace.id, &name).await?;
-    let mut out = token_json(&new.key);
-    out["token"] = Value::String(new.secret);
-    Ok(Json(out))
+    Ok(Json(Token { token: Some(new.secret), ..Token::new(&new.key) }))
 }
 
+#[utoipa::path(delete, operation_id = "revokeToken", path = "/v1/me/tokens/{prefix}", tag = "tokens",
+    params(("prefix" = String, Path, description = "The key's prefix (or id)")),
+    responses((status = 204, description = "Revoked"), (status = 404, description = "No such key in the workspace", body = ErrorBody)))]
 pub async fn revoke(
     State(state): State<AppState>,
     caller: Caller,

@@ -394,6 +394,9 @@ fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
         ErrorKind::AlreadyExists => ApiError::conflict(format!("already exists{subject}")),
         ErrorKind::DirectoryNotEmpty => ApiError::conflict(format!("directory not empty{subject}")),
         ErrorKind::InvalidInput => ApiError::bad_request(e.message),
+        // An I/O error on the path the request named (EIO reading
+        // /proc/self/mem) is about that path, not a failure of the server.
+        ErrorKind::Io if path.is_some() => ApiError::bad_request(e.message),
         ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
     }
 }

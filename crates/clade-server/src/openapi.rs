@@ -1,0 +1,110 @@
+//! The OpenAPI 3.1 document of the API, generated from the server's own
+//! types: the handlers' `#[utoipa::path]` attributes (paths, parameters,
+//! statuses) and the `ToSchema` derives of the bodies they read and write.
+//! `docs/openapi.json` is this document, committed; the `openapi` test fails
+//! when the two differ. Served at `GET /openapi.json`, printed by
+//! `clade openapi`.
+
+use std::sync::OnceLock;
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use crate::routes::{exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, sandboxes, snapshots, terminal, tokens};
+
+/// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).
+const API_KEY: &str = "api_key";
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Clade API",
+        description = "Clade's HTTP API: PandaStack-compatible sandboxes (microVMs), their commands, files, \
+            logs, lifecycle, snapshots and forks. Errors are `{\"error\": \"…\", \"request_id\": \"…\"}`; \
+            a 429 or 503 with `Retry-After` may be retried after that many seconds, as may a 507."
+    ),
+    paths(
+        meta::healthz,
+        meta::version,
+        metrics::metrics,
+        meta::openapi,
+        meta::me,
+        tokens::list,
+        tokens::create,
+        tokens::revoke,
+        meta::templates,
+        sandboxes::list,
+        sandboxes::create,
+        sandboxes::get,
+        sandboxes::delete,
+        sandboxes::events,
+        exec::exec,
+        exec_stream::exec_stream,
+        logs::logs,
+        files::read,
+        files::write,
+        files::remove,
+        files::list,
+        files::stat,
+        lifecycle::pause,
+        lifecycle::resume,
+        lifecycle::hibernate,
+        lifecycle::stop,
+        lifecycle::wake,
+        lifecycle::start,
+        lifecycle::get,
+        lifecycle::patch,
+        snapshots::create,
+        snapshots::list,
+        snapshots::get,
+        snapshots::delete,
+        fork::fork,
+        fork::fork_tree,
+        fork::promote,
+        terminal::terminal,
+        terminal::exec_pty,
+    ),
+    modifiers(&ApiKeyScheme),
+    security(("api_key" = [])),
+    tags(
+        (name = "meta", description = "Health, version, metrics, the caller, templates"),
+        (name = "tokens", description = "The workspace's API keys"),
+        (name = "sandboxes", description = "Create, list, get, delete; the event log"),
+        (name = "exec", description = "Commands, to completion or streamed"),
+        (name = "logs", description = "The serial console"),
+        (name = "files", description = "The sandbox's filesystem"),
+        (name = "lifecycle", description = "Pause, resume, hibernate, wake; idle settings"),
+        (name = "snapshots", description = "Snapshots and the workspace's registry"),
+        (name = "forks", description = "Fork, fork-tree, promote"),
+        (name = "terminal", description = "Interactive terminals over WebSocket"),
+    )
+)]
+struct ApiDoc;
+
+/// `Authorization: Bearer <key>` (the server also takes `X-API-Key` and `?access_token=`).
+struct ApiKeyScheme;
+
+impl Modify for ApiKeyScheme {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let scheme = HttpBuilder::new()
+            .scheme(HttpAuthScheme::Bearer)
+            .bearer_format("clade_<64 hex>")
+            .description(Some("An API key; also accepted as `X-API-Key: <key>` or `?access_token=<key>`"))
+            .build();
+        openapi.components.get_or_insert_with(Default::default).add_security_scheme(API_KEY, SecurityScheme::Http(scheme));
+    }
+}
+
+/// The document as pretty JSON with a trailing newline: paths in the order
+/// above, properties in declaration order, everything else sorted, so the
+/// same types always give the same bytes.
+pub fn document() -> String {
+    static DOCUMENT: OnceLock<String> = OnceLock::new();
+    DOCUMENT
+        .get_or_init(|| {
+            let mut text = ApiDoc::openapi().to_pretty_json().expect("the OpenAPI document serializes");
+            text.push('\n');
+            text
+        })
+        .clone()
+}

@@ -1,0 +1,83 @@
+//! `docs/openapi.json` is the document the server's types generate. When
+//! the API changes, regenerate it with
+//! `CLADE_UPDATE_OPENAPI=1 cargo test -p clade-server --test openapi`
+//! (or `clade openapi > docs/openapi.json`) and commit it with the change.
+
+use std::path::PathBuf;
+
+fn committed_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json")
+}
+
+#[test]
+fn the_committed_document_is_the_generated_one() {
+    let generated = clade_server::openapi::document();
+    let path = committed_path();
+    if std::env::var_os("CLADE_UPDATE_OPENAPI").is_some_and(|v| !v.is_empty() && v != "0") {
+        std::fs::write(&path, &generated).expect("writing docs/openapi.json");
+        return;
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    if committed != generated {
+        let line = committed.lines().zip(generated.lines()).position(|(a, b)| a != b).map_or_else(
+            || format!("lengths differ: {} vs {} lines", committed.lines().count(), generated.lines().count()),
+            |i| format!("first difference at line {}", i + 1),
+        );
+        panic!(
+            "docs/openapi.json is stale ({line}): the server's API types changed.\n\
+             Regenerate it with `CLADE_UPDATE_OPENAPI=1 cargo test -p clade-server --test openapi` and commit it."
+        );
+    }
+}
+
+#[test]
+fn the_document_covers_the_api() {
+    let document: serde_json::Value = serde_json::from_str(&clade_server::openapi::document()).unwrap();
+    assert_eq!(document["openapi"], "3.1.0");
+    let paths = document["paths"].as_object().unwrap();
+    for path in [
+        "/healthz",
+        "/version",
+        "/metrics",
+        "/openapi.json",
+        "/v1/me",
+        "/v1/me/tokens",
+        "/v1/me/tokens/{prefix}",
+        "/v1/templates",
+        "/v1/sandboxes",
+        "/v1/sandboxes/{id}",
+        "/v1/sandboxes/{id}/events",
+        "/v1/sandboxes/{id}/exec",
+        "/v1/sandboxes/{id}/exec/stream",
+        "/v1/sandboxes/{id}/logs",
+        "/v1/sandboxes/{id}/snapshots",
+        "/v1/sandboxes/{id}/fork",
+        "/v1/sandboxes/{id}/fork-tree",
+        "/v1/sandboxes/{id}/promote",
+        "/v1/snapshots",
+        "/v1/snapshots/{id}",
+        "/v1/sandboxes/{id}/fs",
+        "/v1/sandboxes/{id}/fs/dir",
+        "/v1/sandboxes/{id}/fs/stat",
+        "/v1/sandboxes/{id}/pause",
+        "/v1/sandboxes/{id}/resume",
+        "/v1/sandboxes/{id}/hibernate",
+        "/v1/sandboxes/{id}/stop",
+        "/v1/sandboxes/{id}/wake",
+        "/v1/sandboxes/{id}/start",
+        "/v1/sandboxes/{id}/ssh",
+        "/v1/sandboxes/{id}/exec/pty",
+        "/v1/sandboxes/{id}/lifecycle",
+    ] {
+        assert!(paths.contains_key(path), "{path} is not in the document");
+    }
+    assert_eq!(paths.len(), 32, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
+    let scheme = &document["components"]["securitySchemes"]["api_key"];
+    assert_eq!(scheme["scheme"], "bearer");
+    assert_eq!(document["security"][0]["api_key"], serde_json::json!([]));
+    assert!(document["components"]["schemas"]["ErrorBody"].is_object());
+    // The unauthenticated routes say so.
+    for path in ["/healthz", "/version", "/metrics", "/openapi.json"] {
+        assert_eq!(paths[path]["get"]["security"], serde_json::json!([{}]), "{path}");
+    }
+}

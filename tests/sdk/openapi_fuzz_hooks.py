@@ -1,0 +1,84 @@
+"""Schemathesis hooks of test_openapi_fuzz.py (loaded through SCHEMATHESIS_HOOKS).
+
+They steer generated requests so that the run reaches real handlers without
+wrecking its own fixture: most sandbox-scoped requests target the real
+sandbox named by CLADE_FUZZ_SANDBOX (the rest keep their random id: 404s),
+file operations stay under /tmp/fuzz in the guest, commands time out within
+10 s, the real sandbox keeps an idle TTL of at least an hour, and logs are
+not followed (a followed log never ends). Deleting the real sandbox is left
+to random ids, and so is revoking the admin key (schemathesis reuses values
+from earlier answers, such as the key prefixes `GET /v1/me/tokens` lists,
+and a key may revoke itself). Each steer keeps the value's kind (an out-of-range or
+wrong-typed value still goes out as generated).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import schemathesis
+
+SANDBOX = os.environ.get("CLADE_FUZZ_SANDBOX", "")
+ADMIN_PREFIX = os.environ.get("CLADE_FUZZ_ADMIN_PREFIX", "")
+FS_ROOT = "/tmp/fuzz"
+
+
+def _real_sandbox(path: str, method: str, generated) -> bool:
+    if not SANDBOX or not path.startswith("/v1/sandboxes/{id}"):
+        return False
+    if path == "/v1/sandboxes/{id}" and method == "DELETE":
+        return False
+    # Three in four, chosen by the generated id so a replayed case stays the same.
+    return zlib.crc32(repr(generated).encode()) % 4 != 0
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    path = case.operation.path
+    method = case.method.upper()
+    params = case.path_parameters if isinstance(case.path_parameters, dict) else None
+    if params is not None and "id" in params:
+        if _real_sandbox(path, method, params["id"]):
+            params["id"] = SANDBOX
+        elif path == "/v1/sandboxes/{id}" and method == "DELETE" and params["id"] == SANDBOX:
+            params["id"] = "not-" + SANDBOX
+    if params is not None and path == "/v1/me/tokens/{prefix}" and ADMIN_PREFIX and params.get("prefix") == ADMIN_PREFIX:
+        params["prefix"] = "not-" + ADMIN_PREFIX
+    query = case.query if isinstance(case.query, dict) else None
+    if query is not None:
+        if path.startswith("/v1/sandboxes/{id}/fs") and isinstance(query.get("path"), str) and query["path"].startswith("/"):
+            query["path"] = FS_ROOT + query["path"]
+        if path.endswith("/logs") and "follow" in query:
+            query["follow"] = "0"
+    body = case.body if isinstance(case.body, dict) else None
+    if body is not None:
+        timeout = body.get("timeout_seconds")
+        if path.endswith(("/exec", "/exec/stream")) and isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 10:
+            if timeout <= 86400:
+                body["timeout_seconds"] = 10
+        ttl = body.get("ttl_seconds")
+        if path.endswith("/lifecycle") and isinstance(ttl, int) and not isinstance(ttl, bool) and 0 < ttl < 3600:
+            body["ttl_seconds"] = 3600
+
+
+# The 5xx the API documents as refusals, not failures: 503 from the
+# scheduler (with Retry-After), 507 from host admission, and 504 for a
+# command that outran its timeout. Any other 5xx fails the run.
+ALLOWED_5XX = {
+    503: lambda response: "retry-after" in {k.lower() for k in response.headers},
+    507: lambda response: True,
+}
+
+
+@schemathesis.check
+def no_undocumented_server_error(ctx, response, case):
+    status = response.status_code
+    if status < 500:
+        return None
+    allowed = ALLOWED_5XX.get(status)
+    if allowed is not None and allowed(response):
+        return None
+    if status == 504 and case.operation.path.endswith("/exec") and "deadline exceeded" in response.text:
+        return None
+    raise AssertionError(f"server error {status} from {case.method} {case.formatted_path}: {response.text[:500]}")
