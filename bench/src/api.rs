@@ -1,9 +1,11 @@
 //! `clade-bench api`: what the HTTP API adds on top of the host. The same
 //! operations are measured through a real `clade server` (the release binary,
 //! started on a free port with its own data directory) and through
-//! `clade-host` directly, in one run, and printed with their ratio
-//! API ÷ host. The server is stopped and its data directory checked for VMs
-//! before the benchmark returns, whether it succeeded or not.
+//! `clade-host` directly, in one run, interleaved so that a shared machine's
+//! drifting load falls on both sides alike, and printed with their ratio
+//! API ÷ host. Every sandbox and snapshot is deleted, the server stopped and
+//! its data directory checked for VMs before the benchmark returns, whether
+//! it succeeded or not.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -73,69 +75,47 @@ struct Refusals {
 pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
     let root = std::env::temp_dir().join(format!("clade-bench-api-{}", std::process::id()));
     let base = HostConfig::from_env().map_err(anyhow::Error::msg)?;
-    let config = HostConfig { data_dir: root.join("host"), ..base };
-    let accel = VmRuntime::new(config.clone())?.accel();
-    eprintln!("# host side (clade-host directly)");
-    let host = host_side(&args, config).await?;
-
-    eprintln!("# API side (clade server over HTTP)");
+    let runtime = VmRuntime::new(HostConfig { data_dir: root.join("host"), ..base })?.with_standby(STANDBY);
+    let store = runtime.images().clone();
+    let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
+    let spec = VmSpec { lifetime: Lifetime::Ephemeral, ..VmSpec::new(image) };
     let clade = match &args.clade {
         Some(path) => path.clone(),
         None => std::env::current_exe()?.with_file_name("clade"),
     };
     let server = ServerProcess::start(&clade, &root.join("server")).await?;
-    let measured = api_side(&args, &server).await;
+    let measured = measure(&args, &runtime, &spec, &server.api).await;
     let cleanup = server.stop().await;
-    let (api, refusals) = measured?;
+    runtime.drain_standby();
+    let (host, api, refusals) = measured?;
     cleanup?;
     let _ = std::fs::remove_dir_all(&root);
 
+    let accel = runtime.accel().to_string();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report_json(&args, &accel.to_string(), &host, &api, &refusals))?);
+        println!("{}", serde_json::to_string_pretty(&report_json(&args, &accel, &host, &api, &refusals))?);
     } else {
-        print_table(&args, &accel.to_string(), &host, &api, &refusals);
+        print_table(&args, &accel, &host, &api, &refusals);
     }
     Ok(())
 }
 
-async fn host_side(args: &ApiArgs, config: HostConfig) -> anyhow::Result<Side> {
-    let data_dir = config.data_dir.clone();
-    let runtime = VmRuntime::new(config)?.with_standby(STANDBY);
-    let store = runtime.images().clone();
-    let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
-    let spec = VmSpec { lifetime: Lifetime::Ephemeral, ..VmSpec::new(image) };
-    runtime.template(&spec).await?;
+/// Both sides, interleaved (sample by sample where the samples are
+/// sequential, level by level otherwise) so that the machine's load, which
+/// drifts over minutes, falls on both alike.
+async fn measure(args: &ApiArgs, runtime: &VmRuntime, spec: &VmSpec, api: &Api) -> anyhow::Result<(Side, Side, Refusals)> {
+    let (mut host, mut side, mut refusals) = (Side::default(), Side::default(), Refusals::default());
     let echo = Command::Shell("echo hi".into());
-    let mut side = Side::default();
-    let result = async {
-        side.create_to_exec = host::create_to_first_exec(&runtime, &spec, args.creates, &echo).await?.1;
-        side.exec = host::exec_round_trips(&runtime, &spec, args.execs, &echo).await?;
-        for &c in &args.concurrency {
-            side.creates_per_sec.push((c, host::creates_per_second(&runtime, &spec, c, args.rate_creates).await?));
-        }
-        for &n in &args.fork_tree {
-            let times = host::fork(&runtime, &spec, 0, n).await?;
-            side.fork.push((n, times.all_created, times.all_answered));
-        }
-        anyhow::Ok(())
-    }
-    .await;
-    runtime.drain_standby();
-    let _ = std::fs::remove_dir_all(data_dir);
-    result.map(|()| side)
-}
 
-async fn api_side(args: &ApiArgs, server: &ServerProcess) -> anyhow::Result<(Side, Refusals)> {
-    let api = &server.api;
-    let mut side = Side::default();
-    let mut refusals = Refusals::default();
-
-    // The first create bakes the server's template: not measured.
+    // Each side's first create bakes its template: not measured.
+    runtime.template(spec).await?;
     let warm = api.create_one().await?;
     api.exec_echo(&warm).await?;
     api.delete(&warm).await?;
 
+    eprintln!("create to first exec");
     for _ in 0..args.creates {
+        host.create_to_exec.extend(host::create_to_first_exec(runtime, spec, 1, &echo).await?.1);
         tokio::time::sleep(BETWEEN_CREATES).await;
         let start = Instant::now();
         let id = api.create_one().await?;
@@ -143,78 +123,102 @@ async fn api_side(args: &ApiArgs, server: &ServerProcess) -> anyhow::Result<(Sid
         side.create_to_exec.push(start.elapsed());
         api.delete(&id).await?;
     }
-    side.create_to_exec.sort();
 
+    eprintln!("exec round trip");
+    let vm = runtime.create(spec.clone()).await?;
     let id = api.create_one().await?;
     for _ in 0..args.execs {
+        host.exec.push(host::exec_round_trip(&vm, &echo).await?);
         side.exec.push(api.exec_echo(&id).await?);
     }
-    side.exec.sort();
+    vm.stop().await?;
     api.delete(&id).await?;
 
     for &c in &args.concurrency {
+        eprintln!("creates/s at concurrency {c}");
+        host.creates_per_sec.push((c, host::creates_per_second(runtime, spec, c, args.rate_creates).await?));
         tokio::time::sleep(BETWEEN_CREATES).await;
-        let next = Arc::new(AtomicUsize::new(0));
-        let (made, no_capacity, no_room) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let start = Instant::now();
-        let workers: Vec<_> = (0..c)
-            .map(|_| {
-                let (api, next, made, no_capacity, no_room) =
-                    (api.clone(), next.clone(), made.clone(), no_capacity.clone(), no_room.clone());
-                let total = args.rate_creates;
-                tokio::spawn(async move {
-                    while next.fetch_add(1, Ordering::Relaxed) < total {
-                        match api.create().await? {
-                            Ok(id) => {
-                                made.fetch_add(1, Ordering::Relaxed);
-                                api.delete(&id).await?;
-                            }
-                            Err(StatusCode::INSUFFICIENT_STORAGE) => {
-                                no_room.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Err(_) => {
-                                no_capacity.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                    anyhow::Ok(())
-                })
-            })
-            .collect();
-        for worker in workers {
-            worker.await??;
-        }
-        let rate = made.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+        let (rate, no_capacity, no_room) = api_creates_per_second(api, c, args.rate_creates).await?;
         side.creates_per_sec.push((c, rate));
-        refusals.by_concurrency.push((c, no_capacity.load(Ordering::Relaxed), no_room.load(Ordering::Relaxed)));
+        refusals.by_concurrency.push((c, no_capacity, no_room));
     }
 
     for &n in &args.fork_tree {
+        eprintln!("fork tree of {n}");
+        let times = host::fork(runtime, spec, 0, n).await?;
+        host.fork.push((n, times.all_created, times.all_answered));
         tokio::time::sleep(BETWEEN_CREATES).await;
-        let parent = api.create_one().await?;
-        api.exec_echo(&parent).await?;
-        let start = Instant::now();
-        let tree = api.call(Method::POST, &format!("sandboxes/{parent}/fork-tree"), Some(json!({ "count": n }))).await?;
-        anyhow::ensure!(tree.0 == StatusCode::CREATED, "fork-tree of {n}: HTTP {}: {}", tree.0, tree.1);
-        let all_created = start.elapsed();
-        let children: Vec<String> = tree.1["children"]
-            .as_array()
-            .context("fork-tree answer without children")?
-            .iter()
-            .filter_map(|c| c["id"].as_str().map(str::to_string))
-            .collect();
-        anyhow::ensure!(children.len() == n, "fork-tree of {n} made {} children", children.len());
-        for child in &children {
-            api.exec_echo(child).await?;
-        }
-        side.fork.push((n, all_created, start.elapsed()));
-        for child in &children {
-            api.delete(child).await?;
-        }
-        api.delete(&parent).await?;
+        side.fork.push(api_fork_tree(api, n).await?);
+    }
+    for s in [&mut host, &mut side] {
+        s.create_to_exec.sort();
+        s.exec.sort();
     }
     refusals.throttled = api.throttled.load(Ordering::Relaxed);
-    Ok((side, refusals))
+    Ok((host, side, refusals))
+}
+
+/// `total` creates through the API by `concurrency` workers, each deleted
+/// at once: creates/s, and the refusals with 503 and 507.
+async fn api_creates_per_second(api: &Api, concurrency: usize, total: usize) -> anyhow::Result<(f64, usize, usize)> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let (made, no_capacity, no_room) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (api, next, made, no_capacity, no_room) =
+                (api.clone(), next.clone(), made.clone(), no_capacity.clone(), no_room.clone());
+            tokio::spawn(async move {
+                while next.fetch_add(1, Ordering::Relaxed) < total {
+                    match api.create().await? {
+                        Ok(id) => {
+                            made.fetch_add(1, Ordering::Relaxed);
+                            api.delete(&id).await?;
+                        }
+                        Err(StatusCode::INSUFFICIENT_STORAGE) => {
+                            no_room.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            no_capacity.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await??;
+    }
+    let rate = made.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+    Ok((rate, no_capacity.load(Ordering::Relaxed), no_room.load(Ordering::Relaxed)))
+}
+
+/// A fork tree of `n` children of a fresh sandbox: until all were made, and
+/// until each had answered an exec (asked one after another, as on the host).
+async fn api_fork_tree(api: &Api, n: usize) -> anyhow::Result<(usize, Duration, Duration)> {
+    let parent = api.create_one().await?;
+    api.exec_echo(&parent).await?;
+    let start = Instant::now();
+    let (status, tree) = api.call(Method::POST, &format!("sandboxes/{parent}/fork-tree"), Some(json!({ "count": n }))).await?;
+    anyhow::ensure!(status == StatusCode::CREATED, "fork-tree of {n}: HTTP {status}: {tree}");
+    let all_created = start.elapsed();
+    let children: Vec<String> = tree["children"]
+        .as_array()
+        .context("fork-tree answer without children")?
+        .iter()
+        .filter_map(|c| c["id"].as_str().map(str::to_string))
+        .collect();
+    anyhow::ensure!(children.len() == n, "fork-tree of {n} made {} children", children.len());
+    for child in &children {
+        api.exec_echo(child).await?;
+    }
+    let all_answered = start.elapsed();
+    for child in &children {
+        api.delete(child).await?;
+    }
+    api.delete(&parent).await?;
+    Ok((n, all_created, all_answered))
 }
 
 /// The server's HTTP API with the admin key.

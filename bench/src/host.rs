@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use clade_host::{Lifetime, VmRuntime, VmSpec};
+use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
 use clade_proto::{Command, ExecRequest};
 
 /// Sequential creates, each timed to the agent answering (restore + hook)
@@ -33,19 +33,12 @@ pub async fn create_to_first_exec(
     Ok((to_hook, to_exec))
 }
 
-/// `n` sequential runs of `cmd` in one fresh VM, sorted.
-pub async fn exec_round_trips(runtime: &VmRuntime, spec: &VmSpec, n: usize, cmd: &Command) -> anyhow::Result<Vec<Duration>> {
-    let vm = runtime.create(spec.clone()).await?;
-    let mut times = Vec::new();
-    for _ in 0..n {
-        let start = Instant::now();
-        let out = vm.agent().run(ExecRequest::new(cmd.clone())).await?;
-        anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
-        times.push(start.elapsed());
-    }
-    vm.stop().await?;
-    times.sort();
-    Ok(times)
+/// One run of `cmd` in `vm`, to its exit status.
+pub async fn exec_round_trip(vm: &Vm, cmd: &Command) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let out = vm.agent().run(ExecRequest::new(cmd.clone())).await?;
+    anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
+    Ok(start.elapsed())
 }
 
 /// `total` creates by `concurrency` workers, each VM stopped as soon as it
