@@ -2,6 +2,11 @@
 //! for docs/benchmarks.md; none asserts a time.
 //!
 //!   cargo run --release -p clade-bench -- vm [--boots 5] [--execs 200]
+//!   cargo run --release -p clade-bench -- snapshot [--creates 50]
+//!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
+
+mod api;
+mod host;
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +24,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// The HTTP API's overhead: a real `clade server` against clade-host
+    /// driven directly, in the same run, as ratios API ÷ host.
+    Api(api::ApiArgs),
     /// Template bake, create by restore (vs cold boot), concurrent creates,
     /// idle density (PSS), hibernate and wake.
     Snapshot {
@@ -46,6 +54,7 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         match cli.bench {
+            Bench::Api(args) => api::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
             Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }
@@ -214,20 +223,7 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     let mut p50s = Vec::new();
     let create_runs = if want("create") { vec![("standby VMM ready", &runtime), ("no standby VMM", &without_standby)] } else { Vec::new() };
     for (label, runtime) in create_runs {
-        let mut times = Vec::new();
-        let mut to_hook = Vec::new();
-        for _ in 0..creates {
-            runtime.prestart(&spec).await?;
-            let start = Instant::now();
-            let vm = runtime.create(spec.clone()).await?;
-            to_hook.push(start.elapsed());
-            let out = vm.agent().run(true_cmd()).await?;
-            anyhow::ensure!(out.exit_code() == 0, "true failed");
-            times.push(start.elapsed());
-            vm.stop().await?;
-        }
-        times.sort();
-        to_hook.sort();
+        let (to_hook, times) = host::create_to_first_exec(runtime, &spec, creates, &Command::Argv(vec!["true".into()])).await?;
         let p50 = percentile(&times, 50.0);
         println!(
             "create ({label}) to agent ready + hook: p50 {} p99 {} (n={creates})",
@@ -326,34 +322,13 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     // Fork: the parent has written N MiB of memory since its restore.
     for written_mib in if want("fork") { vec![10u64, 200] } else { Vec::new() } {
         for count in [1usize, 16] {
-            let parent = runtime.create(spec.clone()).await?;
-            let hold = format!(
-                "nohup python3 -c 'import os, time; x = os.urandom({} << 20); open(\"/tmp/ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 & \
-                 while [ ! -e /tmp/ready ]; do sleep 0.1; done",
-                written_mib
-            );
-            parent.agent().run(ExecRequest::new(Command::Shell(hold))).await?;
-            let start = Instant::now();
-            let children = parent.fork(&runtime, count, clade_host::Lifetime::Ephemeral).await?;
-            let all_created = start.elapsed();
-            for child in &children {
-                child.agent().run(true_cmd()).await?;
-            }
-            let ready = start.elapsed();
-            let paused = runtime
-                .snapshots_all_records()
-                .into_iter()
-                .max_by_key(|s| s.created_unix_ms)
-                .map_or(0, |s| s.source_paused_ms);
+            let times = host::fork(&runtime, &spec, written_mib, count).await?;
             println!(
-                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {paused} ms",
-                ms(all_created),
-                ms(ready)
+                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {} ms",
+                ms(times.all_created),
+                ms(times.all_answered),
+                times.parent_paused_ms
             );
-            for child in children {
-                child.stop().await?;
-            }
-            parent.stop().await?;
         }
     }
     runtime.drain_standby();

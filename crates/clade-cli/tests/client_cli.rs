@@ -190,6 +190,89 @@ fn a_sandbox_through_the_cli() {
 }
 
 #[test]
+fn logs_fork_and_snapshots_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+    let id = text(&ok(&mut clade(&["sandbox", "create"]))).trim().to_string();
+    assert!(!id.is_empty());
+    ok(&mut clade(&["sandbox", "exec", &id, "echo from-parent > /root/p; echo clade-log-marker > /dev/console"]));
+
+    // Logs: the console as text, as JSON lines, and followed.
+    let logs = text(&ok(&mut clade(&["sandbox", "logs", &id])));
+    assert!(logs.contains("clade-log-marker"), "{logs}");
+    let lines = ok_json(&mut clade(&["sandbox", "logs", "--json", &id]));
+    let lines = lines["lines"].as_array().unwrap_or_else(|| panic!("{lines}"));
+    assert!(lines.iter().any(|l| l.as_str().is_some_and(|l| l.contains("clade-log-marker"))), "{lines:?}");
+    let followed = follow_until(clade(&["sandbox", "logs", "--follow", "--json", &id]), "clade-log-marker");
+    let line: Value = serde_json::from_str(&followed).unwrap_or_else(|e| panic!("not JSON ({e}): {followed}"));
+    assert!(line["line"].as_str().unwrap().contains("clade-log-marker"), "{line}");
+
+    // Fork: one child (--json), then a tree of two (ids, one per line); each
+    // child has the parent's files and answers an exec.
+    let forked = ok_json(&mut clade(&["sandbox", "fork", "--json", &id]));
+    let child = forked["sandbox"]["id"].as_str().unwrap_or_else(|| panic!("{forked}")).to_string();
+    assert_eq!(forked["children"][0]["id"], child.as_str(), "{forked}");
+    let tree = text(&ok(&mut clade(&["sandbox", "fork", &id, "--count", "2", "--metadata", "kind=tree"])));
+    let tree: Vec<String> = tree.lines().map(str::to_string).collect();
+    assert_eq!(tree.len(), 2, "{tree:?}");
+    let mut children = vec![child];
+    children.extend(tree.iter().cloned());
+    for child in &children {
+        assert_ne!(child, &id);
+        assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", child, "cat /root/p"]))), "from-parent\n", "child {child}");
+    }
+    let got = ok_json(&mut clade(&["sandbox", "get", "--json", &tree[1]]));
+    assert_eq!(got["metadata"]["kind"], "tree", "{got}");
+
+    // Snapshot (plain and --json), then a sandbox made from it.
+    let snapshot = text(&ok(&mut clade(&["sandbox", "snapshot", &id]))).trim().to_string();
+    assert!(!snapshot.is_empty());
+    let answer = ok_json(&mut clade(&["sandbox", "snapshot", "--json", &id]));
+    assert_eq!(answer["sandbox_id"], id.as_str(), "{answer}");
+    assert!(answer["id"].as_str().is_some_and(|s| s != snapshot), "{answer}");
+    let restored = ok_json(&mut clade(&["sandbox", "create", "--json", "--from-snapshot", &snapshot]));
+    let restored = restored["id"].as_str().unwrap_or_else(|| panic!("{restored}")).to_string();
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &restored, "cat /root/p"]))), "from-parent\n");
+    let out = output(&mut clade(&["sandbox", "create", "--from-snapshot", "snap_nope"]), None);
+    assert_eq!(out.status.code(), Some(125), "stderr: {}", text(&out.stderr));
+
+    let mut all = vec!["sandbox", "rm", "--json", id.as_str(), restored.as_str()];
+    all.extend(children.iter().map(String::as_str));
+    let deleted = ok_json(&mut clade(&all));
+    assert_eq!(deleted["deleted"].as_array().map(Vec::len), Some(children.len() + 2), "{deleted}");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "ls", "--json"])), serde_json::json!([]));
+}
+
+/// Runs a never-ending command (`logs --follow`) until a stdout line contains
+/// `needle`, then kills it; returns that line.
+#[track_caller]
+fn follow_until(mut command: Command, needle: &str) -> String {
+    use std::io::BufRead;
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let found = loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(Ok(line)) if line.contains(needle) => break Some(line),
+            Ok(Ok(_)) => {}
+            _ => break None,
+        }
+    };
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    found.unwrap_or_else(|| panic!("{command:?}: no line with {needle:?}; stderr: {}", text(&out.stderr)))
+}
+
+#[test]
 fn settings_come_from_flags_then_environment_then_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(&dir.path().join("data"), None);

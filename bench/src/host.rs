@@ -1,0 +1,101 @@
+//! Host-level measurements shared by `snapshot` and `api`: they drive
+//! `clade-host` directly, so `api` can divide the server's figures by them.
+
+use std::time::{Duration, Instant};
+
+use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
+use clade_proto::{Command, ExecRequest};
+
+/// Sequential creates, each timed to the agent answering (restore + hook)
+/// and to the first successful run of `cmd`. A standby VMM is started before
+/// each create (as a server's pool refills between requests); on a runtime
+/// without standby VMMs QEMU starts inside the create. Both lists sorted.
+pub async fn create_to_first_exec(
+    runtime: &VmRuntime,
+    spec: &VmSpec,
+    n: usize,
+    cmd: &Command,
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+    let mut to_hook = Vec::new();
+    let mut to_exec = Vec::new();
+    for _ in 0..n {
+        runtime.prestart(spec).await?;
+        let start = Instant::now();
+        let vm = runtime.create(spec.clone()).await?;
+        to_hook.push(start.elapsed());
+        let out = vm.agent().run(ExecRequest::new(cmd.clone())).await?;
+        anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
+        to_exec.push(start.elapsed());
+        vm.stop().await?;
+    }
+    to_hook.sort();
+    to_exec.sort();
+    Ok((to_hook, to_exec))
+}
+
+/// One run of `cmd` in `vm`, to its exit status.
+pub async fn exec_round_trip(vm: &Vm, cmd: &Command) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let out = vm.agent().run(ExecRequest::new(cmd.clone())).await?;
+    anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
+    Ok(start.elapsed())
+}
+
+/// `total` creates by `concurrency` workers, each VM stopped as soon as it
+/// is made; creates per second of wall time.
+pub async fn creates_per_second(runtime: &VmRuntime, spec: &VmSpec, concurrency: usize, total: usize) -> anyhow::Result<f64> {
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (runtime, spec, next) = (runtime.clone(), spec.clone(), next.clone());
+            tokio::spawn(async move {
+                while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
+                    runtime.create(spec.clone()).await?.stop().await?;
+                }
+                Ok::<_, anyhow::Error>(())
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await??;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// A fork of a fresh parent that has written `written_mib` MiB of memory.
+#[derive(Debug, Clone, Copy)]
+pub struct ForkTimes {
+    pub all_created: Duration,
+    /// Until every child has answered `true`.
+    pub all_answered: Duration,
+    pub parent_paused_ms: u64,
+}
+
+pub async fn fork(runtime: &VmRuntime, spec: &VmSpec, written_mib: u64, count: usize) -> anyhow::Result<ForkTimes> {
+    let parent = runtime.create(spec.clone()).await?;
+    if written_mib > 0 {
+        let hold = format!(
+            "nohup python3 -c 'import os, time; x = os.urandom({written_mib} << 20); open(\"/tmp/ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 & \
+             while [ ! -e /tmp/ready ]; do sleep 0.1; done"
+        );
+        parent.agent().run(ExecRequest::new(Command::Shell(hold))).await?;
+    }
+    let start = Instant::now();
+    let children = parent.fork(runtime, count, Lifetime::Ephemeral).await?;
+    let all_created = start.elapsed();
+    for child in &children {
+        child.agent().run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
+    }
+    let all_answered = start.elapsed();
+    let parent_paused_ms = runtime
+        .snapshots_all_records()
+        .into_iter()
+        .max_by_key(|s| s.created_unix_ms)
+        .map_or(0, |s| s.source_paused_ms);
+    for child in children {
+        child.stop().await?;
+    }
+    parent.stop().await?;
+    Ok(ForkTimes { all_created, all_answered, parent_paused_ms })
+}
