@@ -132,6 +132,10 @@ pub fn prepare_system() {
     if let Err(e) = loopback_up() {
         tracing::warn!("{}", crate::error_chain(&e));
     }
+    match crate::net::configure() {
+        Ok(()) | Err(crate::net::NetError::NoInterface) => {}
+        Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
+    }
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let hostname = hostname_from_cmdline(&cmdline);
     if let Err(e) = nix::unistd::sethostname(&hostname).map_err(InitError::Hostname) {

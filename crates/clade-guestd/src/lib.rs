@@ -12,6 +12,7 @@ pub mod exec;
 pub mod files;
 pub mod info;
 pub mod init;
+pub mod net;
 pub mod port;
 mod pty;
 pub mod reaper;

@@ -10,6 +10,7 @@
 //! `clade-guestd`, when and why to call it to `clade-host`.
 
 pub mod frame;
+pub mod guest_net;
 pub mod handshake;
 pub mod messages;
 pub mod mux;

@@ -32,6 +32,10 @@ pub struct LaunchSpec {
     pub incoming: bool,
     /// Stay paused after an incoming migration instead of running the guest.
     pub stay_paused: bool,
+    /// The NIC's backend: `tap0` of the network namespace QEMU is started
+    /// in, or nothing (a hub port with no other port: packets go nowhere).
+    /// Every VM has the NIC either way, so any VM's state restores into any.
+    pub tap: bool,
 }
 
 /// The root disk.
@@ -153,6 +157,16 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         format!("socket,id=agent,path={},server=on,wait=off", path(agent_socket(dir))),
         "-device".into(),
         format!("virtserialport,chardev=agent,name={}", clade_proto::AGENT_PORT_NAME),
+        "-netdev".into(),
+        if spec.tap {
+            // No vnet header: the tap was made without one, and offloads
+            // would have to match across restores on every host.
+            "tap,id=net0,ifname=tap0,script=no,downscript=no,vnet_hdr=off".into()
+        } else {
+            "hubport,id=net0,hubid=0".into()
+        },
+        "-device".into(),
+        format!("virtio-net-device,netdev=net0,mac={}", clade_proto::guest_net::GUEST_MAC),
         "-chardev".into(),
         format!("socket,id=qmp,path={},server=on,wait=off", path(qmp_socket(dir))),
         "-mon".into(),
@@ -187,6 +201,7 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
 struct SpawnRequest {
     command: Command,
     die_with_owner: bool,
+    netns: Option<std::fs::File>,
     reply: mpsc::Sender<std::io::Result<Child>>,
 }
 
@@ -196,7 +211,11 @@ struct SpawnRequest {
 ///
 /// The parent-death signal fires when the *thread* that forked exits, so every
 /// spawn happens on one launcher thread that lives as long as the process.
-pub fn spawn(command: Command, die_with_owner: bool) -> std::io::Result<Child> {
+///
+/// With `netns` (a `/run/netns/NAME` file), the process starts inside that
+/// network namespace and has no other network.
+pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>) -> std::io::Result<Child> {
+    let netns = netns.map(std::fs::File::open).transpose()?;
     static LAUNCHER: OnceLock<std::sync::Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let launcher = LAUNCHER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<SpawnRequest>();
@@ -204,7 +223,7 @@ pub fn spawn(command: Command, die_with_owner: bool) -> std::io::Result<Child> {
             .name("clade-vmm-launcher".into())
             .spawn(move || {
                 for request in rx {
-                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner));
+                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner, request.netns));
                 }
             })
             .expect("starting the VMM launcher thread");
@@ -214,19 +233,26 @@ pub fn spawn(command: Command, die_with_owner: bool) -> std::io::Result<Child> {
     launcher
         .lock()
         .expect("launcher lock")
-        .send(SpawnRequest { command, die_with_owner, reply })
+        .send(SpawnRequest { command, die_with_owner, netns, reply })
         .map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?;
     outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
 }
 
-fn spawn_here(mut command: Command, die_with_owner: bool) -> std::io::Result<Child> {
+fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>) -> std::io::Result<Child> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let owner = std::process::id() as libc::pid_t;
+    let netns_fd = netns.as_ref().map(|file| file.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (setsid, prctl, getppid, _exit); it touches
-    // no locks and allocates nothing.
+    // async-signal-safe functions (setns, setsid, prctl, getppid, _exit); it
+    // touches no locks and allocates nothing. `netns` outlives the spawn.
     unsafe {
         command.pre_exec(move || {
+            if let Some(fd) = netns_fd {
+                if libc::setns(fd, libc::CLONE_NEWNET) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -262,6 +288,7 @@ mod tests {
             memory: Memory::Anonymous,
             incoming: false,
             stay_paused: false,
+            tap: false,
         }
     }
 
@@ -299,6 +326,8 @@ mod tests {
             "-no-reboot",
             "-sandbox on",
             "path=/var/lib/clade/vms/abc/agent.sock",
+            "hubport,id=net0",
+            "virtio-net-device,netdev=net0,mac=02:c1:ad:00:00:02",
         ] {
             assert!(joined.contains(needle), "missing {needle:?} in {joined}");
         }

@@ -40,6 +40,7 @@ use crate::accel::{self, Accel, HostVirt};
 use crate::agent::{AgentClient, AgentError, ExecOutput};
 use crate::config::HostConfig;
 use crate::image::{GuestImage, ImageError, ImageStore};
+use crate::net::{EgressPolicy, NetError, NetPool, Traffic};
 use crate::qmp::{Qmp, QmpError};
 
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +57,8 @@ pub enum VmError {
     },
     #[error("QEMU control failed")]
     Qmp(#[from] QmpError),
+    #[error(transparent)]
+    Net(#[from] NetError),
     #[error("{0}")]
     Failed(VmFailure),
     #[error(transparent)]
@@ -128,6 +131,9 @@ pub struct VmSpec {
     /// Recorded with the VM (and inherited by VMs made from its snapshots):
     /// lets a manager recognise its own VMs, e.g. after it died mid-create.
     pub tag: Option<String>,
+    /// A network with this egress policy (when the runtime has a
+    /// [`NetPool`]); none: the VM has no network at all.
+    pub network: Option<EgressPolicy>,
 }
 
 impl VmSpec {
@@ -140,6 +146,7 @@ impl VmSpec {
             boot_timeout: None,
             watchdog: Some(Watchdog::default()),
             tag: None,
+            network: None,
         }
     }
 }
@@ -173,6 +180,7 @@ pub struct VmRuntime {
     images: ImageStore,
     admission: Admission,
     standby: standby::SharedPool,
+    network: Option<NetPool>,
 }
 
 impl VmRuntime {
@@ -204,6 +212,7 @@ impl VmRuntime {
             images,
             admission: Admission::default(),
             standby: Default::default(),
+            network: None,
             config,
         };
         runtime.collect_snapshot_layers();
@@ -225,6 +234,52 @@ impl VmRuntime {
     pub fn with_standby(mut self, count: usize) -> Self {
         self.standby = Arc::new(standby::StandbyPool::new(count));
         self
+    }
+
+    /// Gives VMs that ask for one a network from `pool`.
+    pub fn with_network(mut self, pool: NetPool) -> Self {
+        self.network = Some(pool);
+        self
+    }
+
+    pub fn network(&self) -> Option<&NetPool> {
+        self.network.as_ref()
+    }
+
+    /// Leases a network slot for the VM in `dir` when it asks for one and
+    /// the runtime has networking: the namespace QEMU must start in.
+    async fn attach_network(&self, dir: &Path, policy: Option<&EgressPolicy>) -> Result<Option<PathBuf>, VmError> {
+        match (&self.network, policy) {
+            (Some(pool), Some(policy)) => Ok(Some(pool.lease(dir, policy).await?.netns_path())),
+            (None, Some(_)) => {
+                tracing::debug!(dir = %dir.display(), "no network: this runtime has none");
+                Ok(None)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Replaces a running VM's egress policy; the next new connection follows it.
+    pub async fn set_network(&self, vm: &Vm, policy: &EgressPolicy) -> Result<(), VmError> {
+        let pool = self.network.as_ref().ok_or_else(|| VmError::Config("networking is not enabled on this host".into()))?;
+        if vm.inner.record.lock().expect("record lock").network.is_none() {
+            return Err(VmError::Config(format!("VM {} has no network", vm.id())));
+        }
+        pool.set_policy(&vm.inner.dir, policy).await?;
+        let record = {
+            let mut record = vm.inner.record.lock().expect("record lock");
+            record.network = Some(policy.clone());
+            record.clone()
+        };
+        record.save(&vm.inner.dir).map_err(io_err("writing the VM record"))
+    }
+
+    /// A VM's traffic counters, if it has a network.
+    pub async fn traffic(&self, vm: &Vm) -> Result<Option<Traffic>, VmError> {
+        match &self.network {
+            Some(pool) if pool.slot_of(&vm.inner.dir).is_ok() => Ok(Some(pool.traffic(&vm.inner.dir).await?)),
+            _ => Ok(None),
+        }
     }
 
     pub fn images(&self) -> &ImageStore {
@@ -293,6 +348,7 @@ impl VmRuntime {
             template: template.map(|t| t.key.clone()),
             backing_snapshot: None,
             tag: spec.tag.clone(),
+            network: spec.network.clone(),
         };
         if let Err(e) = record.save(&dir) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -315,6 +371,7 @@ impl VmRuntime {
             memory,
             incoming,
             stay_paused: false,
+            tap: false,
         }
     }
 
@@ -323,8 +380,10 @@ impl VmRuntime {
         let (id, dir, mut record) = self.new_vm(&spec, None)?;
         let booted = async {
             create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2")).await?;
-            let launch = self.launch_spec(&id, &dir, &spec, Memory::Anonymous, false);
-            let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+            let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
+            let mut launch = self.launch_spec(&id, &dir, &spec, Memory::Anonymous, false);
+            launch.tap = netns.is_some();
+            let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let timeout = spec.boot_timeout.unwrap_or_else(|| self.boot_timeout());
@@ -361,14 +420,24 @@ impl VmRuntime {
                 Some(exit_rx) => {
                     record.phase = Phase::Creating;
                     record.tag = spec.tag.clone();
+                    // A standby VMM's slot is isolated until now.
+                    match (&self.network, &spec.network, &record.network) {
+                        (Some(pool), Some(policy), Some(_)) => pool.set_policy(&dir, policy).await?,
+                        _ => {}
+                    }
+                    if record.network.is_some() {
+                        record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
+                    }
                     exit_rx
                 }
                 None => {
                     let disk = dir.join("disk.qcow2");
                     std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
                     make_writable(&disk)?;
-                    let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
-                    let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+                    let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
+                    let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+                    launch.tap = netns.is_some();
+                    let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
                     exit_rx
                 }
@@ -412,6 +481,9 @@ impl VmRuntime {
         };
         let exit_rx = watch_foreign_process(vmm);
         let qmp = connect_qmp(&launch::qmp_socket(&dir), Duration::from_secs(5)).await?;
+        if let (Some(pool), Some(_)) = (&self.network, &record.network) {
+            pool.adopt(&dir).await?;
+        }
         // A manager that died inside a snapshot or fork left the vCPUs
         // stopped in a VM recorded as running: run it again.
         let status = qmp.execute("query-status", None).await?;
@@ -441,8 +513,17 @@ impl VmRuntime {
             .cached(&record.image)?
             .ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
         let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
-        let launch = self.launch_spec(id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
-        let (vmm, exit_rx) = spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral)?;
+        let netns = self.attach_network(&dir, record.network.as_ref()).await?;
+        let mut launch = self.launch_spec(id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+        launch.tap = netns.is_some();
+        let spawned = spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral, netns.as_deref());
+        let (vmm, exit_rx) = match spawned {
+            Ok(spawned) => spawned,
+            Err(e) => {
+                crate::net::release_for(&dir);
+                return Err(e);
+            }
+        };
         record.vmm = Some(vmm);
         record.owner = ProcessId::current();
         record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -458,6 +539,7 @@ impl VmRuntime {
             Err(e) => {
                 // Keep the hibernated state: the VM can be woken again.
                 vmm.kill();
+                crate::net::release_for(&dir);
                 record.vmm = None;
                 let _ = record.save(&dir);
                 return Err(e);
@@ -538,12 +620,13 @@ fn spawn_qemu(
     runtime: &VmRuntime,
     launch: &LaunchSpec,
     die_with_owner: bool,
+    netns: Option<&Path>,
 ) -> Result<(ProcessId, watch::Receiver<Option<String>>), VmError> {
     let dir = &launch.dir;
     let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
     let mut command = Command::new(&runtime.config.qemu_binary);
     command.args(qemu_args(launch)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
-    let mut child = launch::spawn(command, die_with_owner)
+    let mut child = launch::spawn(command, die_with_owner, netns)
         .map_err(io_err(format!("starting {}", runtime.config.qemu_binary.display())))?;
     let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
@@ -853,6 +936,8 @@ impl Vm {
         std::fs::rename(&tmp, self.inner.dir.join(HIBERNATED_STATE)).map_err(io_err("publishing the hibernated state"))?;
         self.set_phase(Phase::Hibernated, true)?;
         self.end_process().await;
+        // The slot goes back to the pool; a wake leases a new one.
+        crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         Ok(())
     }
@@ -876,6 +961,7 @@ impl Vm {
             }
         }
         self.end_process().await;
+        crate::net::release_for(&self.inner.dir);
         let removed = std::fs::remove_dir_all(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         match removed {
@@ -957,6 +1043,7 @@ async fn monitor(mut m: Monitor) {
     tracing::warn!(dir = %m.dir.display(), "{reason}");
     m.vmm.kill();
     let _ = tokio::time::timeout(Duration::from_secs(5), m.exited.wait_for(Option::is_some)).await;
+    crate::net::release_for(&m.dir);
     let _ = std::fs::remove_dir_all(&m.dir);
     m.failure.send_replace(Some(VmFailure { kind, reason, console_tail }));
 }

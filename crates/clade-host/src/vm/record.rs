@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::process::ProcessId;
 use crate::accel::Accel;
+use crate::net::EgressPolicy;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -72,6 +73,9 @@ pub struct VmRecord {
     /// The creator's label (see `VmSpec::tag`).
     #[serde(default)]
     pub tag: Option<String>,
+    /// Its egress policy when it has a network (see `crate::net`).
+    #[serde(default)]
+    pub network: Option<EgressPolicy>,
 }
 
 const RECORD: &str = "vm.json";
@@ -132,6 +136,7 @@ pub fn stop_leftover(dir: &Path) {
         None => processes_mentioning(dir),
     };
     kill_and_wait(vmms);
+    crate::net::release_for(dir);
     if let Ok(memory) = std::fs::read_link(dir.join(MEMORY_LINK)) {
         let _ = std::fs::remove_file(memory);
     }

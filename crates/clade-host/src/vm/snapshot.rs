@@ -30,6 +30,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::net::EgressPolicy;
+
 use super::launch::{self, Disk, Memory};
 use super::record::{self, Lifetime, Phase};
 use super::template::Template;
@@ -65,6 +67,9 @@ pub struct SnapshotRecord {
     /// The source VM's tag, given to the VMs made from it.
     #[serde(default)]
     pub tag: Option<String>,
+    /// The source VM's egress policy, the default of the VMs made from it.
+    #[serde(default)]
+    pub network: Option<EgressPolicy>,
 }
 
 impl SnapshotRecord {
@@ -124,6 +129,18 @@ impl VmRuntime {
     /// Makes a VM from a snapshot: its processes resume where the snapshot
     /// was taken; it gets fresh entropy, the time and its own identity.
     pub async fn create_from_snapshot(&self, snapshot_id: &str, lifetime: Lifetime, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
+        self.create_from_snapshot_with_network(snapshot_id, lifetime, watchdog, None).await
+    }
+
+    /// [`Self::create_from_snapshot`] with its own egress policy instead of
+    /// the snapshot's source VM's (`None`: the source's).
+    pub async fn create_from_snapshot_with_network(
+        &self,
+        snapshot_id: &str,
+        lifetime: Lifetime,
+        watchdog: Option<Watchdog>,
+        network: Option<EgressPolicy>,
+    ) -> Result<Vm, VmError> {
         let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
         let image = self
             .images
@@ -135,6 +152,7 @@ impl VmRuntime {
             lifetime,
             watchdog,
             tag: snap.tag.clone(),
+            network: network.or_else(|| snap.network.clone()),
             ..VmSpec::new(image)
         };
         let template = Template { dir: self.templates_dir.join(&snap.template), key: snap.template.clone() };
@@ -142,10 +160,12 @@ impl VmRuntime {
         record.backing_snapshot = Some(snapshot_id.to_string());
         let created = async {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
             super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &dir.join("disk.qcow2")).await?;
             let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
-            let launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
-            let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral)?;
+            let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
+            launch.tap = netns.is_some();
+            let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let state = snap_dir.join("state");
@@ -210,14 +230,14 @@ impl Vm {
     /// vCPUs stop only for the switchover: the last dirty pages, the device
     /// state and a copy of its disk layer.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
-        let (template, image, memory_mb, vcpus, vm_id, backing, tag) = {
+        let (template, image, memory_mb, vcpus, vm_id, backing, tag, network) = {
             let record = self.inner.record.lock().expect("record lock");
             let template = record
                 .template
                 .clone()
                 .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?;
             let r = &record;
-            (template, r.image.clone(), r.memory_mb, r.vcpus, r.id.clone(), r.backing_snapshot.clone(), r.tag.clone())
+            (template, r.image.clone(), r.memory_mb, r.vcpus, r.id.clone(), r.backing_snapshot.clone(), r.tag.clone(), r.network.clone())
         };
         let image = runtime
             .images
@@ -256,6 +276,7 @@ impl Vm {
                 source_paused_ms: paused.as_millis() as u64,
                 own_memory: true,
                 tag,
+                network,
             }
             .save(&dir)
             .map_err(io_err("writing the snapshot record")),
@@ -291,7 +312,7 @@ impl Vm {
             let disk_bytes = std::fs::metadata(&spec.image.rootfs).map_err(io_err("reading the image size"))?.len();
             launch.disk = Disk::Null { bytes: disk_bytes };
             launch.stay_paused = true;
-            let (vmm, exited) = spawn_qemu(runtime, &launch, true)?;
+            let (vmm, exited) = spawn_qemu(runtime, &launch, true, None)?;
             holder.vmm = Some(vmm);
             holder.phase = Phase::Holder;
             holder.save(&holder_dir).map_err(io_err("writing the holder's record"))?;

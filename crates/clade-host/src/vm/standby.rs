@@ -133,8 +133,14 @@ impl VmRuntime {
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
-            let launch = self.launch_spec(&id, &dir, spec, Memory::FromTemplate(template.ram()), true);
-            let (vmm, exited) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral)?;
+            // With networking, a standby holds an isolated slot: the create
+            // that takes it puts its own policy in force before the guest runs.
+            let isolated = self.network.as_ref().map(|_| crate::net::EgressPolicy::isolated());
+            let netns = self.attach_network(&dir, isolated.as_ref()).await?;
+            record.network = isolated;
+            let mut launch = self.launch_spec(&id, &dir, spec, Memory::FromTemplate(template.ram()), true);
+            launch.tap = netns.is_some();
+            let (vmm, exited) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.phase = Phase::Standby;
             record.save(&dir).map_err(io_err("writing the VM record"))?;

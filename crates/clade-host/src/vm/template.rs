@@ -51,7 +51,7 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for part in [
-        "template/1",
+        "template/2",
         &image.id,
         &memory_mb.to_string(),
         &vcpus.to_string(),
@@ -124,8 +124,9 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         memory: Memory::TemplateFile(dir.join("ram")),
         incoming: false,
         stay_paused: false,
+        tap: false,
     };
-    let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true)?;
+    let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true, None)?;
     let outcome = async {
         let (qmp, agent) = wait_for_agent(dir, &exit_rx, runtime.boot_timeout()).await?;
         // Warm the page cache every VM will inherit, then quiesce: disk data
