@@ -12,6 +12,7 @@ pub mod accel;
 pub mod agent;
 pub mod config;
 pub mod image;
+pub mod net;
 pub mod qmp;
 pub mod testing;
 pub mod vm;
