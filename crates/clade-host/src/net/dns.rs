@@ -625,3 +625,709 @@ fn error_reply(request: &Message, rcode: ResponseCode) -> Option<Vec<u8>> {
     }
     reply.to_vec().ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+    use hickory_proto::rr::Record;
+
+    const GUEST: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
+    const STRANGER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+    /// Short, so the timeout tests stay quick.
+    const TEST_UPSTREAM_TIMEOUT: Duration = Duration::from_millis(300);
+    /// Long enough for any answer on loopback; the wait when none is expected.
+    const REPLY_WAIT: Duration = Duration::from_secs(3);
+    const SILENCE_WAIT: Duration = Duration::from_millis(300);
+
+    #[derive(Default)]
+    struct TestPolicy {
+        sources: Mutex<HashMap<Ipv4Addr, Option<DomainList>>>,
+        pins: Mutex<Vec<(Ipv4Addr, Vec<(Ipv4Addr, Duration)>)>>,
+        fail_pins: AtomicBool,
+    }
+
+    impl TestPolicy {
+        fn with(source: Ipv4Addr, patterns: Option<&[&str]>) -> Arc<Self> {
+            let policy = Self::default();
+            let list = patterns.map(|p| DomainList::new(p).expect("valid patterns"));
+            policy.sources.lock().unwrap().insert(source, list);
+            Arc::new(policy)
+        }
+
+        fn pins(&self) -> Vec<(Ipv4Addr, Vec<(Ipv4Addr, Duration)>)> {
+            self.pins.lock().unwrap().clone()
+        }
+    }
+
+    impl DnsPolicy for TestPolicy {
+        fn lookup(&self, source: Ipv4Addr) -> Option<Option<DomainList>> {
+            self.sources.lock().unwrap().get(&source).cloned()
+        }
+
+        fn pin(&self, source: Ipv4Addr, addresses: &[(Ipv4Addr, Duration)]) -> Result<(), String> {
+            if self.fail_pins.load(Ordering::SeqCst) {
+                return Err("nft: set is full".to_owned());
+            }
+            self.pins.lock().unwrap().push((source, addresses.to_vec()));
+            Ok(())
+        }
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Behaviour {
+        Answer,
+        Silent,
+        /// Before the real answer: one with the wrong id, one for another name.
+        SpoofFirst,
+        /// Adds an `A` record for a name outside the question's chain.
+        AddStray,
+    }
+
+    /// A fake upstream DNS server answering from a table of records.
+    struct FakeUpstream {
+        addr: SocketAddr,
+        queries: Arc<Mutex<Vec<Message>>>,
+        task: JoinHandle<()>,
+    }
+
+    impl Drop for FakeUpstream {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    impl FakeUpstream {
+        async fn start(behaviour: Behaviour, table: Vec<Record>) -> Self {
+            let socket = UdpSocket::bind((GUEST, 0)).await.unwrap();
+            let addr = socket.local_addr().unwrap();
+            let queries = Arc::new(Mutex::new(Vec::new()));
+            let seen = queries.clone();
+            let task = tokio::spawn(async move {
+                let mut buf = vec![0u8; MAX_DATAGRAM];
+                loop {
+                    let Ok((len, peer)) = socket.recv_from(&mut buf).await else {
+                        continue;
+                    };
+                    let query = Message::from_vec(&buf[..len]).unwrap();
+                    seen.lock().unwrap().push(query.clone());
+                    if behaviour == Behaviour::Silent {
+                        continue;
+                    }
+                    let mut reply = lookup_table(&table, &query);
+                    if behaviour == Behaviour::SpoofFirst {
+                        let mut spoof = reply.clone();
+                        spoof.metadata.id ^= 1;
+                        spoof.answers = vec![a_record("spoofed.test.", [127, 6, 6, 6], 60)];
+                        socket
+                            .send_to(&spoof.to_vec().unwrap(), peer)
+                            .await
+                            .unwrap();
+                        let mut other = lookup_table(&table, &query);
+                        other.queries = vec![Query::query(name("other.test."), RecordType::A)];
+                        other.answers = vec![a_record("other.test.", [127, 6, 6, 7], 60)];
+                        socket
+                            .send_to(&other.to_vec().unwrap(), peer)
+                            .await
+                            .unwrap();
+                    }
+                    if behaviour == Behaviour::AddStray {
+                        reply
+                            .answers
+                            .push(a_record("stray.test.", [127, 6, 6, 8], 60));
+                        reply
+                            .additionals
+                            .push(a_record("glue.test.", [127, 6, 6, 9], 60));
+                    }
+                    socket
+                        .send_to(&reply.to_vec().unwrap(), peer)
+                        .await
+                        .unwrap();
+                }
+            });
+            Self {
+                addr,
+                queries,
+                task,
+            }
+        }
+
+        fn queries(&self) -> Vec<Message> {
+            self.queries.lock().unwrap().clone()
+        }
+    }
+
+    /// Answers `query` from `table`, following `CNAME`s like a recursor.
+    fn lookup_table(table: &[Record], query: &Message) -> Message {
+        let question = &query.queries[0];
+        let mut reply = Message::response(query.metadata.id, OpCode::Query);
+        reply.metadata.recursion_available = true;
+        reply.queries = query.queries.clone();
+        let mut current = question.name().clone();
+        for _ in 0..8 {
+            let cname = table
+                .iter()
+                .find(|r| same_name(&r.name, &current) && r.record_type() == RecordType::CNAME);
+            if let Some(cname) = cname {
+                reply.answers.push(cname.clone());
+                if let RData::CNAME(target) = &cname.data {
+                    current = target.0.clone();
+                }
+                continue;
+            }
+            reply.answers.extend(
+                table
+                    .iter()
+                    .filter(|r| {
+                        same_name(&r.name, &current) && r.record_type() == question.query_type()
+                    })
+                    .cloned(),
+            );
+            break;
+        }
+        if !table.iter().any(|r| same_name(&r.name, &current)) {
+            reply.metadata.response_code = ResponseCode::NXDomain;
+        }
+        reply
+    }
+
+    fn name(name: &str) -> Name {
+        Name::from_ascii(name).unwrap()
+    }
+
+    fn a_record(owner: &str, ip: [u8; 4], ttl: u32) -> Record {
+        Record::from_rdata(name(owner), ttl, RData::A(A(Ipv4Addr::from(ip))))
+    }
+
+    fn aaaa_record(owner: &str, ttl: u32) -> Record {
+        Record::from_rdata(name(owner), ttl, RData::AAAA(AAAA(Ipv6Addr::LOCALHOST)))
+    }
+
+    fn cname_record(owner: &str, target: &str, ttl: u32) -> Record {
+        Record::from_rdata(name(owner), ttl, RData::CNAME(CNAME(name(target))))
+    }
+
+    fn table() -> Vec<Record> {
+        vec![
+            a_record("example.com.", [127, 1, 0, 1], 300),
+            a_record("api.example.com.", [127, 1, 0, 2], 5),
+            a_record("deep.api.example.com.", [127, 1, 0, 3], 86_400),
+            a_record("other.org.", [127, 1, 0, 4], 300),
+            aaaa_record("example.com.", 300),
+            cname_record("www.example.com.", "edge.cdn.test.", 60),
+            cname_record("edge.cdn.test.", "pop.cdn.test.", 60),
+            a_record("pop.cdn.test.", [127, 1, 0, 5], 120),
+        ]
+    }
+
+    async fn start_resolver(upstream: &FakeUpstream, policy: Arc<TestPolicy>) -> Resolver {
+        let upstream = Upstream {
+            addr: upstream.addr,
+            timeout: TEST_UPSTREAM_TIMEOUT,
+            attempts: UPSTREAM_ATTEMPTS,
+        };
+        Resolver::start_with((GUEST, 0).into(), upstream, policy)
+            .await
+            .unwrap()
+    }
+
+    /// A guest: a socket on its own source address.
+    async fn guest(source: Ipv4Addr) -> UdpSocket {
+        UdpSocket::bind((source, 0)).await.unwrap()
+    }
+
+    fn query(id: u16, qname: &str, rtype: RecordType) -> Vec<u8> {
+        let mut message = Message::new(id, MessageType::Query, OpCode::Query);
+        message.metadata.recursion_desired = true;
+        message.add_query(Query::query(name(qname), rtype));
+        message.to_vec().unwrap()
+    }
+
+    async fn receive(socket: &UdpSocket, wait: Duration) -> Option<Message> {
+        let mut buf = vec![0u8; MAX_DATAGRAM];
+        let (len, _) = tokio::time::timeout(wait, socket.recv_from(&mut buf))
+            .await
+            .ok()?
+            .unwrap();
+        Some(Message::from_vec(&buf[..len]).unwrap())
+    }
+
+    async fn ask(
+        socket: &UdpSocket,
+        resolver: &Resolver,
+        qname: &str,
+        rtype: RecordType,
+    ) -> Message {
+        let id = rand::random();
+        socket
+            .send_to(&query(id, qname, rtype), resolver.local_addr())
+            .await
+            .unwrap();
+        let reply = receive(socket, REPLY_WAIT).await.expect("an answer");
+        assert_eq!(reply.metadata.id, id, "the guest's id comes back");
+        assert_eq!(reply.metadata.message_type, MessageType::Response);
+        reply
+    }
+
+    fn addresses(reply: &Message) -> Vec<Ipv4Addr> {
+        reply
+            .answers
+            .iter()
+            .filter_map(|r| match &r.data {
+                RData::A(a) => Some(a.0),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn domain_list_rejects_bad_patterns() {
+        for bad in [
+            "",
+            ".",
+            "*",
+            "*.",
+            "a..b",
+            ".example.com",
+            "example.com..",
+            "*.*.x",
+            "a.*.x",
+            "foo*.x",
+            "exa mple.com",
+            " example.com",
+            "bad-.com",
+            "ex\u{e4}mple.com",
+        ] {
+            let err = DomainList::new([bad]).expect_err(bad);
+            assert!(
+                matches!(&err, DnsError::InvalidPattern(p, _) if p == bad),
+                "{bad:?}: {err}"
+            );
+            assert!(err.to_string().contains("invalid domain pattern"), "{err}");
+        }
+        let long_label = format!("{}.com", "a".repeat(64));
+        assert!(DomainList::new([long_label]).is_err());
+        // One bad pattern spoils the list.
+        assert!(DomainList::new(["example.com", "a..b"]).is_err());
+    }
+
+    #[test]
+    fn domain_list_exact_and_wildcard_semantics() {
+        let list = DomainList::new([
+            "Example.COM.",
+            "*.svc.test",
+            "xn--bcher-kva.de",
+            "_dmarc.x.org",
+        ])
+        .unwrap();
+        assert_eq!(
+            list.patterns(),
+            [
+                "example.com",
+                "*.svc.test",
+                "xn--bcher-kva.de",
+                "_dmarc.x.org"
+            ]
+        );
+        assert!(list.allows("example.com"));
+        assert!(list.allows("EXAMPLE.com."));
+        assert!(
+            !list.allows("www.example.com"),
+            "exact patterns allow no subdomains"
+        );
+        assert!(!list.allows("example.co"));
+        assert!(!list.allows("badexample.com"));
+        assert!(list.allows("a.svc.test"));
+        assert!(list.allows("A.B.Svc.Test."));
+        assert!(!list.allows("svc.test"), "wildcards do not allow the apex");
+        assert!(!list.allows("svc.test."));
+        assert!(!list.allows("xsvc.test"));
+        assert!(list.allows("xn--bcher-kva.de"));
+        assert!(list.allows("_dmarc.x.org"));
+        assert!(!list.allows(""));
+        assert!(!list.allows("."));
+        assert!(DomainList::new(Vec::<String>::new())
+            .unwrap()
+            .patterns()
+            .is_empty());
+        assert!(!DomainList::new(Vec::<String>::new())
+            .unwrap()
+            .allows("example.com"));
+    }
+
+    #[tokio::test]
+    async fn allowed_name_resolves_and_pins_with_clamped_lifetime() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com", "*.example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+        let socket = guest(GUEST).await;
+
+        let reply = ask(&socket, &resolver, "example.com.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 1)]);
+        assert_eq!(reply.answers[0].ttl, 300);
+
+        // A TTL under 30 s pins for 30 s; one over an hour pins for an hour,
+        // and the guest is told an hour too.
+        let reply = ask(&socket, &resolver, "api.example.com.", RecordType::A).await;
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 2)]);
+        let reply = ask(&socket, &resolver, "deep.api.example.com.", RecordType::A).await;
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 3)]);
+        assert_eq!(reply.answers[0].ttl, 3600);
+
+        assert_eq!(
+            policy.pins(),
+            [
+                (
+                    GUEST,
+                    vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))]
+                ),
+                (
+                    GUEST,
+                    vec![(Ipv4Addr::new(127, 1, 0, 2), Duration::from_secs(30))]
+                ),
+                (
+                    GUEST,
+                    vec![(Ipv4Addr::new(127, 1, 0, 3), Duration::from_secs(3600))]
+                ),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn upstream_sees_a_fresh_id_and_one_question() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy).await;
+        let socket = guest(GUEST).await;
+        let mut guest_ids = Vec::new();
+        for _ in 0..4 {
+            guest_ids.push(
+                ask(&socket, &resolver, "example.com.", RecordType::A)
+                    .await
+                    .metadata
+                    .id,
+            );
+        }
+        let upstream_ids: Vec<u16> = upstream.queries().iter().map(|q| q.metadata.id).collect();
+        assert_eq!(upstream_ids.len(), 4);
+        // Each pair is equal by chance with probability 1/65536; all four never.
+        assert_ne!(guest_ids, upstream_ids);
+        for forwarded in upstream.queries() {
+            assert_eq!(forwarded.queries.len(), 1);
+            assert!(same_name(
+                forwarded.queries[0].name(),
+                &name("example.com.")
+            ));
+        }
+    }
+
+    #[tokio::test]
+    async fn denied_name_is_nxdomain_and_never_forwarded() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+        let socket = guest(GUEST).await;
+
+        for denied in ["other.org.", "api.example.com.", "com."] {
+            for rtype in [RecordType::A, RecordType::AAAA, RecordType::TXT] {
+                let reply = ask(&socket, &resolver, denied, rtype).await;
+                assert_eq!(
+                    reply.metadata.response_code,
+                    ResponseCode::NXDomain,
+                    "{denied}"
+                );
+                assert!(reply.answers.is_empty());
+                assert_eq!(reply.queries.len(), 1, "the question is echoed");
+            }
+        }
+        assert!(upstream.queries().is_empty(), "nothing was forwarded");
+        assert!(policy.pins().is_empty(), "nothing was pinned");
+    }
+
+    #[tokio::test]
+    async fn wildcard_allows_subdomains_not_apex_on_the_wire() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["*.example.com."]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+        let socket = guest(GUEST).await;
+
+        let reply = ask(&socket, &resolver, "API.Example.COM.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 2)]);
+        let reply = ask(&socket, &resolver, "deep.api.example.com.", RecordType::A).await;
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 3)]);
+
+        let reply = ask(&socket, &resolver, "example.com.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain);
+        assert_eq!(upstream.queries().len(), 2, "the apex was not forwarded");
+        assert_eq!(policy.pins().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn unknown_source_is_refused() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let stranger = guest(STRANGER).await;
+        let reply = ask(&stranger, &resolver, "example.com.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
+        assert!(reply.answers.is_empty());
+        assert!(upstream.queries().is_empty());
+
+        // The known guest on the same resolver is served.
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::A,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+    }
+
+    #[tokio::test]
+    async fn source_without_list_resolves_anything_without_pins() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+        let socket = guest(GUEST).await;
+
+        let reply = ask(&socket, &resolver, "other.org.", RecordType::A).await;
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 4)]);
+        let reply = ask(&socket, &resolver, "example.com.", RecordType::AAAA).await;
+        assert_eq!(reply.answers.len(), 1, "AAAA passes through without a list");
+        let reply = ask(&socket, &resolver, "missing.test.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain);
+        assert_eq!(upstream.queries().len(), 3);
+        assert!(policy.pins().is_empty());
+    }
+
+    #[tokio::test]
+    async fn aaaa_with_list_is_empty_noerror_and_not_forwarded() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::AAAA,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert!(reply.answers.is_empty());
+        assert!(upstream.queries().is_empty());
+        assert!(policy.pins().is_empty());
+    }
+
+    #[tokio::test]
+    async fn pin_failure_is_servfail() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
+        policy.fail_pins.store(true, Ordering::SeqCst);
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::A,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+        assert!(
+            reply.answers.is_empty(),
+            "no unpinned address reaches the guest"
+        );
+        assert_eq!(upstream.queries().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn upstream_timeout_is_servfail_after_one_retry() {
+        let upstream = FakeUpstream::start(Behaviour::Silent, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let started = Instant::now();
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::A,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+        assert!(started.elapsed() >= TEST_UPSTREAM_TIMEOUT * UPSTREAM_ATTEMPTS);
+        let queries = upstream.queries();
+        assert_eq!(queries.len(), 2, "one retry");
+        assert_ne!(
+            queries[0].metadata.id, queries[1].metadata.id,
+            "the retry has a fresh id"
+        );
+        assert!(policy.pins().is_empty());
+    }
+
+    #[tokio::test]
+    async fn spoofed_replies_are_ignored() {
+        let upstream = FakeUpstream::start(Behaviour::SpoofFirst, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::A,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 1)]);
+        assert_eq!(
+            policy.pins(),
+            [(
+                GUEST,
+                vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))]
+            )]
+        );
+        assert_eq!(upstream.queries().len(), 1, "answered without a retry");
+    }
+
+    #[tokio::test]
+    async fn malformed_packets_are_dropped_and_resolver_keeps_answering() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+        let socket = guest(GUEST).await;
+
+        // A header promising five questions it does not carry.
+        let mut truncated = vec![0x12, 0x34, 0x01, 0x00, 0x00, 0x05, 0, 0, 0, 0, 0, 0];
+        truncated.extend_from_slice(&[7, b'e', b'x']);
+        // A response sent to the resolver: never answered, never forwarded.
+        let mut response = Message::from_vec(&query(7, "example.com.", RecordType::A)).unwrap();
+        response.metadata.message_type = MessageType::Response;
+        let garbage: [&[u8]; 4] = [&[], &[0xde, 0xad], &truncated, &response.to_vec().unwrap()];
+        for packet in garbage {
+            socket.send_to(packet, resolver.local_addr()).await.unwrap();
+        }
+        let big = vec![0xffu8; 9000];
+        socket.send_to(&big, resolver.local_addr()).await.unwrap();
+        assert!(
+            receive(&socket, SILENCE_WAIT).await.is_none(),
+            "malformed packets get no answer"
+        );
+
+        let reply = ask(&socket, &resolver, "example.com.", RecordType::A).await;
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 1)]);
+        assert_eq!(upstream.queries().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn cname_chain_pins_the_final_address_only() {
+        let upstream = FakeUpstream::start(Behaviour::AddStray, table()).await;
+        let policy = TestPolicy::with(GUEST, Some(&["www.example.com"]));
+        let resolver = start_resolver(&upstream, policy.clone()).await;
+
+        let reply = ask(
+            &guest(GUEST).await,
+            &resolver,
+            "WWW.example.com.",
+            RecordType::A,
+        )
+        .await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        // The chain's CNAMEs stay, the stray A record and the glue are gone.
+        let kinds: Vec<RecordType> = reply.answers.iter().map(|r| r.record_type()).collect();
+        assert_eq!(kinds, [RecordType::CNAME, RecordType::CNAME, RecordType::A]);
+        assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 5)]);
+        assert!(reply.additionals.is_empty());
+        assert_eq!(
+            policy.pins(),
+            [(
+                GUEST,
+                vec![(Ipv4Addr::new(127, 1, 0, 5), Duration::from_secs(120))]
+            )]
+        );
+    }
+
+    #[tokio::test]
+    async fn too_many_in_flight_are_refused() {
+        let upstream = FakeUpstream::start(Behaviour::Silent, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy).await;
+        let socket = guest(GUEST).await;
+
+        let over = u16::try_from(MAX_IN_FLIGHT_PER_SOURCE).unwrap();
+        for id in 0..=over {
+            socket
+                .send_to(
+                    &query(id, "example.com.", RecordType::A),
+                    resolver.local_addr(),
+                )
+                .await
+                .unwrap();
+        }
+        // Only the one over the limit is answered before the upstream times out.
+        let reply = receive(&socket, TEST_UPSTREAM_TIMEOUT)
+            .await
+            .expect("a REFUSED");
+        assert_eq!(reply.metadata.id, over);
+        assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
+        // The slots come back: all others end in SERVFAIL, then a new query is served.
+        let mut servfails = 0;
+        while let Some(reply) = receive(&socket, REPLY_WAIT).await {
+            assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+            servfails += 1;
+            if servfails == MAX_IN_FLIGHT_PER_SOURCE {
+                break;
+            }
+        }
+        assert_eq!(servfails, MAX_IN_FLIGHT_PER_SOURCE);
+        let reply = ask(&socket, &resolver, "example.com.", RecordType::A).await;
+        assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+    }
+
+    #[tokio::test]
+    async fn drop_stops_the_resolver_and_closes_its_socket() {
+        let upstream = FakeUpstream::start(Behaviour::Answer, table()).await;
+        let policy = TestPolicy::with(GUEST, None);
+        let resolver = start_resolver(&upstream, policy).await;
+        let addr = resolver.local_addr();
+        ask(
+            &guest(GUEST).await,
+            &resolver,
+            "example.com.",
+            RecordType::A,
+        )
+        .await;
+        drop(resolver);
+
+        // The port is free again once the aborted tasks are gone.
+        let deadline = Instant::now() + REPLY_WAIT;
+        let rebound = loop {
+            match UdpSocket::bind(addr).await {
+                Ok(socket) => break socket,
+                Err(err) if Instant::now() < deadline => {
+                    let _ = err;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(err) => panic!("{addr} still bound after drop: {err}"),
+            }
+        };
+        drop(rebound);
+    }
+
+    #[tokio::test]
+    async fn start_reports_a_taken_port() {
+        let taken = UdpSocket::bind((GUEST, 0)).await.unwrap();
+        let addr = taken.local_addr().unwrap();
+        let policy: Arc<dyn DnsPolicy> = TestPolicy::with(GUEST, None);
+        let err = Resolver::start(addr, addr, policy).await.unwrap_err();
+        assert!(matches!(err, DnsError::Bind { .. }), "{err}");
+    }
+}
