@@ -305,7 +305,7 @@ struct Server {
 enum Admission {
     Drop,
     Reply(Vec<u8>),
-    Resolve(Job),
+    Resolve(Box<Job>),
 }
 
 /// An admitted query: one question, from a known IPv4 source.
@@ -416,16 +416,16 @@ impl Server {
             tracing::debug!(%source, "refusing DNS query: too many in flight");
             return refuse(ResponseCode::Refused);
         };
-        Admission::Resolve(Job {
+        Admission::Resolve(Box::new(Job {
             request,
             peer,
             source,
             domains,
             _slot: slot,
-        })
+        }))
     }
 
-    async fn resolve(self: Arc<Self>, job: Job) {
+    async fn resolve(self: Arc<Self>, job: Box<Job>) {
         if let Some(reply) = self.answer(&job).await {
             self.send(&reply, job.peer).await;
         }
@@ -443,7 +443,10 @@ impl Server {
         let Some(domains) = &job.domains else {
             return match self.forward(request, question).await {
                 Some((mut raw, _)) => {
-                    raw[..2].copy_from_slice(&request.metadata.id.to_be_bytes());
+                    // Passed through byte for byte, with the guest's id back.
+                    if let Some(id) = raw.get_mut(..2) {
+                        id.copy_from_slice(&request.metadata.id.to_be_bytes());
+                    }
                     Some(raw)
                 }
                 None => error_reply(request, ResponseCode::ServFail),
@@ -643,10 +646,13 @@ mod tests {
     const REPLY_WAIT: Duration = Duration::from_secs(3);
     const SILENCE_WAIT: Duration = Duration::from_millis(300);
 
+    /// Every pin call: the source and the addresses with their lifetimes.
+    type PinLog = Vec<(Ipv4Addr, Vec<(Ipv4Addr, Duration)>)>;
+
     #[derive(Default)]
     struct TestPolicy {
         sources: Mutex<HashMap<Ipv4Addr, Option<DomainList>>>,
-        pins: Mutex<Vec<(Ipv4Addr, Vec<(Ipv4Addr, Duration)>)>>,
+        pins: Mutex<PinLog>,
         fail_pins: AtomicBool,
     }
 
@@ -658,7 +664,7 @@ mod tests {
             Arc::new(policy)
         }
 
-        fn pins(&self) -> Vec<(Ipv4Addr, Vec<(Ipv4Addr, Duration)>)> {
+        fn pins(&self) -> PinLog {
             self.pins.lock().unwrap().clone()
         }
     }
