@@ -31,8 +31,9 @@ pub struct TestInternet {
 }
 
 impl TestInternet {
-    /// Starts one; `names` are the DNS records (A, TTL 60 s) its resolver has.
-    pub fn start(names: &[(&str, Ipv4Addr)]) -> Result<Self, String> {
+    /// Starts one; `names` are the DNS records (A, TTL 60 s) its resolver
+    /// has, each naming one of its servers by index.
+    pub fn start(names: &[(&str, usize)]) -> Result<Self, String> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let k = (NEXT.fetch_add(1, Ordering::Relaxed) + std::process::id()) % 16;
         let base = 16 * k as u8;
@@ -53,7 +54,7 @@ impl TestInternet {
         run(&["ip", "-n", &netns, "link", "set", "eth0", "up"])?;
         run(&["ip", "-n", &netns, "route", "add", "default", "via", &gateway.to_string()])?;
         let stop = Arc::new(AtomicBool::new(false));
-        let records: Vec<(String, Ipv4Addr)> = names.iter().map(|(n, a)| (n.to_ascii_lowercase(), *a)).collect();
+        let records: Vec<(String, Ipv4Addr)> = names.iter().map(|(n, i)| (n.to_ascii_lowercase(), servers[*i])).collect();
         let dns = SocketAddr::from((servers[0], 53));
         let internet = Self { netns, veth, gateway, servers: servers.clone(), dns, stop: stop.clone() };
         for server in servers {
