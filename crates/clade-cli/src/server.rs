@@ -20,6 +20,17 @@ pub struct ServerArgs {
     /// refused with 503 and Retry-After. Env: CLADE_MAX_RUNNING.
     #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
+    /// Run sandboxes without any network (no namespaces, no nftables rules).
+    /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
+    #[arg(long, env = "CLADE_NO_NETWORK")]
+    no_network: bool,
+    /// The IPv4 range sandbox network slots are cut from (a /30 each). Env: CLADE_SANDBOX_RANGE.
+    #[arg(long, env = "CLADE_SANDBOX_RANGE", default_value = "10.201.0.0/16")]
+    sandbox_range: clade_host::net::Ipv4Cidr,
+    /// Where the sandbox DNS resolver forwards allowed queries (IP:PORT);
+    /// default: the first nameserver of /etc/resolv.conf. Env: CLADE_DNS_UPSTREAM.
+    #[arg(long, env = "CLADE_DNS_UPSTREAM")]
+    dns_upstream: Option<SocketAddr>,
 }
 
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
@@ -27,6 +38,17 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = args.database_url;
     config.sandboxes.max_running_per_host = args.max_running;
+    if args.no_network {
+        eprintln!("clade server: networking is off (--no-network): sandboxes have no network");
+    } else if !nix::unistd::geteuid().is_root() {
+        eprintln!("clade server: not running as root: sandboxes have no network");
+    } else {
+        config.network = Some(clade_host::net::NetConfig {
+            range: args.sandbox_range,
+            dns_upstream: args.dns_upstream,
+            ..clade_host::net::NetConfig::default()
+        });
+    }
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         eprintln!(

@@ -77,11 +77,21 @@ pub struct ServerConfig {
     pub database_url: Option<String>,
     pub limits: Limits,
     pub sandboxes: SandboxSettings,
+    /// Per-sandbox networking (namespaces, egress policy, DNS); none: VMs
+    /// have no network at all.
+    pub network: Option<clade_host::net::NetConfig>,
 }
 
 impl ServerConfig {
     pub fn new(listen: SocketAddr, host: HostConfig) -> Self {
-        Self { listen, host, database_url: None, limits: Limits::default(), sandboxes: SandboxSettings::default() }
+        Self {
+            listen,
+            host,
+            database_url: None,
+            limits: Limits::default(),
+            sandboxes: SandboxSettings::default(),
+            network: None,
+        }
     }
 
     pub fn database_url(&self) -> String {
@@ -103,6 +113,8 @@ pub enum ServerError {
     Bootstrap(#[from] auth::BootstrapError),
     #[error("starting the VM runtime")]
     Vm(#[from] clade_host::VmError),
+    #[error("starting sandbox networking (run without it with --no-network)")]
+    Network(#[from] clade_host::net::NetError),
     #[error("recovering sandboxes: {0}")]
     Recover(String),
     #[error("listening on {addr}")]
@@ -146,7 +158,11 @@ impl Server {
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
         let store = Store::open(&config.database_url()).await?;
         let admin_key = auth::first_start(&store, &data_dir).await?;
-        let runtime = VmRuntime::new(config.host.clone())?.with_standby(config.sandboxes.standby);
+        let mut runtime = VmRuntime::new(config.host.clone())?;
+        if let Some(network) = &config.network {
+            runtime = runtime.with_network(clade_host::net::NetPool::start(network.clone()).await?);
+        }
+        let runtime = runtime.with_standby(config.sandboxes.standby);
         let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
@@ -206,6 +222,9 @@ impl Server {
         }
         self.state.service.detach().await;
         self.state.service.runtime().drain_standby();
+        if let Some(pool) = self.state.service.runtime().network() {
+            pool.close().await;
+        }
         self.state.store.close().await;
     }
 

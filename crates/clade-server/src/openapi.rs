@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, sandboxes, snapshots, terminal, tokens};
+use crate::routes::{exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, network, sandboxes, snapshots, terminal, tokens};
 
 /// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).
 const API_KEY: &str = "api_key";
@@ -54,6 +54,8 @@ const API_KEY: &str = "api_key";
         lifecycle::start,
         lifecycle::get,
         lifecycle::patch,
+        network::get,
+        network::put,
         snapshots::create,
         snapshots::list,
         snapshots::get,
@@ -74,6 +76,7 @@ const API_KEY: &str = "api_key";
         (name = "logs", description = "The serial console"),
         (name = "files", description = "The sandbox's filesystem"),
         (name = "lifecycle", description = "Pause, resume, hibernate, wake; idle settings"),
+        (name = "network", description = "Egress policy (internet, CIDR and domain lists, connection cap) and traffic counters"),
         (name = "snapshots", description = "Snapshots and the workspace's registry"),
         (name = "forks", description = "Fork, fork-tree, promote"),
         (name = "terminal", description = "Interactive terminals over WebSocket"),

@@ -798,6 +798,11 @@ impl Vm {
         }
     }
 
+    /// Its egress policy, when it has a network.
+    pub fn network_policy(&self) -> Option<EgressPolicy> {
+        self.inner.record.lock().expect("record lock").network.clone()
+    }
+
     pub fn id(&self) -> String {
         self.inner.record.lock().expect("record lock").id.clone()
     }

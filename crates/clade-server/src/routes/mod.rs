@@ -10,6 +10,7 @@ pub(crate) mod lifecycle;
 pub(crate) mod logs;
 pub(crate) mod meta;
 pub(crate) mod metrics;
+pub(crate) mod network;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
 pub(crate) mod terminal;
@@ -49,7 +50,8 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/start", post(lifecycle::wake))
         .route("/sandboxes/{id}/ssh", get(terminal::terminal))
         .route("/sandboxes/{id}/exec/pty", get(terminal::terminal))
-        .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch));
+        .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch))
+        .route("/sandboxes/{id}/network", get(network::get).put(network::put));
     let router = Router::new()
         .route("/healthz", get(meta::healthz))
         .route("/version", get(meta::version))

@@ -88,6 +88,8 @@ pub struct CreateBody {
     persistent: Option<bool>,
     /// A snapshot id to create the sandbox from.
     from_snapshot: Option<String>,
+    /// The egress policy (default: the internet, nothing private); see `PUT /v1/sandboxes/{id}/network`.
+    network: Option<super::network::NetworkPolicy>,
     /// Not supported yet: only an empty list is accepted.
     #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
     volumes: Option<Vec<Value>>,
@@ -114,7 +116,8 @@ impl CreateBody {
             }
         }
         let from_snapshot = self.from_snapshot.filter(|s| !s.is_empty());
-        Ok(CreateParams { template, metadata, ttl_seconds, persistent: self.persistent.unwrap_or(false), from_snapshot })
+        let network = self.network.as_ref().map(super::network::NetworkPolicy::to_egress).transpose()?;
+        Ok(CreateParams { template, metadata, ttl_seconds, persistent: self.persistent.unwrap_or(false), from_snapshot, network })
     }
 }
 

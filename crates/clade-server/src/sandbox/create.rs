@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use clade_host::image::Progress;
 use clade_host::vm::BootKind;
+use clade_host::net::EgressPolicy;
 use clade_host::{Lifetime, VmSpec};
 use clade_store::{NewSandbox, SandboxRow, SandboxState, Workspace};
 
@@ -22,6 +23,8 @@ pub struct CreateParams {
     pub persistent: bool,
     /// Made from this snapshot (of the same workspace) instead of the template.
     pub from_snapshot: Option<String>,
+    /// Its egress policy; absent: the default (or, from a snapshot, the snapshot's).
+    pub network: Option<EgressPolicy>,
 }
 
 /// The template of a create that names none.
@@ -47,19 +50,23 @@ impl SandboxService {
                     .await?
                     .ok_or_else(|| super::snapshot::snapshot_not_found(snapshot_id))?;
                 params.template = snapshot.template.clone();
-                match self.runtime().create_from_snapshot(snapshot_id, Lifetime::Persistent, watchdog()).await {
+                let created = self
+                    .runtime()
+                    .create_from_snapshot_with_network(snapshot_id, Lifetime::Persistent, watchdog(), params.network.clone())
+                    .await;
+                match created {
                     Ok(vm) => vm,
                     Err(VmError::NotFound(_)) => return Err(super::snapshot::snapshot_not_found(snapshot_id)),
                     Err(e) => return Err(vm_error("creating the sandbox from the snapshot", e)),
                 }
             }
-            None => self.create_vm(&params.template).await?,
+            None => self.create_vm(&params.template, params.network.clone()).await?,
         };
         self.adopt_new(workspace, params, vm, started).await
     }
 
     /// A VM restored from the template of `template` (an image name).
-    async fn create_vm(&self, template: &str) -> Result<clade_host::Vm, ApiError> {
+    async fn create_vm(&self, template: &str, network: Option<EgressPolicy>) -> Result<clade_host::Vm, ApiError> {
         let images = self.runtime().images().clone();
         let name = template.to_string();
         // Instant when the image is built; the first use on a host builds it (minutes).
@@ -67,7 +74,8 @@ impl SandboxService {
             .await
             .map_err(|e| ApiError::internal("preparing the template failed", e))?
             .map_err(|e| vm_error("preparing the template", e.into()))?;
-        self.runtime().create(self.vm_spec(image)).await.map_err(|e| vm_error("creating the sandbox", e))
+        let spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), ..self.vm_spec(image) };
+        self.runtime().create(spec).await.map_err(|e| vm_error("creating the sandbox", e))
     }
 
     fn vm_spec(&self, image: clade_host::GuestImage) -> VmSpec {

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use clade_host::agent::AgentError;
+use clade_host::net::NetError;
 use clade_host::vm::{VmFailure, Watchdog};
 use clade_host::{ImageError, Vm, VmError, VmRuntime};
 use clade_proto::{ErrorKind, GuestError};
@@ -372,6 +373,8 @@ pub fn vm_error(what: &str, err: VmError) -> ApiError {
         }
         VmError::Agent(AgentError::Guest(e)) => guest_error(e, None),
         VmError::Hibernated(id) => ApiError::conflict(format!("sandbox {id} is hibernated")),
+        VmError::Net(NetError::Policy(message)) => ApiError::bad_request(message),
+        VmError::Net(e @ NetError::Exhausted(_)) => ApiError::Unavailable { message: e.to_string(), retry_after: Some(5) },
         other => ApiError::internal(format!("{what} failed"), other),
     }
 }
