@@ -4,9 +4,11 @@
 //!   cargo run --release -p clade-bench -- vm [--boots 5] [--execs 200]
 //!   cargo run --release -p clade-bench -- snapshot [--creates 50]
 //!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
+//!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
 
 mod api;
 mod host;
+mod net;
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,9 @@ enum Bench {
     /// The HTTP API's overhead: a real `clade server` against clade-host
     /// driven directly, in the same run, as ratios API ÷ host.
     Api(api::ApiArgs),
+    /// Namespace preparation rate, create latency with vs without a network,
+    /// guest↔server throughput.
+    Net(net::NetArgs),
     /// Template bake, create by restore (vs cold boot), concurrent creates,
     /// idle density (PSS), hibernate and wake.
     Snapshot {
@@ -55,6 +60,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.bench {
             Bench::Api(args) => api::run(args).await,
+            Bench::Net(args) => net::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
             Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }

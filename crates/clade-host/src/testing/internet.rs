@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// On the first server: sends zeros until the client closes (throughput).
+pub const BULK_PORT: u16 = 81;
+
 /// Addresses per test internet (a /28: the host side, then servers).
 const SERVERS: u8 = 5;
 
@@ -63,6 +66,11 @@ impl TestInternet {
             let stop = stop.clone();
             std::thread::spawn(move || serve_tcp(listener, server, stop));
         }
+        let first = internet.servers[0];
+        let bulk = in_netns(&internet.netns, move || TcpListener::bind((first, BULK_PORT)))?;
+        bulk.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let bulk_stop = stop.clone();
+        std::thread::spawn(move || serve_bulk(bulk, bulk_stop));
         let socket = in_netns(&internet.netns, move || UdpSocket::bind(dns))?;
         socket.set_read_timeout(Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         std::thread::spawn(move || serve_dns(socket, records, stop));
@@ -115,6 +123,21 @@ fn serve_tcp(listener: TcpListener, address: Ipv4Addr, stop: Arc<AtomicBool>) {
                     let n = stream.read(&mut buf).unwrap_or(0);
                     let first = String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_string();
                     let _ = stream.write_all(format!("internet {address} {first}\n").as_bytes());
+                });
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn serve_bulk(listener: TcpListener, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                std::thread::spawn(move || {
+                    let _ = stream.set_nonblocking(false);
+                    let zeros = vec![0u8; 256 * 1024];
+                    while stream.write_all(&zeros).is_ok() {}
                 });
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
