@@ -167,9 +167,9 @@ fn clade_binary() -> Option<PathBuf> {
     binary.exists().then_some(binary)
 }
 
-fn spawn_server(binary: &Path, data_dir: &Path) -> (Child, String) {
+fn spawn_server(binary: &Path, data_dir: &Path, dns_upstream: &str) -> (Child, String) {
     let mut child = Command::new(binary)
-        .args(["server", "--listen", "127.0.0.1:0"])
+        .args(["server", "--listen", "127.0.0.1:0", "--dns-upstream", dns_upstream])
         .arg("--data-dir")
         .arg(data_dir)
         .stdout(Stdio::null())
@@ -197,7 +197,14 @@ async fn kill_9_of_the_server_loses_no_sandbox() {
         return;
     };
     let data_dir = env.data_dir().to_path_buf();
-    let (mut server, addr) = spawn_server(&binary, &data_dir);
+    // The server runs as root: its sandboxes have networks, which must survive the kill too.
+    let internet = clade_host::testing::internet::TestInternet::start(&[]).expect("test internet");
+    let dns = internet.dns.to_string();
+    let reach = format!(
+        "python3 -c \"import socket; s = socket.create_connection(('{}', 80), timeout=5); s.sendall(b'x\\n'); print(s.makefile().readline().split()[0])\"",
+        internet.servers[0]
+    );
+    let (mut server, addr) = spawn_server(&binary, &data_dir, &dns);
     let key = support::admin_key(&data_dir);
     let api = Api::new(addr.parse().unwrap(), Some(&key));
     let mut ids = Vec::new();
@@ -206,6 +213,7 @@ async fn kill_9_of_the_server_loses_no_sandbox() {
         reply.expect(201);
         let id = reply.json()["id"].as_str().unwrap().to_string();
         api.exec(&id, &format!("echo {i} > /root/n; (sleep 600 & echo $! > /root/bg.pid)")).await;
+        assert_eq!(api.exec(&id, &reach).await["stdout"], "internet\n", "sandbox {id} has a network");
         ids.push(id);
     }
     let hibernated = ids[1].clone();
@@ -214,7 +222,7 @@ async fn kill_9_of_the_server_loses_no_sandbox() {
     Command::new("kill").args(["-9", &server.id().to_string()]).status().unwrap();
     server.wait().unwrap();
 
-    let (mut server, addr) = spawn_server(&binary, &data_dir);
+    let (mut server, addr) = spawn_server(&binary, &data_dir, &dns);
     let api = Api::new(addr.parse().unwrap(), Some(&key));
     let listed = api.get("/v1/sandboxes").await.expect(200).json();
     let status = |id: &str| listed.as_array().unwrap().iter().find(|s| s["id"] == id).map(|s| s["status"].clone());
@@ -223,6 +231,8 @@ async fn kill_9_of_the_server_loses_no_sandbox() {
     for (i, id) in ids.iter().enumerate() {
         let out = api.exec(id, "cat /root/n; kill -0 $(cat /root/bg.pid) && echo bg-alive").await;
         assert_eq!(out["stdout"], format!("{i}\nbg-alive\n"), "sandbox {id}");
+        let out = api.exec(id, &reach).await;
+        assert_eq!(out["stdout"], "internet\n", "the network of sandbox {id} after the restart: {out}");
         api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
     }
     let started = Instant::now();
