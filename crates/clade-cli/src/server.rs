@@ -20,6 +20,10 @@ pub struct ServerArgs {
     /// refused with 503 and Retry-After. Env: CLADE_MAX_RUNNING.
     #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
+    /// Preview hosts are `{port}-{id}.SUFFIX` on this listener (point a
+    /// wildcard DNS name at it; `localhost` needs none). Env: CLADE_PREVIEW_SUFFIX.
+    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = clade_server::preview::DEFAULT_SUFFIX)]
+    preview_suffix: String,
 }
 
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
@@ -27,6 +31,7 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = args.database_url;
     config.sandboxes.max_running_per_host = args.max_running;
+    config.preview_suffix = args.preview_suffix;
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         eprintln!(

@@ -93,6 +93,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         persistent: false,
         fork_tree_id: None,
         from_snapshot: None,
+        preview_auth: false,
     }
 }
 

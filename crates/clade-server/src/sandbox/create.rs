@@ -22,6 +22,8 @@ pub struct CreateParams {
     pub persistent: bool,
     /// Made from this snapshot (of the same workspace) instead of the template.
     pub from_snapshot: Option<String>,
+    /// Its preview hosts need a signed token.
+    pub preview_auth: bool,
 }
 
 /// The template of a create that names none.
@@ -131,6 +133,7 @@ impl SandboxService {
             persistent: params.persistent,
             fork_tree_id: None,
             from_snapshot: params.from_snapshot.clone(),
+            preview_auth: params.preview_auth,
         };
         let row = match self.store().insert_sandbox(new).await {
             Ok(row) => row,
