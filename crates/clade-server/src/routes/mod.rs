@@ -69,10 +69,10 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", api)
         .with_state(state.clone());
     // Every response is counted, the envelope's and the router's 404s too.
-    // Outermost: preview hosts are told apart from API requests before any routing.
-    crate::http::with_middleware(router)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::metrics::track))
-        .layer(axum::middleware::map_request_with_state(state, preview::route_host))
+    let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), crate::metrics::track));
+    // Outermost, around the routing itself (a router's own layers run after
+    // it chose a route): preview hosts are told apart before any route is.
+    Router::new().fallback_service(app).layer(axum::middleware::map_request_with_state(state, preview::route_host))
 }
 
 /// RFC 3339 UTC with milliseconds, from Unix milliseconds.
