@@ -269,6 +269,7 @@ pub async fn remove(
             an empty binary frame from the client ends its input (half-close); the server closes the socket when the connection ends"),
         (status = 400, description = "Not a WebSocket upgrade request, or not a port number", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 426, description = "Not a WebSocket upgrade request", body = ErrorBody),
         (status = 502, description = "Nothing listens on that port in the sandbox", body = ErrorBody),
     ))]
 pub async fn connect(
