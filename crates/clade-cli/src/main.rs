@@ -8,6 +8,7 @@ mod fs;
 mod images;
 mod keys;
 mod output;
+mod ports;
 mod sandbox;
 mod server;
 mod shell;

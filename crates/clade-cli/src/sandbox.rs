@@ -74,6 +74,15 @@ pub enum SandboxCommand {
     Hibernate { id: String },
     /// Start a hibernated sandbox again.
     Wake { id: String },
+    /// Ports of a sandbox: what listens, labels, proxy and preview URLs.
+    Ports { id: String },
+    /// Forward a local port (127.0.0.1:LOCAL) to a port in the sandbox, until interrupted.
+    PortForward {
+        id: String,
+        /// LOCAL:REMOTE (or one port for both; LOCAL 0 picks a free port).
+        #[arg(value_name = "LOCAL:REMOTE")]
+        mapping: String,
+    },
     /// Delete sandboxes.
     #[command(aliases = ["delete", "kill"])]
     Rm {
@@ -153,6 +162,8 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
         SandboxCommand::Exec { id, timeout, command } => return exec(client, &id, timeout, &command, json_out).await,
         SandboxCommand::Shell { id, command } => return crate::shell::run(client, &id, &command).await,
         SandboxCommand::Logs { id, follow } => logs(client, &id, follow, json_out).await?,
+        SandboxCommand::Ports { id } => return crate::ports::list(client, &id, json_out).await,
+        SandboxCommand::PortForward { id, mapping } => return crate::ports::forward(client, &id, &mapping).await,
         SandboxCommand::Fork { id, count, metadata } => {
             let metadata = if metadata.is_empty() { None } else { Some(parse_metadata(&metadata)?) };
             let answer = {

@@ -31,6 +31,10 @@ pub struct ServerArgs {
     /// default: the first nameserver of /etc/resolv.conf. Env: CLADE_DNS_UPSTREAM.
     #[arg(long, env = "CLADE_DNS_UPSTREAM")]
     dns_upstream: Option<SocketAddr>,
+    /// Preview hosts are `{port}-{id}.SUFFIX` on this listener (point a
+    /// wildcard DNS name at it; `localhost` needs none). Env: CLADE_PREVIEW_SUFFIX.
+    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = clade_server::preview::DEFAULT_SUFFIX)]
+    preview_suffix: String,
 }
 
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
@@ -49,6 +53,7 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
             ..clade_host::net::NetConfig::default()
         });
     }
+    config.preview_suffix = args.preview_suffix;
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         eprintln!(

@@ -273,6 +273,61 @@ fn follow_until(mut command: Command, needle: &str) -> String {
 }
 
 #[test]
+fn ports_and_port_forward_through_the_cli() {
+    use std::io::{BufRead, Read};
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+    let id = ok_json(&mut clade(&["sandbox", "create", "--json"]))["id"].as_str().unwrap().to_string();
+    let start = "mkdir -p /srv && echo forwarded > /srv/index.html && \
+                 (setsid python3 -m http.server 8000 --directory /srv >/tmp/http.log 2>&1 </dev/null &)";
+    ok(&mut clade(&["sandbox", "exec", &id, start]));
+
+    // `ports`: JSON for scripts, a table for people.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let ports = ok_json(&mut clade(&["sandbox", "ports", "--json", &id]));
+        if ports.as_array().unwrap().iter().any(|p| p["port"] == 8000 && p["listening"] == true) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the guest's server never listened: {ports}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let table = text(&ok(&mut clade(&["sandbox", "ports", &id])));
+    assert!(table.starts_with("PORT") && table.lines().any(|l| l.starts_with("8000") && l.contains("yes")), "{table}");
+
+    // `port-forward`: a local port that leads into the sandbox, one connection after another.
+    let local = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut forward = clade(&["sandbox", "port-forward", &id, &format!("{local}:8000")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(forward.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    assert!(line.starts_with(&format!("Forwarding from 127.0.0.1:{local} to port 8000")), "{line}");
+    for _ in 0..3 {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", local)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        conn.write_all(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.0 200") && answer.ends_with("forwarded\n"), "{answer}");
+    }
+    // Interrupted, it stops cleanly.
+    let _ = Command::new("kill").args(["-INT", &forward.id().to_string()]).status();
+    let status = forward.wait().unwrap();
+    assert!(status.success(), "{status}");
+
+    // An unknown sandbox is refused up front, with the server's message.
+    let out = output(&mut clade(&["sandbox", "port-forward", "nosuchsandbox", "0:8000"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("sandbox nosuchsandbox not found"), "{}", text(&out.stderr));
+}
+
+#[test]
 fn settings_come_from_flags_then_environment_then_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(&dir.path().join("data"), None);

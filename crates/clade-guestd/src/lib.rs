@@ -4,8 +4,8 @@
 //! ([`init`]), reaps orphans ([`reaper`]), and serves the host over a
 //! virtio-serial port ([`port`]) with the `clade-proto` protocol: one
 //! session at a time ([`server`]), one task per operation ([`exec`],
-//! [`files`], [`info`]). It is linked statically, so nothing here may use
-//! NSS: accounts are read from /etc directly ([`users`]).
+//! [`files`], [`info`], [`ports`]). It is linked statically, so nothing
+//! here may use NSS: accounts are read from /etc directly ([`users`]).
 
 pub mod cgroup;
 pub mod exec;
@@ -14,6 +14,7 @@ pub mod info;
 pub mod init;
 pub mod net;
 pub mod port;
+pub mod ports;
 mod pty;
 pub mod reaper;
 pub mod restore;

@@ -194,6 +194,12 @@ async fn handle_substream(
             crate::exec::run(agent, req, stream, session).await;
             return;
         }
+        Request::Connect { port } => {
+            // Owns the stream from here: it becomes the connection's pipe.
+            crate::ports::connect(stream, port, session).await;
+            return;
+        }
+        Request::ListeningPorts => simple(&mut stream, crate::ports::listening).await,
         Request::Ping => match info::uptime_ms() {
             Ok(uptime_ms) => {
                 reply(

@@ -9,8 +9,8 @@ use clade_proto::handshake::{self, HandshakeError};
 use clade_proto::mux::{MuxClient, MuxError, Substream};
 use clade_proto::{
     read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame,
-    GuestInfo, HostFrame, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest, WriteFileRequest,
-    CHUNK_SIZE,
+    GuestInfo, HostFrame, ListeningPort, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest,
+    WriteFileRequest, CHUNK_SIZE,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
@@ -355,6 +355,30 @@ impl AgentClient {
         }
     }
 
+    /// The guest's listening TCP sockets (port, bound address, owner).
+    pub async fn listening_ports(&self) -> Result<Vec<ListeningPort>, AgentError> {
+        match self.simple(Request::ListeningPorts).await? {
+            Reply::ListeningPorts(ports) => Ok(ports),
+            other => Err(AgentError::Unexpected { expected: "listening ports", got: format!("{other:?}") }),
+        }
+    }
+
+    /// A connection to `127.0.0.1:port` inside the guest, as a byte stream
+    /// (both directions; shutting down the write side half-closes the
+    /// guest's connection). Nothing listening there is
+    /// `AgentError::Guest` with `ErrorKind::ConnectionRefused`. Dropping the
+    /// stream closes the guest's connection.
+    pub async fn connect_port(&self, port: u16) -> Result<PortStream, AgentError> {
+        let mut stream = self.open(&Request::Connect { port }).await?;
+        // Exactly one frame is read: whatever follows it is the connection's data.
+        match read_frame::<_, GuestFrame>(&mut stream).await? {
+            Some(GuestFrame::Reply(Reply::Done)) => Ok(stream),
+            Some(GuestFrame::Error(e)) => Err(e.into()),
+            Some(other) => Err(AgentError::unexpected("connected", &other)),
+            None => Err(AgentError::Eof),
+        }
+    }
+
     /// The post-restore hook: new entropy, clock and identity (see `RestoreRequest`).
     pub async fn restore_hook(&self, request: RestoreRequest) -> Result<(), AgentError> {
         self.done(Request::Restore(request)).await
@@ -380,6 +404,10 @@ impl AgentClient {
         }
     }
 }
+
+/// A connection to a port inside the guest (see [`AgentClient::connect_port`]):
+/// `AsyncRead + AsyncWrite + Send + Unpin`.
+pub type PortStream = Substream;
 
 /// What a running command produces, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -36,6 +36,14 @@ pub enum Request {
     /// flight when the VM is saved and the next host finds it waiting for a
     /// hello.
     Quiesce,
+    /// Connects to `127.0.0.1:port` (or `[::1]:port`) inside the guest. The
+    /// guest answers [`Reply::Done`] once connected, or [`GuestFrame::Error`]
+    /// ([`ErrorKind::ConnectionRefused`] when nothing listens); after `Done`
+    /// the substream is a raw byte pipe to that connection, both ways, and
+    /// each side's close (half-close) is passed on.
+    Connect { port: u16 },
+    /// Answered with [`Reply::ListeningPorts`]: the guest's listening TCP sockets.
+    ListeningPorts,
 }
 
 /// What a guest must change when it wakes up as a copy of a snapshot: its
@@ -204,6 +212,18 @@ pub enum Reply {
     Written { bytes: u64 },
     Done,
     Info(GuestInfo),
+    ListeningPorts(Vec<ListeningPort>),
+}
+
+/// A listening TCP socket of the guest (from /proc/net/tcp and tcp6).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListeningPort {
+    pub port: u16,
+    /// The bound address: `0.0.0.0`, `127.0.0.1`, `::`, …
+    pub address: String,
+    /// The owning process (its `comm`), when it could be found.
+    pub process: Option<String>,
+    pub pid: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,6 +280,8 @@ pub enum ErrorKind {
     InvalidInput,
     Io,
     Protocol,
+    /// `Connect`: nothing accepts connections on that port.
+    ConnectionRefused,
 }
 
 /// An operation's failure, as the guest reports it.
@@ -286,6 +308,7 @@ impl GuestError {
             K::IsADirectory => ErrorKind::IsADirectory,
             K::DirectoryNotEmpty => ErrorKind::DirectoryNotEmpty,
             K::InvalidInput | K::InvalidFilename => ErrorKind::InvalidInput,
+            K::ConnectionRefused => ErrorKind::ConnectionRefused,
             _ => ErrorKind::Io,
         };
         Self::new(kind, format!("{path}: {err}"))

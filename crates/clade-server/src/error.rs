@@ -41,6 +41,9 @@ pub enum ApiError {
     /// 401 `{"error":"unauthorized","detail":...}` (the SDKs match `unauthorized`).
     #[error("unauthorized")]
     Unauthorized(String),
+    /// 403: a credential was presented and is not good enough (a preview token).
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -59,6 +62,9 @@ pub enum ApiError {
     /// 507: the host cannot hold another sandbox (§2.6: retried by the SDK).
     #[error("{0}")]
     InsufficientStorage(String),
+    /// 502: the sandbox's port did not answer (nothing listens, or it hung up).
+    #[error("{0}")]
+    BadGateway(String),
     /// 504 whose message says `timeout` and `deadline exceeded`, as the SDKs expect (§2.4).
     #[error("{0}")]
     ExecTimeout(String),
@@ -92,6 +98,7 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
@@ -99,6 +106,7 @@ impl ApiError {
             Self::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
+            Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
             Self::ExecTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -115,6 +123,7 @@ impl ApiError {
         };
         match status {
             StatusCode::UNAUTHORIZED => Self::Unauthorized(message),
+            StatusCode::FORBIDDEN => Self::Forbidden(message),
             StatusCode::NOT_FOUND => Self::NotFound(message),
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed(message),
             StatusCode::CONFLICT => Self::Conflict(message),

@@ -53,6 +53,11 @@ async fn request_id(request: Request, next: Next) -> Response {
     response
 }
 
+/// Marks a response that a sandbox's own server made (the port proxy):
+/// its status and body are the sandbox's, and stay as they are.
+#[derive(Debug, Clone, Copy)]
+pub struct Proxied;
+
 /// Error responses that are not our JSON envelope yet (axum's rejections,
 /// a bare 405) become one, with their text as the message.
 async fn envelope_other_errors(request: Request, next: Next) -> Response {
@@ -63,7 +68,7 @@ async fn envelope_other_errors(request: Request, next: Next) -> Response {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/json"));
-    if status.as_u16() < 400 || is_json {
+    if status.as_u16() < 400 || is_json || response.extensions().get::<Proxied>().is_some() {
         return response;
     }
     let (parts, body) = response.into_parts();

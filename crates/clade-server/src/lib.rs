@@ -10,6 +10,7 @@
 //! - [`capacity`]: the per-workspace request rate limiter.
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
+//! - [`preview`]: preview hosts (`{port}-{id}.{suffix}`) and their signed tokens.
 //! - [`routes`]: the endpoints, one file per resource.
 //! - [`openapi`]: the OpenAPI document, generated from the routes' types.
 //!
@@ -21,6 +22,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod openapi;
+pub mod preview;
 mod routes;
 pub mod sandbox;
 pub mod sse;
@@ -80,6 +82,8 @@ pub struct ServerConfig {
     /// Per-sandbox networking (namespaces, egress policy, DNS); none: VMs
     /// have no network at all.
     pub network: Option<clade_host::net::NetConfig>,
+    /// Preview hosts are `{port}-{id}.{preview_suffix}` (default `localhost`).
+    pub preview_suffix: String,
 }
 
 impl ServerConfig {
@@ -91,6 +95,7 @@ impl ServerConfig {
             limits: Limits::default(),
             sandboxes: SandboxSettings::default(),
             network: None,
+            preview_suffix: preview::DEFAULT_SUFFIX.to_string(),
         }
     }
 
@@ -136,6 +141,8 @@ pub struct AppState {
     /// (event streams, terminals) end on it, or a graceful shutdown would
     /// wait for them forever.
     pub stopping: CancellationToken,
+    /// Preview hosts: their suffix and token key.
+    pub previews: Arc<preview::Previews>,
 }
 
 /// A server accepting requests.
@@ -174,6 +181,7 @@ impl Server {
             limits: Arc::new(config.limits.clone()),
             limiter,
             stopping: CancellationToken::new(),
+            previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
         };
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await

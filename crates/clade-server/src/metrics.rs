@@ -108,19 +108,35 @@ pub const ROUTES: &[&str] = &[
     "/v1/sandboxes/{id}/promote",
     "/v1/sandboxes/{id}/ssh",
     "/v1/sandboxes/{id}/exec/pty",
+    "/v1/sandboxes/{id}/ports",
+    "/v1/sandboxes/{id}/ports/{port}",
+    "/v1/sandboxes/{id}/ports/{port}/connect",
+    "/v1/sandboxes/{id}/preview-token",
+    "/v1/sandboxes/{id}/proxy/{port}",
+    "/v1/sandboxes/{id}/proxy/{port}/{path}",
     "/v1/snapshots",
     "/v1/snapshots/{id}",
 ];
 
 /// The route template of a path, or `other` (unknown paths are not labels).
+/// Requests to preview hosts are `preview`.
 fn route_of(path: &str) -> &'static str {
-    let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    if path == crate::routes::preview::PREVIEW_ROUTE {
+        return "preview";
+    }
+    let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    // A proxied path, however deep, is one label.
+    if segments.len() > 6 && segments[1] == "v1" && segments[4] == "proxy" {
+        segments.truncate(6);
+        segments.push("{path}");
+    }
     let normalized: Vec<&str> = segments
         .iter()
         .enumerate()
         .map(|(i, s)| match (i, segments.get(i.wrapping_sub(1)).copied()) {
             (3, Some("sandboxes" | "snapshots")) if segments.get(1) == Some(&"v1") => "{id}",
             (4, Some("tokens")) if segments.get(2) == Some(&"me") => "{prefix}",
+            (5, Some("ports" | "proxy")) if segments.get(1) == Some(&"v1") => "{port}",
             _ => s,
         })
         .collect();
@@ -150,6 +166,11 @@ mod tests {
         assert_eq!(route_of("/v1/sandboxes"), "/v1/sandboxes");
         assert_eq!(route_of("/v1/nope/x"), "other");
         assert_eq!(route_of("/v1/sandboxes/x/unknown"), "other");
+        assert_eq!(route_of("/v1/sandboxes/x/ports/8000"), "/v1/sandboxes/{id}/ports/{port}");
+        assert_eq!(route_of("/v1/sandboxes/x/ports/8000/connect"), "/v1/sandboxes/{id}/ports/{port}/connect");
+        assert_eq!(route_of("/v1/sandboxes/x/proxy/8000/"), "/v1/sandboxes/{id}/proxy/{port}");
+        assert_eq!(route_of("/v1/sandboxes/x/proxy/8000/a/b/c"), "/v1/sandboxes/{id}/proxy/{port}/{path}");
+        assert_eq!(route_of("/_preview"), "preview");
     }
 
     #[test]

@@ -10,7 +10,10 @@ use std::sync::OnceLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, network, sandboxes, snapshots, terminal, tokens};
+use crate::routes::{
+    exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots, terminal,
+    tokens,
+};
 
 /// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).
 const API_KEY: &str = "api_key";
@@ -20,7 +23,7 @@ const API_KEY: &str = "api_key";
     info(
         title = "Clade API",
         description = "Clade's HTTP API: PandaStack-compatible sandboxes (microVMs), their commands, files, \
-            logs, lifecycle, snapshots and forks. Errors are `{\"error\": \"…\", \"request_id\": \"…\"}`; \
+            logs, lifecycle, snapshots, forks and ports. Errors are `{\"error\": \"…\", \"request_id\": \"…\"}`; \
             a 429 or 503 with `Retry-After` may be retried after that many seconds, as may a 507."
     ),
     paths(
@@ -36,6 +39,7 @@ const API_KEY: &str = "api_key";
         sandboxes::list,
         sandboxes::create,
         sandboxes::get,
+        sandboxes::patch,
         sandboxes::delete,
         sandboxes::events,
         exec::exec,
@@ -65,6 +69,13 @@ const API_KEY: &str = "api_key";
         fork::promote,
         terminal::terminal,
         terminal::exec_pty,
+        ports::list,
+        ports::add,
+        ports::remove,
+        ports::connect,
+        preview::create_token,
+        proxy::proxy_root,
+        proxy::proxy_path,
     ),
     modifiers(&ApiKeyScheme),
     security(("api_key" = [])),
@@ -80,6 +91,7 @@ const API_KEY: &str = "api_key";
         (name = "snapshots", description = "Snapshots and the workspace's registry"),
         (name = "forks", description = "Fork, fork-tree, promote"),
         (name = "terminal", description = "Interactive terminals over WebSocket"),
+        (name = "ports", description = "Ports, the proxy into them, preview tokens (preview hosts `{port}-{id}.{suffix}` are served before the API)"),
     )
 )]
 struct ApiDoc;

@@ -12,6 +12,7 @@
 mod events;
 mod keys;
 mod migrate;
+mod ports;
 mod sandboxes;
 mod snapshots;
 mod workspaces;
@@ -24,6 +25,7 @@ use sqlx::AnyPool;
 
 pub use events::Event;
 pub use keys::{ApiKey, NewKey, KEY_PREFIX};
+pub use ports::PortLabel;
 pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
 pub use snapshots::SnapshotRow;
 pub use workspaces::Workspace;

@@ -20,6 +20,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0002_from_snapshot.sql"),
         postgres: include_str!("../migrations/postgres/0002_from_snapshot.sql"),
     },
+    Migration {
+        version: 3,
+        sqlite: include_str!("../migrations/sqlite/0003_ports.sql"),
+        postgres: include_str!("../migrations/postgres/0003_ports.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

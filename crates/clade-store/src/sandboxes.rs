@@ -63,6 +63,8 @@ pub struct SandboxRow {
     pub fork_tree_id: Option<String>,
     /// The snapshot it was made from (`POST /sandboxes {"from_snapshot"}`).
     pub from_snapshot: Option<String>,
+    /// Its preview hosts need a signed token (otherwise they are public).
+    pub preview_auth: bool,
 }
 
 /// What a create stores; the rest starts at its defaults.
@@ -79,10 +81,12 @@ pub struct NewSandbox {
     pub persistent: bool,
     pub fork_tree_id: Option<String>,
     pub from_snapshot: Option<String>,
+    pub preview_auth: bool,
 }
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
-                       hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot";
+                       hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot, \
+                       preview_auth";
 
 impl SandboxRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -105,6 +109,7 @@ impl SandboxRow {
             last_activity_at: col(row, "last_activity_at")?,
             fork_tree_id: col(row, "fork_tree_id")?,
             from_snapshot: col(row, "from_snapshot")?,
+            preview_auth: col::<i64>(row, "preview_auth")? != 0,
         })
     }
 }
@@ -114,7 +119,7 @@ impl Store {
         let now = now_ms();
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
-            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12)"
+            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -128,6 +133,7 @@ impl Store {
         .bind(now)
         .bind(&new.fork_tree_id)
         .bind(&new.from_snapshot)
+        .bind(i64::from(new.preview_auth))
         .execute(&self.pool)
         .await?;
         Ok(SandboxRow {
@@ -146,6 +152,7 @@ impl Store {
             last_activity_at: now,
             fork_tree_id: new.fork_tree_id,
             from_snapshot: new.from_snapshot,
+            preview_auth: new.preview_auth,
         })
     }
 
@@ -212,6 +219,29 @@ impl Store {
             return Err(StoreError::NotFound(format!("sandbox {id}")));
         }
         Ok(())
+    }
+
+    /// Whether the sandbox's preview hosts need a signed token.
+    pub async fn set_sandbox_preview_auth(&self, id: &str, preview_auth: bool) -> Result<(), StoreError> {
+        let updated = sqlx::query("UPDATE sandboxes SET preview_auth = $1 WHERE id = $2")
+            .bind(i64::from(preview_auth))
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        if updated.rows_affected() == 0 {
+            return Err(StoreError::NotFound(format!("sandbox {id}")));
+        }
+        Ok(())
+    }
+
+    /// A sandbox by id alone, whatever its workspace, unless deleted: for
+    /// preview hosts, where the id is all a request carries.
+    pub async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND state <> 'deleted'"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(SandboxRow::from_row).transpose()
     }
 
     /// The sandboxes of a fork tree in a workspace that are not deleted.

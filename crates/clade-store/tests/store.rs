@@ -93,6 +93,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         persistent: false,
         fork_tree_id: None,
         from_snapshot: None,
+        preview_auth: false,
     }
 }
 
@@ -192,6 +193,41 @@ async fn events_and_snapshots_round_trip() {
         assert!(!store.delete_snapshot(&b.id, "s1").await.unwrap());
         assert!(store.delete_snapshot(&a.id, "s1").await.unwrap());
         assert_eq!(store.snapshot(&a.id, "s1").await.unwrap(), None);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn port_labels_preview_auth_and_server_secrets() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let ws = store.create_workspace("default").await.unwrap();
+        let row = store.insert_sandbox(NewSandbox { preview_auth: true, ..new_sandbox("p1", &ws.id) }).await.unwrap();
+        assert!(row.preview_auth);
+        assert!(store.sandbox(&ws.id, "p1").await.unwrap().unwrap().preview_auth, "{}", db.name());
+        store.set_sandbox_preview_auth("p1", false).await.unwrap();
+        assert!(!store.sandbox_by_id("p1").await.unwrap().unwrap().preview_auth);
+        assert!(matches!(store.set_sandbox_preview_auth("nope", true).await, Err(StoreError::NotFound(_))));
+
+        // Labels: set (again: changed), listed by port, copied, removed.
+        store.set_port_label("p1", 8000, Some("web")).await.unwrap();
+        store.set_port_label("p1", 3000, None).await.unwrap();
+        let changed = store.set_port_label("p1", 8000, Some("site")).await.unwrap();
+        assert_eq!(changed.label.as_deref(), Some("site"));
+        let labels = store.port_labels("p1").await.unwrap();
+        let listed: Vec<(u16, Option<&str>)> = labels.iter().map(|l| (l.port, l.label.as_deref())).collect();
+        assert_eq!(listed, [(3000, None), (8000, Some("site"))], "{}", db.name());
+        store.copy_port_labels("p1", "p2").await.unwrap();
+        assert_eq!(store.port_labels("p2").await.unwrap().len(), 2);
+        assert!(store.remove_port_label("p1", 3000).await.unwrap());
+        assert!(!store.remove_port_label("p1", 3000).await.unwrap());
+        assert_eq!(store.port_labels("p1").await.unwrap().len(), 1);
+
+        // A secret is made once and kept.
+        let secret = store.server_secret("preview").await.unwrap();
+        assert_eq!(secret.len(), 64);
+        assert_eq!(store.server_secret("preview").await.unwrap(), secret, "{}", db.name());
+        assert_ne!(store.server_secret("other").await.unwrap(), secret);
         store.close().await;
     }
 }

@@ -11,12 +11,15 @@ pub(crate) mod logs;
 pub(crate) mod meta;
 pub(crate) mod metrics;
 pub(crate) mod network;
+pub(crate) mod ports;
+pub(crate) mod preview;
+pub(crate) mod proxy;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
 pub(crate) mod terminal;
 pub(crate) mod tokens;
 
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::Router;
 
 use crate::AppState;
@@ -28,7 +31,7 @@ pub fn router(state: AppState) -> Router {
         .route("/me/tokens/{prefix}", axum::routing::delete(tokens::revoke))
         .route("/templates", get(meta::templates))
         .route("/sandboxes", get(sandboxes::list).post(sandboxes::create))
-        .route("/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route("/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete).patch(sandboxes::patch))
         .route("/sandboxes/{id}/events", get(sandboxes::events))
         .route("/sandboxes/{id}/exec", post(exec::exec))
         .route("/sandboxes/{id}/exec/stream", post(exec_stream::exec_stream))
@@ -51,16 +54,27 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/ssh", get(terminal::terminal))
         .route("/sandboxes/{id}/exec/pty", get(terminal::terminal))
         .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch))
-        .route("/sandboxes/{id}/network", get(network::get).put(network::put));
+        .route("/sandboxes/{id}/network", get(network::get).put(network::put))
+        .route("/sandboxes/{id}/ports", get(ports::list).post(ports::add))
+        .route("/sandboxes/{id}/ports/{port}", axum::routing::delete(ports::remove))
+        .route("/sandboxes/{id}/ports/{port}/connect", get(ports::connect))
+        .route("/sandboxes/{id}/preview-token", post(preview::create_token))
+        .route("/sandboxes/{id}/proxy/{port}", any(proxy::proxy_root))
+        .route("/sandboxes/{id}/proxy/{port}/", any(proxy::proxy_root))
+        .route("/sandboxes/{id}/proxy/{port}/{*path}", any(proxy::proxy_path));
     let router = Router::new()
         .route("/healthz", get(meta::healthz))
         .route("/version", get(meta::version))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(meta::openapi))
+        .route(preview::PREVIEW_ROUTE, any(preview::serve))
         .nest("/v1", api)
         .with_state(state.clone());
-    // Outermost: every response is counted, the envelope's and the router's 404s too.
-    crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state, crate::metrics::track))
+    // Every response is counted, the envelope's and the router's 404s too.
+    let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), crate::metrics::track));
+    // Outermost, around the routing itself (a router's own layers run after
+    // it chose a route): preview hosts are told apart before any route is.
+    Router::new().fallback_service(app).layer(axum::middleware::map_request_with_state(state, preview::route_host))
 }
 
 /// RFC 3339 UTC with milliseconds, from Unix milliseconds.

@@ -41,6 +41,8 @@ pub struct Sandbox {
     pub ttl_seconds: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub from_snapshot: Option<String>,
+    /// Its preview hosts need a token (`POST /v1/sandboxes/{id}/preview-token`); otherwise they are public.
+    pub preview_auth: bool,
     /// Why the sandbox is `failed`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -67,6 +69,7 @@ impl Sandbox {
             persistent: row.persistent,
             ttl_seconds: row.ttl_seconds,
             from_snapshot: row.from_snapshot.clone(),
+            preview_auth: row.preview_auth,
             error: row.state_reason.clone(),
             boot_ms: None,
             boot_mode: None,
@@ -93,6 +96,8 @@ pub struct CreateBody {
     /// Not supported yet: only an empty list is accepted.
     #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
     volumes: Option<Vec<Value>>,
+    /// Preview hosts need a signed token (default: public, as in PandaStack).
+    preview_auth: Option<bool>,
     // `cpu` and `memory_mb` are deprecated in the SDK and ignored (§3.2).
 }
 
@@ -117,7 +122,15 @@ impl CreateBody {
         }
         let from_snapshot = self.from_snapshot.filter(|s| !s.is_empty());
         let network = self.network.as_ref().map(super::network::NetworkPolicy::to_egress).transpose()?;
-        Ok(CreateParams { template, metadata, ttl_seconds, persistent: self.persistent.unwrap_or(false), from_snapshot, network })
+        Ok(CreateParams {
+            template,
+            metadata,
+            ttl_seconds,
+            persistent: self.persistent.unwrap_or(false),
+            from_snapshot,
+            preview_auth: self.preview_auth.unwrap_or(false),
+            network,
+        })
     }
 }
 
@@ -151,6 +164,34 @@ pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<
 #[utoipa::path(get, operation_id = "getSandbox", path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id")),
     responses((status = 200, description = "The sandbox", body = Sandbox), (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
+    let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
+    Ok(Json(Sandbox::from_row(&row)))
+}
+
+/// The settings of a sandbox that can change; at least one field.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxPatch {
+    /// Whether its preview hosts need a signed token.
+    preview_auth: Option<bool>,
+}
+
+#[utoipa::path(patch, operation_id = "updateSandbox", path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id")),
+    request_body = SandboxPatch,
+    responses((status = 200, description = "The sandbox, changed", body = Sandbox),
+        (status = 400, description = "No field, or one that cannot change", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
+pub async fn patch(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<SandboxPatch>,
+) -> Result<Json<Sandbox>, ApiError> {
+    let Some(preview_auth) = body.preview_auth else {
+        return Err(ApiError::bad_request("nothing to change: the body may set preview_auth"));
+    };
+    state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
+    state.store.set_sandbox_preview_auth(&id, preview_auth).await?;
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
     Ok(Json(Sandbox::from_row(&row)))
 }

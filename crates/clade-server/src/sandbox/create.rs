@@ -25,6 +25,8 @@ pub struct CreateParams {
     pub from_snapshot: Option<String>,
     /// Its egress policy; absent: the default (or, from a snapshot, the snapshot's).
     pub network: Option<EgressPolicy>,
+    /// Its preview hosts need a signed token.
+    pub preview_auth: bool,
 }
 
 /// The template of a create that names none.
@@ -139,6 +141,7 @@ impl SandboxService {
             persistent: params.persistent,
             fork_tree_id: None,
             from_snapshot: params.from_snapshot.clone(),
+            preview_auth: params.preview_auth,
         };
         let row = match self.store().insert_sandbox(new).await {
             Ok(row) => row,

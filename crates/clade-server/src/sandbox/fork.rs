@@ -93,9 +93,18 @@ impl SandboxService {
                 persistent: false,
                 fork_tree_id: tree_id.clone(),
                 from_snapshot: None,
+                // A child is as private as its parent, and lists the same ports.
+                preview_auth: parent.preview_auth,
             };
             match self.store().insert_sandbox(new).await {
-                Ok(row) => children.push(row),
+                Ok(row) => {
+                    let copied = self.store().copy_port_labels(&parent.id, &row.id).await;
+                    children.push(row);
+                    if let Err(e) = copied {
+                        failed = Some(e);
+                        break;
+                    }
+                }
                 Err(e) => {
                     failed = Some(e);
                     break;

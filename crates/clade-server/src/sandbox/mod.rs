@@ -261,6 +261,16 @@ impl SandboxService {
         Err(ApiError::Unavailable { message: format!("auto-wake: sandbox {id} keeps being hibernated"), retry_after: None })
     }
 
+    /// The VM of a sandbox that runs now, without waking or resuming it.
+    pub async fn running_vm(&self, entry: &Entry) -> Option<Vm> {
+        let slot = entry.slot.read().await;
+        if slot.state == SandboxState::Running {
+            slot.vm.clone()
+        } else {
+            None
+        }
+    }
+
     /// Records an event; a failure to record is logged, not returned (the
     /// operation it describes has happened).
     pub async fn record(&self, entry: &Entry, kind: &str, detail: serde_json::Value) {
@@ -400,6 +410,7 @@ fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
         // An I/O error on the path the request named (EIO reading
         // /proc/self/mem) is about that path, not a failure of the server.
         ErrorKind::Io if path.is_some() => ApiError::bad_request(e.message),
+        ErrorKind::ConnectionRefused => ApiError::BadGateway(e.message),
         ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
     }
 }
