@@ -70,7 +70,6 @@ impl UrlBase {
             .get(header::HOST)
             .and_then(|v| v.to_str().ok())
             .and_then(|h| h.rsplit_once(':'))
-            .filter(|(name, _)| !name.ends_with(']') || name.starts_with('['))
             .and_then(|(_, port)| port.parse().ok());
         Self {
             scheme,
@@ -186,7 +185,9 @@ pub async fn add(
     JsonBody(body): JsonBody<AddPort>,
 ) -> Result<(StatusCode, Json<PortInfo>), ApiError> {
     let port = match body.port {
-        Some(SSH_PORT_I64) => return Err(ApiError::bad_request("port 22 cannot be exposed")),
+        Some(p) if p == i64::from(SSH_PORT) => {
+            return Err(ApiError::bad_request("port 22 cannot be exposed"))
+        }
         Some(p) if (1..=65535).contains(&p) => p as u16,
         Some(p) => {
             return Err(ApiError::bad_request(format!(
@@ -222,8 +223,6 @@ pub async fn add(
     out.listening = listening;
     Ok((StatusCode::CREATED, Json(out)))
 }
-
-const SSH_PORT_I64: i64 = SSH_PORT as i64;
 
 /// Whether `port` listens in a sandbox that runs now (false when it does not run).
 async fn listening_now(state: &AppState, entry: &Entry, port: u16) -> bool {
