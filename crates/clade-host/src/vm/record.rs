@@ -195,6 +195,7 @@ mod tests {
             template: None,
             backing_snapshot: None,
             tag: None,
+            network: None,
         }
     }
 
