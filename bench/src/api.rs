@@ -223,16 +223,16 @@ async fn api_fork_tree(api: &Api, n: usize) -> anyhow::Result<(usize, Duration, 
 
 /// The server's HTTP API with the admin key.
 #[derive(Clone)]
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    key: String,
+pub(crate) struct Api {
+    pub(crate) http: reqwest::Client,
+    pub(crate) base: String,
+    pub(crate) key: String,
     throttled: Arc<AtomicUsize>,
 }
 
 impl Api {
     /// One call; a 429 is counted and retried after its Retry-After.
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> anyhow::Result<(StatusCode, Value)> {
+    pub(crate) async fn call(&self, method: Method, path: &str, body: Option<Value>) -> anyhow::Result<(StatusCode, Value)> {
         loop {
             let mut request = self.http.request(method.clone(), format!("{}/v1/{path}", self.base)).bearer_auth(&self.key);
             if let Some(body) = &body {
@@ -269,7 +269,7 @@ impl Api {
     }
 
     /// A sandbox's id; a refusal is an error.
-    async fn create_one(&self) -> anyhow::Result<String> {
+    pub(crate) async fn create_one(&self) -> anyhow::Result<String> {
         self.create().await?.map_err(|status| anyhow::anyhow!("create refused: HTTP {status}"))
     }
 
@@ -290,22 +290,23 @@ impl Api {
 }
 
 /// The `clade server` this benchmark started.
-struct ServerProcess {
+pub(crate) struct ServerProcess {
     child: Option<Child>,
     clade: PathBuf,
     data_dir: PathBuf,
     log: PathBuf,
-    api: Api,
+    pub(crate) api: Api,
 }
 
 impl ServerProcess {
-    async fn start(clade: &Path, data_dir: &Path) -> anyhow::Result<Self> {
+    pub(crate) async fn start(clade: &Path, data_dir: &Path) -> anyhow::Result<Self> {
         anyhow::ensure!(clade.exists(), "{} not found: `cargo build --release -p clade-cli` or pass --clade", clade.display());
         std::fs::create_dir_all(data_dir)?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let log = data_dir.join("server.log");
         let child = std::process::Command::new(clade)
-            .args(["server", "--data-dir"])
+            // Networking has its own benchmark (`net`); here the API's overhead alone.
+            .args(["server", "--no-network", "--data-dir"])
             .arg(data_dir)
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .env_remove("CLADE_DATABASE_URL")
@@ -348,7 +349,7 @@ impl ServerProcess {
 
     /// Deletes every sandbox and snapshot, stops the server with SIGTERM,
     /// and removes any VM still in its data directory (naming it).
-    async fn stop(mut self) -> anyhow::Result<()> {
+    pub(crate) async fn stop(mut self) -> anyhow::Result<()> {
         if !self.api.key.is_empty() {
             if let Ok((_, listed)) = self.api.call(Method::GET, "sandboxes", None).await {
                 for sandbox in listed["items"].as_array().into_iter().flatten() {

@@ -5,10 +5,12 @@
 //!   cargo run --release -p clade-bench -- snapshot [--creates 50]
 //!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
 //!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
+//!   cargo run --release -p clade-bench -- proxy [--requests 200]
 
 mod api;
 mod host;
 mod net;
+mod proxy;
 
 use std::time::{Duration, Instant};
 
@@ -32,6 +34,8 @@ enum Bench {
     /// Namespace preparation rate, create latency with vs without a network,
     /// guest↔server throughput.
     Net(net::NetArgs),
+    /// Per-request cost of the proxy path and of preview hosts.
+    Proxy(proxy::ProxyArgs),
     /// Template bake, create by restore (vs cold boot), concurrent creates,
     /// idle density (PSS), hibernate and wake.
     Snapshot {
@@ -61,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         match cli.bench {
             Bench::Api(args) => api::run(args).await,
             Bench::Net(args) => net::run(args).await,
+            Bench::Proxy(args) => proxy::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
             Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }
