@@ -8,7 +8,7 @@ mod common;
 use std::process::Command;
 
 use clade_host::net::{EgressPolicy, NetConfig, NetPool};
-use clade_host::testing::internet::TestInternet;
+use clade_host::testing::internet::{TestInternet, BULK_PORT, TICK_PORT};
 use clade_host::testing::{vm_env, VmTestEnv};
 use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
 use common::{block_on, sh};
@@ -154,6 +154,16 @@ fn policies_apply_at_create_and_live_and_domain_lists_pin_what_they_resolve() {
         assert_eq!(resolve(&vm, "allowed.test").await, allowed_ip.to_string());
         assert!(reached(&connect(&vm, allowed_ip, 80).await), "pinned by the resolver");
 
+        // The connection cap: held connections count; the next one is refused.
+        let capped = EgressPolicy { max_connections: 3, ..EgressPolicy::default() };
+        runtime.set_network(&vm, &capped).await.unwrap();
+        let bulk = internet.servers[0];
+        let held = format!(
+            "python3 - <<'EOF'\nimport socket\nheld, refused = [], 0\nfor _ in range(5):\n    try:\n        held.append(socket.create_connection(('{bulk}', {BULK_PORT}), timeout=3))\n    except OSError:\n        refused += 1\nprint(len(held), refused)\nEOF"
+        );
+        let out = vm.run(sh(&held)).await.unwrap();
+        assert_eq!(out.stdout_str().trim(), "3 2", "three held, two refused: {}", out.stderr_str());
+
         // A create with a policy has it before its first packet.
         let closed = runtime.create(networked_spec(&env, EgressPolicy::isolated())).await.unwrap();
         assert!(!reached(&connect(&closed, a, 80).await));
@@ -172,7 +182,24 @@ fn forks_and_wakes_get_their_own_slots_and_keep_the_policy() {
         let spec = VmSpec { lifetime: Lifetime::Persistent, ..networked_spec(&env, policy) };
         let parent = runtime.create(spec).await.unwrap();
         assert!(reached(&connect(&parent, internet.servers[0], 80).await));
+        // A connection the parent holds open, a line every 50 ms, counted into a file.
+        let reader = format!(
+            "nohup python3 -c \"import os, socket\nf = socket.create_connection(('{}', {TICK_PORT})).makefile()\nn = 0\nfor line in f:\n    n += 1\n    open('/tmp/n.new', 'w').write(str(n)); os.replace('/tmp/n.new', '/tmp/n')\n\" >/dev/null 2>&1 &",
+            internet.servers[0]
+        );
+        parent.run(sh(&reader)).await.unwrap();
+        let started = parent.run(sh("for i in $(seq 200); do [ -s /tmp/n ] && exit 0; sleep 0.1; done; exit 1")).await.unwrap();
+        assert_eq!(started.exit_code(), 0, "the parent's reader never read");
         let children = parent.fork(&runtime, 2, Lifetime::Ephemeral).await.unwrap();
+        let count = |vm: Vm| async move { vm.agent().read_file("/tmp/n").await.map(|b| String::from_utf8_lossy(&b).parse::<u64>().unwrap_or(0)).unwrap_or(0) };
+        let child_before = count(children[0].clone()).await;
+        let parent_before = count(parent.clone()).await;
+        // Lines already in the child's socket buffer at the fork are read at once.
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let child_before = child_before.max(count(children[0].clone()).await);
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        assert!(count(parent.clone()).await > parent_before, "the parent's connection goes on");
+        assert_eq!(count(children[0].clone()).await, child_before, "a child does not continue its parent's connection");
         let mut slots = vec![pool.slot_of(parent.dir()).unwrap().index];
         for child in &children {
             slots.push(pool.slot_of(child.dir()).unwrap().index);

@@ -17,6 +17,8 @@ use std::time::Duration;
 
 /// On the first server: sends zeros until the client closes (throughput).
 pub const BULK_PORT: u16 = 81;
+/// On the first server: sends a line every 50 ms until the client closes.
+pub const TICK_PORT: u16 = 82;
 
 /// Addresses per test internet (a /28: the host side, then servers).
 const SERVERS: u8 = 5;
@@ -70,7 +72,11 @@ impl TestInternet {
         let bulk = in_netns(&internet.netns, move || TcpListener::bind((first, BULK_PORT)))?;
         bulk.set_nonblocking(true).map_err(|e| e.to_string())?;
         let bulk_stop = stop.clone();
-        std::thread::spawn(move || serve_bulk(bulk, bulk_stop));
+        std::thread::spawn(move || serve_bulk(bulk, bulk_stop, None));
+        let ticks = in_netns(&internet.netns, move || TcpListener::bind((first, TICK_PORT)))?;
+        ticks.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let tick_stop = stop.clone();
+        std::thread::spawn(move || serve_bulk(ticks, tick_stop, Some(Duration::from_millis(50))));
         let socket = in_netns(&internet.netns, move || UdpSocket::bind(dns))?;
         socket.set_read_timeout(Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         std::thread::spawn(move || serve_dns(socket, records, stop));
@@ -130,14 +136,28 @@ fn serve_tcp(listener: TcpListener, address: Ipv4Addr, stop: Arc<AtomicBool>) {
     }
 }
 
-fn serve_bulk(listener: TcpListener, stop: Arc<AtomicBool>) {
+/// Zeros as fast as the client takes them, or a line per `tick`.
+fn serve_bulk(listener: TcpListener, stop: Arc<AtomicBool>, tick: Option<Duration>) {
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((mut stream, _)) => {
+                let stop = stop.clone();
                 std::thread::spawn(move || {
                     let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
                     let zeros = vec![0u8; 256 * 1024];
-                    while stream.write_all(&zeros).is_ok() {}
+                    while !stop.load(Ordering::SeqCst) {
+                        let sent = match tick {
+                            Some(every) => {
+                                std::thread::sleep(every);
+                                stream.write_all(b"tick\n")
+                            }
+                            None => stream.write_all(&zeros),
+                        };
+                        if sent.is_err() {
+                            break;
+                        }
+                    }
                 });
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
