@@ -184,6 +184,9 @@ async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones()
     }
     assert_eq!(long.await.unwrap()["stdout"], "done\n");
     assert_eq!(api.get(&format!("/v1/sandboxes/{busy}")).await.expect(200).json()["status"], "running", "in use: not reaped");
+    // Idle from now on: keep it (the rest of the test takes longer than its TTL on a loaded host).
+    let lifecycle = api.send(Method::PATCH, &format!("/v1/sandboxes/{busy}/lifecycle"), Some(br#"{"ttl_seconds": 0}"#.to_vec())).await;
+    lifecycle.expect(200);
     assert!(!env.data_dir().join("vms").join(&idle).exists(), "the reaped sandbox's VM is gone");
 
     let reaped = |events: Vec<clade_store::Event>| events.into_iter().find(|e| e.kind == "reaped").map(|e| e.detail);
@@ -194,8 +197,6 @@ async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones()
     // Hibernated by the reaper, woken by use, files intact.
     assert_eq!(api.exec(&kept, "cat /root/f").await["stdout"], "kept\n");
 
-    let lifecycle = api.send(Method::PATCH, &format!("/v1/sandboxes/{busy}/lifecycle"), Some(br#"{"ttl_seconds": 0}"#.to_vec())).await;
-    lifecycle.expect(200);
     for id in [&kept, &busy] {
         api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
     }

@@ -43,27 +43,39 @@ impl SandboxService {
         };
         for row in rows {
             let Ok(entry) = self.entry(&row.workspace_id, &row.id) else { continue };
-            let (action, limit) = if row.persistent {
-                let after = row.hibernate_after_seconds.unwrap_or(self.settings().idle_hibernate_seconds);
-                if row.state == SandboxState::Hibernated {
-                    continue;
-                }
-                (Reap::Hibernate, after)
-            } else {
-                (Reap::Delete, row.ttl_seconds)
-            };
-            if limit == 0 || entry.idle_seconds() < limit {
+            let Some((action, limit)) = self.reap_rule(&row) else { continue };
+            if entry.idle_seconds() < limit {
                 continue;
             }
-            self.reap(&entry, action, limit).await;
+            self.reap(&entry, action).await;
         }
     }
 
-    async fn reap(&self, entry: &Arc<Entry>, action: Reap, limit: u64) {
+    /// What idleness does to this sandbox, and after how long; `None`: nothing.
+    fn reap_rule(&self, row: &clade_store::SandboxRow) -> Option<(Reap, u64)> {
+        let rule = if row.persistent {
+            if row.state == SandboxState::Hibernated {
+                return None;
+            }
+            (Reap::Hibernate, row.hibernate_after_seconds.unwrap_or(self.settings().idle_hibernate_seconds))
+        } else {
+            (Reap::Delete, row.ttl_seconds)
+        };
+        (rule.1 > 0).then_some(rule)
+    }
+
+    async fn reap(&self, entry: &Arc<Entry>, action: Reap) {
         // In use right now: not idle.
         let Ok(mut slot) = entry.slot.clone().try_write_owned() else { return };
+        // The listing may be stale: a `PATCH …/lifecycle` since (a new TTL,
+        // `persistent`) decides, read again under the sandbox's lock.
+        let row = match self.store().sandbox(&entry.workspace_id, &entry.id).await {
+            Ok(Some(row)) => row,
+            _ => return,
+        };
+        let Some((current, limit)) = self.reap_rule(&row) else { return };
         let idle_seconds = entry.idle_seconds();
-        if idle_seconds < limit {
+        if current != action || idle_seconds < limit {
             return;
         }
         let outcome = match action {
