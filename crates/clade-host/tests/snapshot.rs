@@ -131,6 +131,43 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
     });
 }
 
+#[test]
+fn a_vm_whose_manager_died_at_a_snapshot_switchover_is_adopted_and_runs() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
+        let vm = env.runtime.create(spec).await.unwrap();
+        let id = vm.id();
+        vm.run(sh("echo kept > /root/f")).await.unwrap();
+        let qmp_socket = vm.dir().join("qmp.sock");
+        let target = format!("file:{}", vm.dir().join("abandoned-state").display());
+        drop(vm);
+        // What a manager killed inside a live snapshot leaves: an outgoing
+        // migration waiting at its switchover, the vCPUs stopped, QEMU in
+        // `finish-migrate`, where `cont` alone is refused.
+        let qmp = clade_host::qmp::Qmp::connect(&qmp_socket).await.unwrap();
+        let capability = serde_json::json!({ "capabilities": [{ "capability": "pause-before-switchover", "state": true }] });
+        qmp.execute("migrate-set-capabilities", Some(capability)).await.unwrap();
+        qmp.execute("migrate", Some(serde_json::json!({ "uri": target }))).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let info = qmp.execute("query-migrate", None).await.unwrap();
+            if info["status"] == "pre-switchover" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no switchover: {info}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let status = qmp.execute("query-status", None).await.unwrap();
+        assert_eq!(status["running"], false, "{status}");
+        drop(qmp);
+
+        let adopted = env.runtime.adopt(&id, None).await.unwrap();
+        assert_eq!(adopted.run(argv(&["cat", "/root/f"])).await.unwrap().stdout_str(), "kept\n");
+        env.runtime.remove(&id).await.unwrap();
+    });
+}
+
 const COUNTER: &str = "nohup python3 -c 'import os, time\ni = 0\nwhile True:\n    open(\"/tmp/n.new\", \"w\").write(str(i)); os.replace(\"/tmp/n.new\", \"/tmp/n\"); i += 1; time.sleep(0.1)' >/dev/null 2>&1 &";
 
 #[test]

@@ -116,11 +116,16 @@ pub async fn switch_over(qmp: &Qmp) -> Result<(), MigrateError> {
     wait_completed(qmp, Duration::from_secs(60)).await
 }
 
-/// After a failed or abandoned outgoing migration: cancels it and runs the
-/// source again.
+/// How long an abandoned outgoing migration may take to end: one already in
+/// its final stage (`device`) cannot be cancelled and writes its last pages.
+const ABANDON_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// After a failed or abandoned outgoing migration (ours, or one whose manager
+/// died): cancels it, waits until QEMU has left it, and runs the source again.
 pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
     let _ = qmp.execute("migrate_cancel", None).await;
-    for _ in 0..5000 {
+    let deadline = tokio::time::Instant::now() + ABANDON_TIMEOUT;
+    loop {
         let info = qmp.execute("query-migrate", None).await?;
         let active = matches!(
             info.get("status").and_then(Value::as_str),
@@ -129,11 +134,24 @@ pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
         if !active {
             break;
         }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(MigrateError::Timeout(ABANDON_TIMEOUT));
+        }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let status = qmp.execute("query-status", None).await?;
-    if status.get("running").and_then(Value::as_bool) != Some(true) {
-        qmp.execute("cont", None).await?;
+    if status.get("running").and_then(Value::as_bool) == Some(true) {
+        return Ok(());
     }
-    Ok(())
+    // The migration's status changes a moment before QEMU leaves its
+    // `finish-migrate` run state, when `cont` is refused ("Migration is not
+    // finalized yet").
+    for attempt in 0.. {
+        match qmp.execute("cont", None).await {
+            Ok(_) => return Ok(()),
+            Err(QmpError::Command { .. }) if attempt < 2000 => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    unreachable!("the loop returns")
 }

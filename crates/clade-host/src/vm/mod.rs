@@ -485,11 +485,12 @@ impl VmRuntime {
             pool.adopt(&dir).await?;
         }
         // A manager that died inside a snapshot or fork left the vCPUs
-        // stopped in a VM recorded as running: run it again.
+        // stopped in a VM recorded as running, maybe with its migration
+        // still writing: end that and run the VM again.
         let status = qmp.execute("query-status", None).await?;
         if record.phase == Phase::Running && status.get("running").and_then(serde_json::Value::as_bool) == Some(false) {
             tracing::info!(vm = %id, "resuming a VM its previous manager left stopped");
-            qmp.execute("cont", None).await?;
+            migrate::abandon(&qmp).await?;
         }
         let agent = AgentClient::disconnected(&launch::agent_socket(&dir));
         // A paused guest cannot answer: its session starts at `resume`.
