@@ -101,6 +101,25 @@ fn output(command: &mut Command) -> (i32, String, String) {
     )
 }
 
+/// Each `clade vm create` starts its own QEMU, so its agent connects while
+/// the restored guest still processes the saved connection's close: the
+/// post-restore hook must be answered in that first session (a lost answer
+/// costs a 10 s timeout and a retry, which the CLI logs).
+#[test]
+fn creates_answer_the_post_restore_hook_in_their_first_session() {
+    let Some(env) = vm_env() else { return };
+    for _ in 0..8 {
+        let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
+        assert_eq!(code, 0, "{stderr}");
+        assert!(!stderr.contains("retrying on a new session"), "{stderr}");
+        let id = stdout.lines().last().unwrap().trim().to_string();
+        let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "cat", "/etc/hostname"]));
+        assert_eq!((code, stdout.trim()), (0, format!("sb-{id}").as_str()), "{stderr}");
+        let (code, _, stderr) = output(clade(&env).args(["vm", "rm", &id]));
+        assert_eq!(code, 0, "{stderr}");
+    }
+}
+
 #[test]
 fn create_exec_hibernate_wake_rm_through_the_cli() {
     let Some(env) = vm_env() else { return };

@@ -152,10 +152,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for HelloWatch<T> {
 /// tokio never forgets a hang-up it has seen on a registration (closed
 /// readiness is final for sockets and pipes), but the port hangs up every
 /// time the host disconnects and comes back when it reconnects. So the fd
-/// is registered afresh before each session ([`SessionChannel::renew`]), and
-/// within a session a hang-up is final: a read that would block after one
-/// reads as EOF and a write fails, which ends the session. (Retrying instead
-/// would spin: the stale hang-up makes every readiness wait return at once.)
+/// is registered afresh before each session ([`SessionChannel::renew`]).
+/// Within a session, a read that would block after a hang-up asks the port
+/// whether the host is still gone: if so it reads as EOF (a write fails),
+/// which ends the session; if the host is back, the hang-up was stale and
+/// the fd is registered afresh (waiting on the old registration would spin:
+/// its recorded hang-up makes every readiness wait return at once).
 pub struct Port {
     path: PathBuf,
     /// `None` only after a failed re-registration; `renew` reopens then.
@@ -191,6 +193,32 @@ impl Port {
         self.fd
             .as_ref()
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
+    }
+
+    /// After a hang-up seen on this registration: whether the host is in
+    /// fact connected now, in which case the port is registered afresh
+    /// (without the hang-up) and the session goes on.
+    ///
+    /// The driver reports a host's connection changes from a work queue but
+    /// its data as it comes, so a session can start on a hello that arrived
+    /// while the port still said "disconnected" (a restored guest sees the
+    /// saved connection close, then the new host's open). Taking that
+    /// hang-up as the end would end a live session after its first request,
+    /// losing the answer.
+    fn hang_up_was_stale(&mut self) -> io::Result<bool> {
+        let raw = self.fd()?.as_raw_fd();
+        let mut pollfd = libc::pollfd { fd: raw, events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pollfd` is one valid, initialised pollfd for the duration
+        // of the call, and `raw` is an open fd owned by `self`.
+        if unsafe { libc::poll(&mut pollfd, 1, 0) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if pollfd.revents & libc::POLLHUP != 0 {
+            return Ok(false);
+        }
+        tracing::debug!("the port's hang-up was stale; registering it afresh");
+        self.renew()?;
+        Ok(true)
     }
 }
 
@@ -237,8 +265,9 @@ impl AsyncRead for Port {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let fd = self.fd()?;
+        let this = self.get_mut();
         loop {
+            let fd = this.fd()?;
             let mut guard = ready!(fd.poll_read_ready(cx))?;
             let hung_up = guard.ready().is_read_closed();
             let unfilled = buf.initialize_unfilled();
@@ -251,8 +280,13 @@ impl AsyncRead for Port {
                 }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
-                // The host hung up during this session: it is over.
-                Err(_would_block) if hung_up => return Poll::Ready(Ok(())),
+                Err(_would_block) if hung_up => {
+                    if this.hang_up_was_stale()? {
+                        continue;
+                    }
+                    // The host hung up during this session: it is over.
+                    return Poll::Ready(Ok(()));
+                }
                 Err(_would_block) => continue,
             }
         }
@@ -265,8 +299,9 @@ impl AsyncWrite for Port {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let fd = self.fd()?;
+        let this = self.get_mut();
         loop {
+            let fd = this.fd()?;
             let mut guard = ready!(fd.poll_write_ready(cx))?;
             let hung_up = guard.ready().is_write_closed();
             match guard.try_io(|fd| {
@@ -276,7 +311,10 @@ impl AsyncWrite for Port {
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
                 Err(_would_block) if hung_up => {
-                    return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
+                    if this.hang_up_was_stale()? {
+                        continue;
+                    }
+                    return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
                 }
                 Err(_would_block) => continue,
             }
@@ -453,8 +491,20 @@ mod tests {
         assert_eq!(all, b"pong");
     }
 
+    /// CPU time this process has used (user + system).
+    fn cpu_used() -> Duration {
+        // SAFETY: `usage` is a valid, writable rusage for the call.
+        let usage = unsafe {
+            let mut usage = std::mem::zeroed::<libc::rusage>();
+            libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+            usage
+        };
+        let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+        time(usage.ru_utime) + time(usage.ru_stime)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_hang_up_ends_the_session_and_renew_starts_afresh() {
+    async fn a_hang_up_that_is_over_does_not_end_the_session_nor_spin() {
         use std::io::Write;
         // A pty master behaves like the port: the slave closing is a
         // hang-up, reopening it a new connection.
@@ -475,17 +525,24 @@ mod tests {
             .custom_flags(libc::O_NOCTTY)
             .open(&slave_path)
             .unwrap();
-        // Nothing to read, and a hang-up on record: EOF rather than a busy loop.
+        // The hang-up on record is stale now: the read waits for data, with
+        // neither an EOF nor a busy loop on the recorded readiness.
         let read = tokio::spawn(async move {
             let mut buf = [0u8; 16];
             let n = port.read(&mut buf).await;
-            (port, n)
+            (port, n.map(|n| buf[..n].to_vec()))
         });
-        let (mut port, n) = tokio::time::timeout(Duration::from_secs(5), read)
+        let cpu_before = cpu_used();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!read.is_finished(), "the session ended on a hang-up that was over");
+        let spent = cpu_used() - cpu_before;
+        assert!(spent < Duration::from_millis(250), "the read spins: {spent:?} of CPU in 500 ms");
+        slave.write_all(b"hi").unwrap();
+        let (mut port, got) = tokio::time::timeout(Duration::from_secs(5), read)
             .await
-            .expect("the read spins")
+            .expect("the data never reached the read")
             .unwrap();
-        assert_eq!(n.unwrap(), 0);
+        assert_eq!(got.unwrap(), b"hi");
         // A fresh registration waits for data like any other.
         port.renew().unwrap();
         let pending = tokio::time::timeout(Duration::from_millis(200), port.read(&mut buf)).await;
@@ -493,12 +550,12 @@ mod tests {
             pending.is_err(),
             "a renewed port with nothing to read must wait"
         );
-        slave.write_all(b"hi").unwrap();
+        slave.write_all(b"ho").unwrap();
         let n = tokio::time::timeout(Duration::from_secs(5), port.read(&mut buf))
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(&buf[..n], b"hi");
+        assert_eq!(&buf[..n], b"ho");
     }
 
     /// A stand-in for a virtio-serial port: EOF while no host is connected,
