@@ -9,6 +9,7 @@
 #![allow(unsafe_code)]
 
 use std::fs::OpenOptions;
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
@@ -27,6 +28,15 @@ use crate::server::{serve_connection, Agent, ServerError};
 
 /// How often a disconnected port is retried when no SIGIO comes.
 const RETRY: Duration = Duration::from_millis(100);
+
+/// How long a write waits for a host that the driver reports gone: the
+/// driver delivers a host's data as it comes but its connection changes from
+/// a work queue, so a restored guest can read a new host's hello while still
+/// believing that host absent (the saved connection's close came first).
+const HOST_RETURN_GRACE: Duration = Duration::from_secs(2);
+/// How often that wait asks the driver again (a gone host has no readiness
+/// to wait on: its hang-up is reported at once, every time).
+const HOST_RETURN_POLL: Duration = Duration::from_millis(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PortError {
@@ -157,11 +167,14 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for HelloWatch<T> {
 /// whether the host is still gone: if so it reads as EOF (a write fails),
 /// which ends the session; if the host is back, the hang-up was stale and
 /// the fd is registered afresh (waiting on the old registration would spin:
-/// its recorded hang-up makes every readiness wait return at once).
+/// its recorded hang-up makes every readiness wait return at once). A write
+/// to a gone host waits [`HOST_RETURN_GRACE`] for it before failing.
 pub struct Port {
     path: PathBuf,
     /// `None` only after a failed re-registration; `renew` reopens then.
     fd: Option<AsyncFd<OwnedFd>>,
+    /// While a write waits for the host: when it gives up, and its next look.
+    host_return: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 impl Port {
@@ -186,6 +199,7 @@ impl Port {
         Ok(Self {
             path: path.to_path_buf(),
             fd: Some(fd),
+            host_return: None,
         })
     }
 
@@ -307,14 +321,26 @@ impl AsyncWrite for Port {
             match guard.try_io(|fd| {
                 nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)
             }) {
-                Ok(Ok(n)) => return Poll::Ready(Ok(n)),
+                Ok(Ok(n)) => {
+                    this.host_return = None;
+                    return Poll::Ready(Ok(n));
+                }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
                 Err(_would_block) if hung_up => {
                     if this.hang_up_was_stale()? {
                         continue;
                     }
-                    return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+                    let now = tokio::time::Instant::now();
+                    let (give_up, next_look) = this.host_return.get_or_insert_with(|| {
+                        (now + HOST_RETURN_GRACE, Box::pin(tokio::time::sleep(HOST_RETURN_POLL)))
+                    });
+                    if now >= *give_up {
+                        this.host_return = None;
+                        return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+                    }
+                    ready!(next_look.as_mut().poll(cx));
+                    next_look.as_mut().reset(tokio::time::Instant::now() + HOST_RETURN_POLL);
                 }
                 Err(_would_block) => continue,
             }
@@ -474,6 +500,7 @@ mod tests {
         let mut port = Port {
             path: PathBuf::new(),
             fd: Some(register(OwnedFd::from(a)).unwrap()),
+            host_return: None,
         };
         let mut b = tokio::net::UnixStream::from_std({
             b.set_nonblocking(true).unwrap();
@@ -514,6 +541,7 @@ mod tests {
         let mut port = Port {
             path: PathBuf::new(),
             fd: Some(register(pty.master.into_fd()).unwrap()),
+            host_return: None,
         };
         drop(pty.slave);
         let mut buf = [0u8; 16];

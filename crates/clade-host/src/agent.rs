@@ -154,6 +154,7 @@ impl AgentClient {
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) if Instant::now() + HANDSHAKE_RETRY_PAUSE >= deadline => return Err(AgentError::Timeout(timeout)),
                 Err(_) => {
+                    tracing::warn!("the agent did not answer a hello within {attempt_timeout:?}; retrying on a new connection");
                     // The connection is closed by now; let the guest see it.
                     tokio::time::sleep(HANDSHAKE_RETRY_PAUSE).await;
                     attempt_timeout *= 2;
