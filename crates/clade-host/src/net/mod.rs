@@ -50,7 +50,7 @@ use dns::{DnsPolicy, DomainList, Resolver};
 pub const STATE_DIR: &str = "/run/clade/net";
 
 /// The guest's address, gateway and MAC, the same in every sandbox.
-pub use clade_proto::guest_net::{GATEWAY, GUEST_ADDRESS, GUEST_MAC};
+use clade_proto::guest_net::GATEWAY;
 
 /// The MAC of `tap0`, the guest's gateway: fixed, so that a restored guest's
 /// neighbour cache stays right in every namespace.
@@ -131,7 +131,7 @@ impl Slot {
 }
 
 /// Bytes and packets through a sandbox's interface since its slot was made.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Traffic {
     pub tx_bytes: u64,
     pub tx_packets: u64,
@@ -247,11 +247,6 @@ impl NetPool {
     /// The address guests' DNS queries are sent to.
     pub fn resolver_address(&self) -> Ipv4Addr {
         self.inner.resolver_slot.host_address()
-    }
-
-    /// Prepared slots waiting for a VM.
-    pub fn ready_count(&self) -> usize {
-        self.inner.ready.lock().expect("pool lock").len()
     }
 
     /// Gives a slot to the VM in `vm_dir` with `policy` in force before its
@@ -784,7 +779,8 @@ fn cidr_set(cidrs: &[Ipv4Cidr]) -> Option<String> {
 
 /// Puts `policy` in force for the slot, in one nftables transaction.
 fn apply_policy(slot: Slot, policy: &EgressPolicy) -> Result<(), NetError> {
-    // The connection-count set keeps the limit it was created with: remake it.
+    // The connection-count set keeps the limit it was created with: remake
+    // it, after emptying the chain whose rules refer to it.
     let i = slot.index;
     let mut script = format!("flush chain {TABLE} sb{i}\ndelete set {TABLE} conn{i}\nadd set {TABLE} conn{i} {{ type ipv4_addr; flags dynamic; }}\n");
     script.push_str(&policy_rules(slot, policy));

@@ -421,9 +421,8 @@ impl VmRuntime {
                     record.phase = Phase::Creating;
                     record.tag = spec.tag.clone();
                     // A standby VMM's slot is isolated until now.
-                    match (&self.network, &spec.network, &record.network) {
-                        (Some(pool), Some(policy), Some(_)) => pool.set_policy(&dir, policy).await?,
-                        _ => {}
+                    if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &record.network) {
+                        pool.set_policy(&dir, policy).await?;
                     }
                     if record.network.is_some() {
                         record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
