@@ -272,35 +272,42 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
         }
     }
 
-    // Density: PSS of idle sandboxes of one template.
+    // Density: PSS and CPU of idle sandboxes of one template, twice: right
+    // after the creates (the guests still finish their first steps: page
+    // cache writeback, the journal's first commit) and once they have
+    // settled (what a sandbox waiting for its agent's next command costs).
     let density = if want("density") { density } else { 0 };
     let mut vms = Vec::new();
     for _ in 0..density {
         vms.push(runtime.create(spec.clone()).await?);
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let mut pss_total = 0;
-    let mut tcg_total = 0;
-    let mut ticks_before = Vec::new();
-    for vm in &vms {
-        pss_total += memory_kib(vm.vmm().pid)?.1;
-        tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
-        ticks_before.push(cpu_ticks(vm.vmm().pid)?);
-    }
-    let wall = Instant::now();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let mut ticks = 0;
-    for (vm, before) in vms.iter().zip(ticks_before) {
-        ticks += cpu_ticks(vm.vmm().pid)? - before;
-    }
+    let created = Instant::now();
     if density > 0 {
-        let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
-        println!(
-            "{density} idle sandboxes: PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
-            pss_total as f64 / 1024.0 / density as f64,
-            pss_total as f64 / 1024.0,
-            tcg_total as f64 / 1024.0 / density as f64,
-        );
+        for (label, at) in [("just created", Duration::from_secs(3)), ("settled", Duration::from_secs(30))] {
+            tokio::time::sleep(at.saturating_sub(created.elapsed())).await;
+            let mut pss_total = 0;
+            let mut tcg_total = 0;
+            let mut ticks_before = Vec::new();
+            for vm in &vms {
+                pss_total += memory_kib(vm.vmm().pid)?.1;
+                tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
+                ticks_before.push(cpu_ticks(vm.vmm().pid)?);
+            }
+            let wall = Instant::now();
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            let mut ticks = 0;
+            for (vm, before) in vms.iter().zip(ticks_before) {
+                ticks += cpu_ticks(vm.vmm().pid)? - before;
+            }
+            let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
+            println!(
+                "{density} idle sandboxes, {label} ({:.0} s after the creates): PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
+                at.as_secs_f64(),
+                pss_total as f64 / 1024.0 / density as f64,
+                pss_total as f64 / 1024.0,
+                tcg_total as f64 / 1024.0 / density as f64,
+            );
+        }
     }
     for vm in vms {
         vm.stop().await?;
