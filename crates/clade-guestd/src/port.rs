@@ -3,7 +3,7 @@
 //! A virtio-serial port reads EOF and polls POLLHUP for as long as no host
 //! is connected, and its writes would block. So the port is opened once and
 //! kept; a session attempt that sees EOF waits for SIGIO (which the driver
-//! sends to the port's owner when a host connects) or 100 ms, whichever is
+//! sends to the port's owner when a host connects) or 1 s, whichever is
 //! first, and tries again. That keeps an idle guest idle.
 
 #![allow(unsafe_code)]
@@ -26,8 +26,16 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::server::{serve_connection, Agent, ServerError};
 
-/// How often a disconnected port is retried when no SIGIO comes.
+/// How often a disconnected port is retried (and a failed one reopened)
+/// where there is no SIGIO to wait for.
 const RETRY: Duration = Duration::from_millis(100);
+
+/// With SIGIO armed, how long a guest with no host waits before looking at
+/// the port anyway. Only a safety net: the driver signals every change of
+/// the host's connection and every arrival of its data. Every look wakes an
+/// idle guest: under TCG, looking 10 times a second cost an idle VM with no
+/// host 4.1 % of a host core, against 0.8 % once a second.
+const SIGIO_FALLBACK: Duration = Duration::from_secs(1);
 
 /// How long a write waits for a host that the driver reports gone: the
 /// driver delivers a host's data as it comes but its connection changes from
@@ -414,7 +422,7 @@ impl HostWait {
             Some(sigio) => {
                 tokio::select! {
                     _ = sigio.recv() => {}
-                    _ = tokio::time::sleep(RETRY) => {}
+                    _ = tokio::time::sleep(SIGIO_FALLBACK) => {}
                 }
             }
             None => tokio::time::sleep(RETRY).await,
