@@ -70,12 +70,17 @@ pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), Mig
     set_capabilities(qmp, ignore_shared, false).await?;
     qmp.execute("migrate-incoming", Some(json!({ "uri": format!("file:{}", file.display()) }))).await?;
     wait_completed(qmp, Duration::from_secs(300)).await?;
-    // Right after `completed` QEMU may still refuse `cont` for a moment
-    // ("migration is not finalized yet").
+    cont_once_finalized(qmp).await
+}
+
+/// Runs the vCPUs after a migration. Its status changes a moment before
+/// QEMU leaves the migration's run state, when `cont` is refused ("Migration
+/// is not finalized yet"): retried for up to ~2 s.
+async fn cont_once_finalized(qmp: &Qmp) -> Result<(), MigrateError> {
     for attempt in 0.. {
         match qmp.execute("cont", None).await {
             Ok(_) => return Ok(()),
-            Err(QmpError::Command { .. }) if attempt < 500 => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(QmpError::Command { .. }) if attempt < 2000 => tokio::time::sleep(Duration::from_millis(1)).await,
             Err(e) => return Err(e.into()),
         }
     }
@@ -143,15 +148,5 @@ pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
     if status.get("running").and_then(Value::as_bool) == Some(true) {
         return Ok(());
     }
-    // The migration's status changes a moment before QEMU leaves its
-    // `finish-migrate` run state, when `cont` is refused ("Migration is not
-    // finalized yet").
-    for attempt in 0.. {
-        match qmp.execute("cont", None).await {
-            Ok(_) => return Ok(()),
-            Err(QmpError::Command { .. }) if attempt < 2000 => tokio::time::sleep(Duration::from_millis(1)).await,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    unreachable!("the loop returns")
+    cont_once_finalized(qmp).await
 }
