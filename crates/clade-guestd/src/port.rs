@@ -246,6 +246,9 @@ impl Port {
 
 impl SessionChannel for Port {
     fn renew(&mut self) -> io::Result<()> {
+        // A wait for the host belongs to the write that started it; one
+        // dropped mid-wait (its session ended) must not cut a later one short.
+        self.host_return = None;
         match self.fd.take() {
             Some(registered) => self.fd = Some(register(registered.into_inner())?),
             None => *self = Port::open(&self.path).map_err(io::Error::other)?,
