@@ -207,10 +207,38 @@ fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselve
         let err = parent.agent().read_file("/root/child").await.unwrap_err();
         assert!(err.to_string().contains("No such file"), "a child's write reached the parent: {err}");
         assert!(parent.run(sh("cat /tmp/n")).await.unwrap().exit_code() == 0, "the parent runs on");
-        assert!(
-            dirs_in_phase(env.runtime.vms_dir(), clade_host::Phase::Holder).is_empty(),
-            "the holder VMM of the live snapshot is gone"
-        );
+    });
+}
+
+/// A snapshot holds what the guest wrote since its restore, not its RAM:
+/// 40 MB written into tmpfs grow it by about that much, a VM made from it
+/// has those bytes, and a snapshot of that VM is again only its own delta
+/// over the template (no chain of copies).
+#[test]
+fn a_snapshot_costs_what_the_guest_wrote_not_its_ram() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let memory_of = |id: &str| std::fs::metadata(env.data_dir().join("snapshots").join(id).join("memory")).unwrap().len();
+        let vm = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let ram = u64::from(clade_host::VmRecord::load(vm.dir()).unwrap().memory_mb) << 20;
+        let quiet = vm.snapshot(&env.runtime).await.unwrap();
+        let out = vm.run(sh("head -c 40000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob > /root/blob.sum")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+        let busy = vm.snapshot(&env.runtime).await.unwrap();
+        let (quiet_bytes, busy_bytes) = (memory_of(&quiet), memory_of(&busy));
+        assert!(quiet_bytes < ram / 8, "a fresh VM's snapshot holds {quiet_bytes} bytes of {ram} of RAM");
+        assert!(busy_bytes >= quiet_bytes + 40_000_000, "40 MB written, snapshot {quiet_bytes} -> {busy_bytes} bytes");
+        assert!(busy_bytes < quiet_bytes + 80_000_000, "40 MB written, snapshot {quiet_bytes} -> {busy_bytes} bytes");
+
+        let copy = env.runtime.create_from_snapshot(&busy, Lifetime::Ephemeral, None).await.unwrap();
+        let out = copy.run(sh("sha256sum -c /root/blob.sum")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "the copy has the bytes in its memory: {}{}", out.stdout_str(), out.stderr_str());
+        let again = copy.snapshot(&env.runtime).await.unwrap();
+        let again_bytes = memory_of(&again);
+        assert!(again_bytes < busy_bytes + 20_000_000, "a copy's snapshot is its delta over the template: {busy_bytes} -> {again_bytes}");
+        let copy_of_copy = env.runtime.create_from_snapshot(&again, Lifetime::Ephemeral, None).await.unwrap();
+        let out = copy_of_copy.run(sh("sha256sum -c /root/blob.sum")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}{}", out.stdout_str(), out.stderr_str());
     });
 }
 
@@ -260,7 +288,7 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
 }
 
 /// VM directories whose record is in `phase`, read from disk (listings hide
-/// standby and holder VMMs).
+/// standby VMMs).
 fn dirs_in_phase(vms_dir: &std::path::Path, phase: clade_host::Phase) -> Vec<String> {
     std::fs::read_dir(vms_dir)
         .unwrap()

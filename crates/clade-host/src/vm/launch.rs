@@ -63,7 +63,9 @@ pub enum Memory {
 }
 
 /// The RAM block's name; a restore must use the same one as the save.
-const RAM_ID: &str = "mem";
+pub const RAM_ID: &str = "mem";
+/// QEMU's machine type, named in saved state.
+pub const MACHINE: &str = "microvm";
 
 pub fn console_log(dir: &Path) -> PathBuf {
     dir.join("console.log")
@@ -107,8 +109,8 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         format!("clade-{},debug-threads=on", spec.id),
         "-machine".into(),
         match spec.memory {
-            Memory::Anonymous => "microvm,x-option-roms=off,rtc=off,acpi=off".into(),
-            _ => format!("microvm,x-option-roms=off,rtc=off,acpi=off,memory-backend={RAM_ID}"),
+            Memory::Anonymous => format!("{MACHINE},x-option-roms=off,rtc=off,acpi=off"),
+            _ => format!("{MACHINE},x-option-roms=off,rtc=off,acpi=off,memory-backend={RAM_ID}"),
         },
         "-accel".into(),
         spec.accel.to_string(),

@@ -64,6 +64,49 @@ pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), Mig
     wait_completed(qmp, Duration::from_secs(300)).await
 }
 
+/// Writes the device state of a stopped VM, without any RAM, to `file` as
+/// a stream [`load`] reads (with `ignore_shared` off); the VM stays stopped.
+/// Its memory is saved apart (see `delta`).
+///
+/// QEMU writes such a stream for Xen (`xen-save-devices-state`), where the
+/// configuration section and the trailing VM description are switched off;
+/// a microvm's incoming migration requires both, so they are added: the
+/// configuration is the machine type's name (no capability needs checking
+/// with `x-ignore-shared` off), the description an empty JSON object that
+/// QEMU reads past unparsed.
+pub async fn save_devices(qmp: &Qmp, file: &Path, machine: &str) -> Result<(), MigrateError> {
+    let raw = file.with_extension("devices");
+    // `live` off: with it, a stopped VM's disks would be handed over (inactivated).
+    qmp.execute("xen-save-devices-state", Some(json!({ "filename": raw.display().to_string(), "live": false }))).await?;
+    let devices = std::fs::read(&raw).map_err(|e| MigrateError::Failed(format!("reading the device state: {e}")));
+    let _ = std::fs::remove_file(&raw);
+    let stream = loadable_device_stream(&devices?, machine)?;
+    std::fs::write(file, stream).map_err(|e| MigrateError::Failed(format!("writing the device state: {e}")))
+}
+
+const STREAM_HEADER: usize = 8;
+const SECTION_CONFIGURATION: u8 = 0x07;
+const SECTION_VM_DESCRIPTION: u8 = 0x06;
+
+fn loadable_device_stream(devices: &[u8], machine: &str) -> Result<Vec<u8>, MigrateError> {
+    if devices.len() <= STREAM_HEADER || &devices[..4] != b"QEVM" {
+        return Err(MigrateError::Failed("the device state is not a QEMU state stream".into()));
+    }
+    let mut stream = Vec::with_capacity(devices.len() + 64);
+    stream.extend_from_slice(&devices[..STREAM_HEADER]);
+    if devices[STREAM_HEADER] != SECTION_CONFIGURATION {
+        stream.push(SECTION_CONFIGURATION);
+        stream.extend_from_slice(&(machine.len() as u32).to_be_bytes());
+        stream.extend_from_slice(machine.as_bytes());
+    }
+    stream.extend_from_slice(&devices[STREAM_HEADER..]);
+    let description = b"{}";
+    stream.push(SECTION_VM_DESCRIPTION);
+    stream.extend_from_slice(&(description.len() as u32).to_be_bytes());
+    stream.extend_from_slice(description);
+    Ok(stream)
+}
+
 /// Loads state saved by [`save`] into a QEMU started with `-incoming defer`,
 /// then runs the vCPUs.
 pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
@@ -85,40 +128,6 @@ async fn cont_once_finalized(qmp: &Qmp) -> Result<(), MigrateError> {
         }
     }
     unreachable!("the loop returns")
-}
-
-/// Makes a QEMU started with `-incoming defer` listen for a live migration
-/// on a unix socket; returns once it listens.
-pub async fn receive(qmp: &Qmp, socket: &Path) -> Result<(), MigrateError> {
-    set_capabilities(qmp, false, false).await?;
-    qmp.execute("migrate-incoming", Some(json!({ "uri": format!("unix:{}", socket.display()) }))).await?;
-    Ok(())
-}
-
-/// How long a live migration may run before its switchover.
-const PRECOPY_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Starts a live migration of a running VM to `socket` and returns when its
-/// RAM has been copied and its vCPUs have just been stopped for the
-/// switchover: the caller may now copy anything that must match the memory
-/// (the disk layer), then call [`switch_over`].
-pub async fn send_live(qmp: &Qmp, socket: &Path) -> Result<(), MigrateError> {
-    set_capabilities(qmp, false, true).await?;
-    // Precopy ends once what is left fits in `downtime-limit` (ms); the
-    // default bandwidth cap (128 MiB/s) is for networks, not a local socket.
-    qmp.execute("migrate-set-parameters", Some(json!({ "downtime-limit": 10, "max-bandwidth": 64u64 << 30 }))).await?;
-    qmp.execute("migrate", Some(json!({ "uri": format!("unix:{}", socket.display()) }))).await?;
-    wait_for(qmp, "pre-switchover", PRECOPY_TIMEOUT).await?;
-    if let Ok(info) = qmp.execute("query-migrate", None).await {
-        tracing::debug!(%info, "precopy done");
-    }
-    Ok(())
-}
-
-/// Sends the last dirty pages and the device state; the source stays stopped.
-pub async fn switch_over(qmp: &Qmp) -> Result<(), MigrateError> {
-    qmp.execute("migrate-continue", Some(json!({ "state": "pre-switchover" }))).await?;
-    wait_completed(qmp, Duration::from_secs(60)).await
 }
 
 /// How long an abandoned outgoing migration may take to end: one already in

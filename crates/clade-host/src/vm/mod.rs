@@ -10,6 +10,7 @@
 //! the tail of its console, and its files are removed.
 
 mod admission;
+mod delta;
 mod launch;
 mod migrate;
 mod process;
@@ -73,6 +74,8 @@ pub enum VmError {
     Admission(#[from] AdmissionError),
     #[error("moving VM state")]
     Migrate(#[from] MigrateError),
+    #[error("moving guest memory")]
+    Memory(#[from] delta::DeltaError),
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
@@ -443,7 +446,7 @@ impl VmRuntime {
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let started = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), RestoredMemory::Shared, self.boot_timeout()).await?;
             let restored = started.elapsed();
             run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?restored, total = ?started.elapsed(), "restore timings");
@@ -528,8 +531,13 @@ impl VmRuntime {
         record.owner = ProcessId::current();
         record.save(&dir).map_err(io_err("writing the VM record"))?;
         let state = dir.join(HIBERNATED_STATE);
+        let memory_file = dir.join(HIBERNATED_MEMORY);
+        let memory = match memory_file.exists() {
+            true => RestoredMemory::Delta { file: &memory_file, vmm },
+            false => RestoredMemory::InState,
+        };
         let woken = async {
-            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, false, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -548,6 +556,7 @@ impl VmRuntime {
         record.phase = Phase::Running;
         record.save(&dir).map_err(io_err("writing the VM record"))?;
         let _ = std::fs::remove_file(&state);
+        let _ = std::fs::remove_file(&memory_file);
         Ok(Vm::attach(record, dir, qmp, agent, exit_rx, watchdog, BootKind::Woken))
     }
 
@@ -570,6 +579,8 @@ const AGENT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The file a hibernated VM's state is saved in, inside its directory.
 const HIBERNATED_STATE: &str = "hibernated.state";
+/// A hibernated VM's memory beyond its template (see `delta`).
+const HIBERNATED_MEMORY: &str = "hibernated.memory";
 
 /// How long one post-restore hook may take before the session is presumed lost.
 const HOOK_ATTEMPT: Duration = Duration::from_secs(10);
@@ -689,12 +700,25 @@ async fn wait_for_agent(
 
 /// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
 /// connects the agent.
+/// Where a restore finds guest memory besides the mapped RAM file.
+#[derive(Debug, Clone, Copy)]
+enum RestoredMemory<'a> {
+    /// All of it in the state stream (an older hibernation).
+    InState,
+    /// None: the mapped file is all of it (a template or an older snapshot),
+    /// left out of the stream with `x-ignore-shared`.
+    Shared,
+    /// What the guest wrote on top of its template, in a delta file
+    /// written into QEMU process `vmm` before the device state loads.
+    Delta { file: &'a Path, vmm: ProcessId },
+}
+
 async fn restore_into(
     dir: &Path,
     exit_rx: &watch::Receiver<Option<String>>,
     qmp: Option<Qmp>,
     state: &Path,
-    ignore_shared: bool,
+    memory: RestoredMemory<'_>,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
@@ -704,6 +728,19 @@ async fn restore_into(
             None => connect_qmp(&launch::qmp_socket(dir), timeout).await?,
         };
         let qmp_ready = started.elapsed();
+        let ignore_shared = match memory {
+            RestoredMemory::InState => false,
+            RestoredMemory::Shared => true,
+            RestoredMemory::Delta { file, vmm } => {
+                // Before the device state: loading virtio queues reads guest memory.
+                let blocks = delta::ram_blocks(&qmp).await?;
+                let file = file.to_path_buf();
+                tokio::task::spawn_blocking(move || delta::apply(&file, vmm.pid, &blocks))
+                    .await
+                    .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+                false
+            }
+        };
         migrate::load(&qmp, state, ignore_shared)
             .await
             .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;
@@ -930,8 +967,21 @@ impl Vm {
         if let Err(e) = self.inner.agent.quiesce().await {
             tracing::warn!(vm = %self.id(), "hibernating without a quiesced guest: {e}");
         }
-        if let Err(e) = migrate::save(&self.inner.qmp, &tmp, false).await {
+        let memory = self.inner.dir.join(HIBERNATED_MEMORY);
+        let saved = async {
+            if !self.memory_is_template_based() {
+                // Made from an older snapshot whose RAM file it maps: all of it in the state.
+                return migrate::save(&self.inner.qmp, &tmp, false).await.map_err(VmError::from);
+            }
+            self.inner.qmp.execute("stop", None).await?;
+            let capture = self.capture_stopped(&tmp).await?;
+            let file = memory.clone();
+            tokio::task::spawn_blocking(move || capture.save(&file)).await.map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+            Ok(())
+        };
+        if let Err(e) = saved.await {
             let _ = std::fs::remove_file(&tmp);
+            let _ = std::fs::remove_file(&memory);
             if was == State::Running {
                 let _ = self.inner.qmp.execute("cont", None).await;
             }
@@ -945,6 +995,29 @@ impl Vm {
         crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         Ok(())
+    }
+
+    /// Whether the VM's RAM is its template's RAM file, mapped copy-on-write
+    /// (every VM made by this version), so that a capture of what its guest
+    /// wrote is all there is beyond the template.
+    fn memory_is_template_based(&self) -> bool {
+        let Some(template) = self.inner.record.lock().expect("record lock").template.clone() else {
+            return false;
+        };
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.inner.vmm.pid)).unwrap_or_default();
+        String::from_utf8_lossy(&cmdline).contains(&format!("/templates/{template}/ram,share=off"))
+    }
+
+    /// With the vCPUs stopped: reads what the guest wrote since its restore
+    /// (see `delta`) and writes the device state to `state`.
+    async fn capture_stopped(&self, state: &Path) -> Result<delta::Capture, VmError> {
+        let blocks = delta::ram_blocks(&self.inner.qmp).await?;
+        let pid = self.inner.vmm.pid;
+        let capture = tokio::task::spawn_blocking(move || delta::Capture::read(pid, &blocks, launch::RAM_ID))
+            .await
+            .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+        migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
+        Ok(capture)
     }
 
     async fn end_process(&self) {

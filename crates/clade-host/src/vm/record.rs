@@ -38,15 +38,12 @@ pub enum Phase {
     /// A QEMU process started ahead of need, holding no guest state yet
     /// (see `standby`): never listed or adopted, swept with its owner.
     Standby,
-    /// A paused VMM that receives a running VM's state only to save it again
-    /// (a live snapshot): never listed or adopted, swept with its owner.
-    Holder,
 }
 
 impl Phase {
     /// A VM someone asked for, as opposed to a VMM the runtime keeps for its own use.
     pub fn is_sandbox(self) -> bool {
-        !matches!(self, Phase::Standby | Phase::Holder)
+        self != Phase::Standby
     }
 }
 
@@ -109,7 +106,7 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
         }
         let orphaned = match VmRecord::load(&dir) {
             Some(record) => {
-                (record.lifetime == Lifetime::Ephemeral || matches!(record.phase, Phase::Creating | Phase::Standby | Phase::Holder))
+                (record.lifetime == Lifetime::Ephemeral || matches!(record.phase, Phase::Creating | Phase::Standby))
                     && !record.owner.is_alive()
             }
             None => age(&dir).is_some_and(|age| age > CREATION_GRACE),
@@ -122,10 +119,6 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
     removed
 }
 
-/// In a VM directory: a link to a RAM file kept outside it (in memory), which
-/// goes with the directory.
-pub const MEMORY_LINK: &str = "ram.link";
-
 /// Kills the VM's QEMU if it still runs, then removes the directory.
 pub fn stop_leftover(dir: &Path) {
     let recorded = VmRecord::load(dir).and_then(|r| r.vmm).filter(|vmm| vmm.cmdline_mentions(dir));
@@ -137,9 +130,6 @@ pub fn stop_leftover(dir: &Path) {
     };
     kill_and_wait(vmms);
     crate::net::release_for(dir);
-    if let Ok(memory) = std::fs::read_link(dir.join(MEMORY_LINK)) {
-        let _ = std::fs::remove_file(memory);
-    }
     let _ = std::fs::remove_dir_all(dir);
     if recorded.is_none() {
         // A QEMU forked by a creator that died just now may exec only after
@@ -226,18 +216,5 @@ mod tests {
         assert!(vms.path().join("alive-owner").exists());
         assert!(vms.path().join("persistent").exists());
         assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");
-    }
-
-    #[test]
-    fn removing_a_leftover_removes_the_memory_file_it_links_to() {
-        let vms = tempfile::tempdir().unwrap();
-        let elsewhere = tempfile::tempdir().unwrap();
-        let memory = elsewhere.path().join("clade-holder-x");
-        std::fs::write(&memory, b"ram").unwrap();
-        let dir = vms.path().join("x");
-        std::fs::create_dir(&dir).unwrap();
-        std::os::unix::fs::symlink(&memory, dir.join(MEMORY_LINK)).unwrap();
-        stop_leftover(&dir);
-        assert!(!dir.exists() && !memory.exists());
     }
 }

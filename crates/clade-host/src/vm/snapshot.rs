@@ -4,26 +4,29 @@
 //! ```text
 //! <data_dir>/snapshots/<id>/
 //!   snapshot.json   the record (written last: a snapshot without one is incomplete)
-//!   ram             the VM's RAM at the snapshot instant (a sparse file)
-//!   state           device state only (saved with x-ignore-shared)
+//!   memory          what the guest wrote on top of its template (see `delta`)
+//!   state           device state only
 //!   disk.qcow2      a copy of the VM's disk layer at the snapshot instant
 //!                   (backed by the template's or an earlier snapshot's layer)
 //! ```
 //!
-//! A snapshot is taken live: the VM's RAM streams into a holder VMM (paused,
-//! diskless) whose memory is `ram`, mapped shared, while the VM runs on; the
-//! VM stops only for the switchover, when its disk layer is copied and the
-//! last dirty pages and device state are sent; the holder then saves the
-//! device state and exits. VMs made from a snapshot map its `ram`
-//! copy-on-write, exactly like a template, so siblings share every page none
-//! of them wrote; their disk is a new layer over the snapshot's `disk.qcow2`.
-//! Deleting a snapshot removes its state and RAM file at once (running VMs
-//! keep their mappings) and its disk layer only when no VM and no other
-//! snapshot is backed by it, so a deletion never breaks a running VM.
+//! A snapshot stops the VM only while it reads the pages its guest has
+//! written since its restore (the anonymous pages of its copy-on-write
+//! mapping of the template's RAM file), its device state and its disk layer;
+//! the pages are written out after the VM runs again. A VM made from a
+//! snapshot maps the template's RAM file copy-on-write, like any VM, and has
+//! the snapshot's pages written over it before its devices load: what a
+//! snapshot, a fork child and its memory cost follows what the source guest
+//! wrote, never its RAM size, and the template's memory is never copied.
+//! Chains do not grow: a VM made from a snapshot is again its template plus
+//! the pages it differs in.
 //!
-//! What a snapshot costs: the VM pauses for the switchover and the copy of
-//! its disk layer; the copy of its memory runs beside it and is proportional
-//! to the non-zero memory of the guest, not to its RAM size.
+//! Deleting a snapshot removes its state and memory at once and its disk
+//! layer only when no VM and no other snapshot is backed by it, so a
+//! deletion never breaks a running VM.
+//!
+//! Older snapshots (`own_memory`: the whole RAM in a file of their own,
+//! mapped by the VMs made from them; or RAM inside `state`) still restore.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -32,11 +35,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::net::EgressPolicy;
 
-use super::launch::{self, Disk, Memory};
+use super::launch::Memory;
 use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
-    connect_qmp, hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
+    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
@@ -64,6 +67,9 @@ pub struct SnapshotRecord {
     /// from it; otherwise (older snapshots) the RAM is inside `state`.
     #[serde(default)]
     pub own_memory: bool,
+    /// Its memory is a delta over the template (`memory`).
+    #[serde(default)]
+    pub memory_delta: bool,
     /// The source VM's tag, given to the VMs made from it.
     #[serde(default)]
     pub tag: Option<String>,
@@ -168,8 +174,14 @@ impl VmRuntime {
             let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let memory_file = snap_dir.join("memory");
+            let memory = match (snap.memory_delta, snap.own_memory) {
+                (true, _) => RestoredMemory::Delta { file: &memory_file, vmm },
+                (false, true) => RestoredMemory::Shared,
+                (false, false) => RestoredMemory::InState,
+            };
             let state = snap_dir.join("state");
-            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, snap.own_memory, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -192,6 +204,7 @@ impl VmRuntime {
         // VMs made from it keep their mappings of its RAM file.
         let _ = std::fs::remove_file(dir.join("state"));
         let _ = std::fs::remove_file(dir.join("ram"));
+        let _ = std::fs::remove_file(dir.join("memory"));
         self.collect_snapshot_layers();
         Ok(())
     }
@@ -225,11 +238,12 @@ impl Vm {
     /// Snapshots the VM — memory, disk, running processes — and lets it run
     /// on. Returns the snapshot's id.
     ///
-    /// The VM keeps running while its memory is copied (a live migration
-    /// into a holder VMM that writes it to the snapshot's RAM file); its
-    /// vCPUs stop only for the switchover: the last dirty pages, the device
-    /// state and a copy of its disk layer.
+    /// Its vCPUs stop while the pages its guest wrote, its device state and
+    /// its disk layer are read; the pages are written out once it runs.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
+        if !self.memory_is_template_based() {
+            return Err(VmError::Config("this VM was made from a snapshot of an older Clade and cannot be snapshotted".into()));
+        }
         let (template, image, memory_mb, vcpus, vm_id, backing, tag, network) = {
             let record = self.inner.record.lock().expect("record lock");
             let template = record
@@ -239,10 +253,6 @@ impl Vm {
             let r = &record;
             (template, r.image.clone(), r.memory_mb, r.vcpus, r.id.clone(), r.backing_snapshot.clone(), r.tag.clone(), r.network.clone())
         };
-        let image = runtime
-            .images
-            .cached(&image)?
-            .ok_or_else(|| VmError::Config(format!("image {image} of VM {vm_id} is gone")))?;
         self.transition(&[State::Running], State::Stopping)?;
         let id = hex_id();
         let dir = runtime.snapshots_dir().join(&id);
@@ -252,8 +262,7 @@ impl Vm {
             let quiesce_started = Instant::now();
             self.inner.agent.quiesce().await?;
             tracing::debug!(quiesce = ?quiesce_started.elapsed(), "snapshot quiesced the guest");
-            let spec = VmSpec { memory_mb, vcpus, lifetime: Lifetime::Ephemeral, watchdog: None, ..VmSpec::new(image.clone()) };
-            self.save_live(runtime, &spec, &dir).await
+            self.save_stopped(&dir).await
         }
         .await;
         // Whatever happened, the VM runs again and gets a new session.
@@ -267,14 +276,15 @@ impl Vm {
                 id: id.clone(),
                 source_vm: vm_id,
                 template,
-                image: image.name.clone(),
+                image,
                 memory_mb,
                 vcpus,
                 backing_snapshot: backing,
                 created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
                 deleted: false,
                 source_paused_ms: paused.as_millis() as u64,
-                own_memory: true,
+                own_memory: false,
+                memory_delta: true,
                 tag,
                 network,
             }
@@ -291,75 +301,26 @@ impl Vm {
         Ok(id)
     }
 
-    /// Live-migrates this VM into a paused holder VMM, copies the disk layer
-    /// at the switchover, has the holder save the device state to
-    /// `dir/state`, and writes the RAM to `dir/ram` as a sparse file.
-    /// Returns how long this VM's vCPUs were stopped. The caller resumes this
-    /// VM in any case.
-    ///
-    /// The holder's RAM is a file in memory (`/dev/shm`): the incoming
-    /// migration reads every page it is told is zero, and a read of a hole
-    /// in a shared mapping of a disk file costs a filesystem fault per page,
-    /// which made the copy take seconds. The holder's file lives only until
-    /// its non-zero pages are copied out.
-    async fn save_live(&self, runtime: &VmRuntime, spec: &VmSpec, dir: &Path) -> Result<Duration, VmError> {
-        let started = Instant::now();
-        let (holder_id, holder_dir, mut holder) = runtime.new_vm(spec, None)?;
-        let holder_ram = holder_ram_file(&holder_dir, &holder_id)?;
-        let saved = async {
-            let mut launch = runtime.launch_spec(&holder_id, &holder_dir, spec, Memory::TemplateFile(holder_ram.clone()), true);
-            // The holder never runs the guest: no disk, and paused after the transfer.
-            let disk_bytes = std::fs::metadata(&spec.image.rootfs).map_err(io_err("reading the image size"))?.len();
-            launch.disk = Disk::Null { bytes: disk_bytes };
-            launch.stay_paused = true;
-            let (vmm, exited) = spawn_qemu(runtime, &launch, true, None)?;
-            holder.vmm = Some(vmm);
-            holder.phase = Phase::Holder;
-            holder.save(&holder_dir).map_err(io_err("writing the holder's record"))?;
-            let holder_qmp = connect_qmp(&launch::qmp_socket(&holder_dir), runtime.boot_timeout()).await?;
-            let holder_ready = started.elapsed();
-            let socket = holder_dir.join("migrate.sock");
-            let transfer = async {
-                migrate::receive(&holder_qmp, &socket).await?;
-                migrate::send_live(&self.inner.qmp, &socket).await?;
-                let precopied = started.elapsed();
-                let paused_at = Instant::now();
-                // Stopped and flushed: the disk layer matches the memory now.
-                copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
-                migrate::switch_over(&self.inner.qmp).await?;
-                self.inner.qmp.execute("cont", None).await?;
-                let paused = paused_at.elapsed();
-                migrate::wait_completed(&holder_qmp, Duration::from_secs(60)).await?;
-                let received = started.elapsed();
-                let state_tmp = dir.join("state.tmp");
-                migrate::save(&holder_qmp, &state_tmp, true).await?;
-                std::fs::rename(&state_tmp, dir.join("state")).map_err(io_err("publishing the snapshot state"))?;
-                tracing::debug!(?holder_ready, ?precopied, ?paused, ?received, saved = ?started.elapsed(), "live snapshot phases");
-                Ok::<_, VmError>(paused)
-            };
-            let mut holder_exit = exited.clone();
-            tokio::select! {
-                outcome = transfer => outcome,
-                status = holder_exit.wait_for(Option::is_some) => {
-                    Err(super::exited_during_boot(&holder_dir, status.ok().and_then(|s| s.clone())))
-                }
-            }
-        }
-        .await;
-        let copied = match saved {
-            Ok(paused) => {
-                let (from, to) = (holder_ram.clone(), dir.join("ram"));
-                tokio::task::spawn_blocking(move || copy_sparse(&from, &to))
-                    .await
-                    .map_err(|e| VmError::Config(format!("RAM copy task: {e}")))?
-                    .map_err(io_err("writing the snapshot's RAM file"))?;
-                tracing::debug!(total = ?started.elapsed(), "live snapshot RAM written");
-                Ok(paused)
-            }
-            Err(e) => Err(e),
-        };
-        record::stop_leftover(&holder_dir);
-        copied
+    /// Stops the VM, reads the pages its guest wrote and its device state,
+    /// copies its disk layer, runs it again, then writes the pages to
+    /// `dir/memory`. Returns how long its vCPUs were stopped; the caller
+    /// makes sure it runs again if this fails half-way.
+    async fn save_stopped(&self, dir: &Path) -> Result<Duration, VmError> {
+        let stopped_at = Instant::now();
+        self.inner.qmp.execute("stop", None).await?;
+        let capture = self.capture_stopped(&dir.join("state")).await?;
+        let captured = stopped_at.elapsed();
+        // Stopped and flushed: the disk layer matches the memory now.
+        copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
+        self.inner.qmp.execute("cont", None).await?;
+        let paused = stopped_at.elapsed();
+        let written = capture.bytes();
+        let memory = dir.join("memory");
+        tokio::task::spawn_blocking(move || capture.save(&memory))
+            .await
+            .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+        tracing::debug!(?captured, ?paused, written, saved = ?stopped_at.elapsed(), "snapshot phases");
+        Ok(paused)
     }
 
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
@@ -392,54 +353,6 @@ impl Vm {
         }
         Ok(made)
     }
-}
-
-/// Where a holder's RAM lives: a file in memory, linked from the holder's
-/// directory so that the sweep removes it with the holder.
-fn holder_ram_file(holder_dir: &Path, holder_id: &str) -> Result<PathBuf, VmError> {
-    let shm = Path::new("/dev/shm");
-    let file = if shm.is_dir() { shm.join(format!("clade-holder-{holder_id}")) } else { holder_dir.join("ram") };
-    if file.parent() != Some(holder_dir) {
-        std::os::unix::fs::symlink(&file, holder_dir.join(record::MEMORY_LINK)).map_err(io_err("linking the holder's RAM"))?;
-    }
-    Ok(file)
-}
-
-/// Copies `from` to a new file `to`, leaving every all-zero page a hole.
-fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
-    use std::io::Read;
-    use std::os::unix::fs::FileExt;
-    const PAGE: usize = 4096;
-    const ZERO: [u8; PAGE] = [0; PAGE];
-    let mut source = std::fs::File::open(from)?;
-    let len = source.metadata()?.len();
-    let tmp = to.with_extension("tmp");
-    let target = std::fs::File::create(&tmp)?;
-    target.set_len(len)?;
-    let mut chunk = vec![0u8; 1 << 20];
-    let mut offset = 0u64;
-    while offset < len {
-        let n = (len - offset).min(chunk.len() as u64) as usize;
-        source.read_exact(&mut chunk[..n])?;
-        // Write runs of non-zero pages with one call each.
-        let mut run: Option<usize> = None;
-        for page in (0..n).step_by(PAGE).chain(std::iter::once(n)) {
-            let zero = page == n || {
-                let bytes = &chunk[page..(page + PAGE).min(n)];
-                bytes == &ZERO[..bytes.len()]
-            };
-            match (zero, run) {
-                (false, None) => run = Some(page),
-                (true, Some(start)) => {
-                    target.write_all_at(&chunk[start..page], offset + start as u64)?;
-                    run = None;
-                }
-                _ => {}
-            }
-        }
-        offset += n as u64;
-    }
-    std::fs::rename(&tmp, to)
 }
 
 async fn copy_file(from: &Path, to: &Path) -> Result<(), VmError> {
