@@ -102,42 +102,91 @@ struct BlockPages {
     name: String,
     length: u64,
     indices: Vec<u32>,
-    data: Vec<u8>,
+    /// Where its pages are in [`Capture::data`].
+    data: std::ops::Range<usize>,
 }
 
 /// A stopped VM's memory beyond its template.
 #[derive(Debug)]
 pub struct Capture {
     blocks: Vec<BlockPages>,
+    data: Vec<u8>,
+}
+
+/// Memory faulted in, while the guest still runs, for a capture of the
+/// pages its guest has written so far and some more: faulting it in while
+/// the guest is stopped would cost more than the copy itself.
+#[derive(Debug)]
+pub struct CaptureBuffer(Vec<u8>);
+
+impl CaptureBuffer {
+    /// Room for what the guest of QEMU process `pid` has written so far
+    /// plus an eighth.
+    pub fn sized_for(pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Self, DeltaError> {
+        let pages = Capture::pages_to_read(pid, blocks, template_block)?.iter().map(Vec::len).sum::<usize>();
+        let bytes = (pages + pages / 8 + 256) * PAGE;
+        // Written, not just allocated (as `vec![0; n]` would be): every
+        // page is faulted in now.
+        #[allow(clippy::slow_vector_initialization)]
+        let data = {
+            let mut data = Vec::with_capacity(bytes);
+            data.resize(bytes, 0u8);
+            data
+        };
+        Ok(Self(data))
+    }
 }
 
 impl Capture {
     /// Reads the pages of QEMU process `pid` that differ from the template
     /// file mapped as block `template_block`: the anonymous pages of that
     /// block, and every other block whole. The guest must be stopped.
-    pub fn read(pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Self, DeltaError> {
+    pub fn read(pid: u32, blocks: &[RamBlock], template_block: &str, buffer: CaptureBuffer) -> Result<Self, DeltaError> {
+        let to_read = Self::pages_to_read(pid, blocks, template_block)?;
+        let mut data = buffer.0;
+        data.resize(to_read.iter().map(Vec::len).sum::<usize>() * PAGE, 0);
+        let mut captured = Vec::new();
+        let mut offset = 0;
+        for (block, indices) in blocks.iter().zip(to_read) {
+            let range = offset..offset + indices.len() * PAGE;
+            read_pages(pid, block.host_address, &indices, &mut data[range.clone()])?;
+            offset = range.end;
+            captured.push(BlockPages { name: block.name.clone(), length: block.length, indices, data: range });
+        }
+        Ok(Self { blocks: captured, data })
+    }
+
+    /// Per block, the indices of the pages a capture reads.
+    fn pages_to_read(pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Vec<Vec<u32>>, DeltaError> {
         if !blocks.iter().any(|b| b.name == template_block) {
             return Err(DeltaError::Blocks(format!("no block {template_block:?} in {blocks:?}")));
         }
         let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(io_err("opening QEMU's page map"))?;
-        let mut captured = Vec::new();
-        for block in blocks {
-            let pages = block.length as usize / PAGE;
-            let indices: Vec<u32> = if block.name == template_block {
-                written_pages(&pagemap, block.host_address, pages)?
-            } else {
-                (0..pages as u32).collect()
-            };
-            let mut data = vec![0u8; indices.len() * PAGE];
-            read_pages(pid, block.host_address, &indices, &mut data)?;
-            captured.push(BlockPages { name: block.name.clone(), length: block.length, indices, data });
+        blocks
+            .iter()
+            .map(|block| {
+                let pages = block.length as usize / PAGE;
+                match block.name == template_block {
+                    true => written_pages(&pagemap, block.host_address, pages),
+                    false => Ok((0..pages as u32).collect()),
+                }
+            })
+            .collect()
+    }
+
+    /// Writes the capture into QEMU process `pid`, whose RAM blocks are
+    /// `blocks` and whose guest has not run yet.
+    pub fn apply(&self, pid: u32, blocks: &[RamBlock]) -> Result<(), DeltaError> {
+        for block in &self.blocks {
+            let target = matching_block(blocks, &block.name, block.length)?;
+            write_pages(pid, target.host_address, &block.indices, &self.data[block.data.clone()])?;
         }
-        Ok(Self { blocks: captured })
+        Ok(())
     }
 
     /// Bytes of guest memory the capture holds.
     pub fn bytes(&self) -> u64 {
-        self.blocks.iter().map(|b| b.data.len() as u64).sum()
+        self.data.len() as u64
     }
 
     /// Writes the capture to `path` (through a temporary name).
@@ -156,9 +205,9 @@ impl Capture {
                 for index in &block.indices {
                     out.write_all(&index.to_le_bytes())?;
                 }
-                out.write_all(&block.data)?;
+                out.write_all(&self.data[block.data.clone()])?;
             }
-            out.into_inner().map_err(|e| e.into_error())?.sync_data()
+            out.flush()
         };
         write().map_err(io_err(format!("writing {}", tmp.display())))?;
         std::fs::rename(&tmp, path).map_err(io_err(format!("publishing {}", path.display())))
@@ -233,6 +282,13 @@ fn write_pages(pid: u32, base: u64, indices: &[u32], from: &[u8]) -> Result<(), 
     Ok(())
 }
 
+fn matching_block<'a>(blocks: &'a [RamBlock], name: &str, length: u64) -> Result<&'a RamBlock, DeltaError> {
+    blocks
+        .iter()
+        .find(|b| b.name == name && b.length == length)
+        .ok_or_else(|| DeltaError::Blocks(format!("the delta has block {name:?} of {length} bytes; QEMU has {blocks:?}")))
+}
+
 /// Writes the capture saved at `path` into QEMU process `pid`, whose RAM
 /// blocks are `blocks` and whose guest has not run yet. Returns the bytes
 /// written.
@@ -261,10 +317,7 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock]) -> Result<u64, DeltaErr
         let length = u64::from_le_bytes(u64_);
         read(&mut input, &mut u64_)?;
         let count = u64::from_le_bytes(u64_);
-        let target = blocks
-            .iter()
-            .find(|b| b.name == name && b.length == length)
-            .ok_or_else(|| DeltaError::Blocks(format!("the delta has block {name:?} of {length} bytes; QEMU has {blocks:?}")))?;
+        let target = matching_block(blocks, &name, length)?;
         if count > length / PAGE as u64 {
             return Err(bad());
         }
@@ -353,13 +406,19 @@ mod tests {
         assert_eq!(target[0], 1, "reading faults in a file page, which is not a written one");
         let pid = std::process::id();
         let block = |address: &[u8]| vec![RamBlock { name: "mem".into(), length: 16 * PAGE as u64, host_address: address.as_ptr() as u64 }];
-        let capture = Capture::read(pid, &block(source), "mem").unwrap();
+        let buffer = CaptureBuffer::sized_for(pid, &block(source), "mem").unwrap();
+        let capture = Capture::read(pid, &block(source), "mem", buffer).unwrap();
         assert_eq!(capture.blocks[0].indices, vec![3, 9]);
         assert_eq!(capture.bytes(), 2 * PAGE as u64);
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();
         assert_eq!(apply(&saved, pid, &block(target)).unwrap(), 2 * PAGE as u64);
         assert!(source == target, "the second mapping reads like the first");
+        let third = map();
+        // SAFETY: as above.
+        let third = unsafe { std::slice::from_raw_parts_mut(third, 16 * PAGE) };
+        capture.apply(pid, &block(third)).unwrap();
+        assert!(source == third, "so does one the capture was applied to from memory");
         assert_eq!(target[3 * PAGE], 0xaa);
         assert_eq!(target[4 * PAGE], 5);
         std::fs::write(&saved, b"CLADEMEM\x09\0\0\0").unwrap();

@@ -711,6 +711,8 @@ enum RestoredMemory<'a> {
     /// What the guest wrote on top of its template, in a delta file
     /// written into QEMU process `vmm` before the device state loads.
     Delta { file: &'a Path, vmm: ProcessId },
+    /// The same, still in memory (a fork's).
+    Captured { capture: &'a Arc<delta::Capture>, vmm: ProcessId },
 }
 
 async fn restore_into(
@@ -736,6 +738,14 @@ async fn restore_into(
                 let blocks = delta::ram_blocks(&qmp).await?;
                 let file = file.to_path_buf();
                 tokio::task::spawn_blocking(move || delta::apply(&file, vmm.pid, &blocks))
+                    .await
+                    .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+                false
+            }
+            RestoredMemory::Captured { capture, vmm } => {
+                let blocks = delta::ram_blocks(&qmp).await?;
+                let capture = Arc::clone(capture);
+                tokio::task::spawn_blocking(move || capture.apply(vmm.pid, &blocks))
                     .await
                     .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
                 false
@@ -973,8 +983,7 @@ impl Vm {
                 // Made from an older snapshot whose RAM file it maps: all of it in the state.
                 return migrate::save(&self.inner.qmp, &tmp, false).await.map_err(VmError::from);
             }
-            self.inner.qmp.execute("stop", None).await?;
-            let capture = self.capture_stopped(&tmp).await?;
+            let (_, capture) = self.stop_and_capture(&tmp).await?;
             let file = memory.clone();
             tokio::task::spawn_blocking(move || capture.save(&file)).await.map_err(|e| VmError::Config(format!("memory task: {e}")))??;
             Ok(())
@@ -1008,16 +1017,26 @@ impl Vm {
         String::from_utf8_lossy(&cmdline).contains(&format!("/templates/{template}/ram,share=off"))
     }
 
-    /// With the vCPUs stopped: reads what the guest wrote since its restore
-    /// (see `delta`) and writes the device state to `state`.
-    async fn capture_stopped(&self, state: &Path) -> Result<delta::Capture, VmError> {
+    /// Stops the vCPUs, reads what the guest wrote since its restore (see
+    /// `delta`) and writes the device state to `state`. The VM stays
+    /// stopped; returns when it stopped, with the capture.
+    async fn stop_and_capture(&self, state: &Path) -> Result<(std::time::Instant, delta::Capture), VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
-        let capture = tokio::task::spawn_blocking(move || delta::Capture::read(pid, &blocks, launch::RAM_ID))
+        let memory_task = |e: tokio::task::JoinError| VmError::Config(format!("memory task: {e}"));
+        let sizing = blocks.clone();
+        let buffer = tokio::task::spawn_blocking(move || delta::CaptureBuffer::sized_for(pid, &sizing, launch::RAM_ID))
             .await
-            .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+            .map_err(memory_task)??;
+        let stopped_at = std::time::Instant::now();
+        self.inner.qmp.execute("stop", None).await?;
+        let capture = tokio::task::spawn_blocking(move || delta::Capture::read(pid, &blocks, launch::RAM_ID, buffer))
+            .await
+            .map_err(memory_task)??;
+        let read = stopped_at.elapsed();
         migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
-        Ok(capture)
+        tracing::debug!(?read, devices = ?stopped_at.elapsed(), bytes = capture.bytes(), "captured a stopped VM");
+        Ok((stopped_at, capture))
     }
 
     async fn end_process(&self) {

@@ -29,7 +29,8 @@
 //! mapped by the VMs made from them; or RAM inside `state`) still restore.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +40,7 @@ use super::launch::Memory;
 use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
+    delta,
     hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
@@ -148,6 +150,21 @@ impl VmRuntime {
         network: Option<EgressPolicy>,
     ) -> Result<Vm, VmError> {
         let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
+        self.restore_snapshot(&snap_dir, &snap, lifetime, watchdog, network, None).await
+    }
+
+    /// Makes a VM from the snapshot in `snap_dir`, its memory from `memory`
+    /// when given (a fork's, not written out) or else from the snapshot.
+    async fn restore_snapshot(
+        &self,
+        snap_dir: &Path,
+        snap: &SnapshotRecord,
+        lifetime: Lifetime,
+        watchdog: Option<Watchdog>,
+        network: Option<EgressPolicy>,
+        memory: Option<&Arc<delta::Capture>>,
+    ) -> Result<Vm, VmError> {
+        let snapshot_id = &snap.id;
         let image = self
             .images
             .cached(&snap.image)?
@@ -175,17 +192,18 @@ impl VmRuntime {
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let memory_file = snap_dir.join("memory");
-            let memory = match (snap.memory_delta, snap.own_memory) {
-                (true, _) => RestoredMemory::Delta { file: &memory_file, vmm },
-                (false, true) => RestoredMemory::Shared,
-                (false, false) => RestoredMemory::InState,
+            let memory = match (memory, snap.memory_delta, snap.own_memory) {
+                (Some(capture), _, _) => RestoredMemory::Captured { capture, vmm },
+                (None, true, _) => RestoredMemory::Delta { file: &memory_file, vmm },
+                (None, false, true) => RestoredMemory::Shared,
+                (None, false, false) => RestoredMemory::InState,
             };
             let state = snap_dir.join("state");
             let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let kind = BootKind::FromSnapshot { snapshot: snapshot_id.to_string() };
+            let kind = BootKind::FromSnapshot { snapshot: snapshot_id.clone() };
             Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
         .await;
@@ -241,103 +259,126 @@ impl Vm {
     /// Its vCPUs stop while the pages its guest wrote, its device state and
     /// its disk layer are read; the pages are written out once it runs.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
+        let (dir, mut record) = self.begin_snapshot(runtime)?;
+        let saved = self.save_stopped(&dir).await;
+        let resumed = self.resume_after_snapshot().await;
+        let outcome = async {
+            let (paused, capture) = saved?;
+            resumed?;
+            let memory = dir.join("memory");
+            tokio::task::spawn_blocking(move || capture.save(&memory))
+                .await
+                .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+            record.source_paused_ms = paused.as_millis() as u64;
+            record.save(&dir).map_err(io_err("writing the snapshot record"))
+        }
+        .await;
+        match outcome {
+            Ok(()) => Ok(record.id),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks that the VM can be snapshotted, marks it busy and makes the
+    /// snapshot's directory; returns it with the record to complete.
+    fn begin_snapshot(&self, runtime: &VmRuntime) -> Result<(PathBuf, SnapshotRecord), VmError> {
         if !self.memory_is_template_based() {
             return Err(VmError::Config("this VM was made from a snapshot of an older Clade and cannot be snapshotted".into()));
         }
-        let (template, image, memory_mb, vcpus, vm_id, backing, tag, network) = {
-            let record = self.inner.record.lock().expect("record lock");
-            let template = record
-                .template
-                .clone()
-                .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?;
-            let r = &record;
-            (template, r.image.clone(), r.memory_mb, r.vcpus, r.id.clone(), r.backing_snapshot.clone(), r.tag.clone(), r.network.clone())
-        };
-        self.transition(&[State::Running], State::Stopping)?;
-        let id = hex_id();
-        let dir = runtime.snapshots_dir().join(&id);
-        let outcome = async {
-            std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
-            // A clean session end: copies start waiting for a hello.
-            let quiesce_started = Instant::now();
-            self.inner.agent.quiesce().await?;
-            tracing::debug!(quiesce = ?quiesce_started.elapsed(), "snapshot quiesced the guest");
-            self.save_stopped(&dir).await
-        }
-        .await;
-        // Whatever happened, the VM runs again and gets a new session.
-        let resumed = migrate::abandon(&self.inner.qmp).await.map_err(|e| VmError::Config(format!("resuming after the snapshot: {e}")));
-        let reconnected = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
-        *self.inner.state.lock().expect("vm state lock") = State::Running;
-        let outcome = match (outcome, resumed, reconnected) {
-            (Err(e), _, _) | (Ok(_), Err(e), _) => Err(e),
-            (Ok(_), Ok(()), Err(e)) => Err(e.into()),
-            (Ok(paused), Ok(()), Ok(())) => SnapshotRecord {
-                id: id.clone(),
-                source_vm: vm_id,
-                template,
-                image,
-                memory_mb,
-                vcpus,
-                backing_snapshot: backing,
+        let snapshot = {
+            let r = self.inner.record.lock().expect("record lock");
+            SnapshotRecord {
+                id: hex_id(),
+                source_vm: r.id.clone(),
+                template: r.template.clone().ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?,
+                image: r.image.clone(),
+                memory_mb: r.memory_mb,
+                vcpus: r.vcpus,
+                backing_snapshot: r.backing_snapshot.clone(),
                 created_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
                 deleted: false,
-                source_paused_ms: paused.as_millis() as u64,
+                source_paused_ms: 0,
                 own_memory: false,
                 memory_delta: true,
-                tag,
-                network,
+                tag: r.tag.clone(),
+                network: r.network.clone(),
             }
-            .save(&dir)
-            .map_err(io_err("writing the snapshot record")),
         };
-        if let Err(e) = outcome {
+        let dir = runtime.snapshots_dir().join(&snapshot.id);
+        std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
+        if let Err(e) = self.transition(&[State::Running], State::Stopping) {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
-        // The copies believe they are this VM until their hook runs; this
-        // VM's own clock lost the pause.
-        let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
-        Ok(id)
+        Ok((dir, snapshot))
     }
 
-    /// Stops the VM, reads the pages its guest wrote and its device state,
-    /// copies its disk layer, runs it again, then writes the pages to
-    /// `dir/memory`. Returns how long its vCPUs were stopped; the caller
-    /// makes sure it runs again if this fails half-way.
-    async fn save_stopped(&self, dir: &Path) -> Result<Duration, VmError> {
-        let stopped_at = Instant::now();
-        self.inner.qmp.execute("stop", None).await?;
-        let capture = self.capture_stopped(&dir.join("state")).await?;
+    /// Ends the guest's session (copies start waiting for a hello), stops
+    /// the VM, reads the pages its guest wrote and its device state, copies
+    /// its disk layer and runs it again. Returns how long its vCPUs were
+    /// stopped; [`Self::resume_after_snapshot`] follows in any case.
+    async fn save_stopped(&self, dir: &Path) -> Result<(Duration, delta::Capture), VmError> {
+        self.inner.agent.quiesce().await?;
+        let (stopped_at, capture) = self.stop_and_capture(&dir.join("state")).await?;
         let captured = stopped_at.elapsed();
         // Stopped and flushed: the disk layer matches the memory now.
         copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
         self.inner.qmp.execute("cont", None).await?;
         let paused = stopped_at.elapsed();
-        let written = capture.bytes();
-        let memory = dir.join("memory");
-        tokio::task::spawn_blocking(move || capture.save(&memory))
-            .await
-            .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
-        tracing::debug!(?captured, ?paused, written, saved = ?stopped_at.elapsed(), "snapshot phases");
-        Ok(paused)
+        tracing::debug!(?captured, ?paused, bytes = capture.bytes(), "snapshot taken");
+        Ok((paused, capture))
+    }
+
+    /// After a snapshot, whatever happened: the VM runs, has a new session,
+    /// and its clock no longer lags by the pause.
+    async fn resume_after_snapshot(&self) -> Result<(), VmError> {
+        let resumed = migrate::abandon(&self.inner.qmp).await.map_err(|e| VmError::Config(format!("resuming after the snapshot: {e}")));
+        let reconnected = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+        *self.inner.state.lock().expect("vm state lock") = State::Running;
+        resumed?;
+        reconnected?;
+        // The copies believe they are this VM until their hook runs.
+        let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
+        Ok(())
     }
 
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
     /// memory and running processes as of now, and writes only to itself.
+    ///
+    /// A snapshot whose memory never leaves this process: the children get
+    /// the captured pages straight from it, while this VM resumes.
     pub async fn fork(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Vm>, VmError> {
         if !(1..=16).contains(&count) {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
-        let snapshot = self.snapshot(runtime).await?;
-        let children = futures::future::join_all(
-            (0..count).map(|_| runtime.create_from_snapshot(&snapshot, lifetime, Some(Watchdog::default()))),
-        )
+        let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
+        // Never listed; its disk layer stays while a child needs it.
+        snapshot.deleted = true;
+        let saved = async {
+            let (paused, capture) = self.save_stopped(&dir).await?;
+            snapshot.source_paused_ms = paused.as_millis() as u64;
+            snapshot.save(&dir).map_err(io_err("writing the snapshot record"))?;
+            Ok::<_, VmError>(Arc::new(capture))
+        }
         .await;
-        // The children are backed by its disk layer, which stays as long as they need it.
-        let _ = runtime.delete_snapshot(&snapshot);
+        let capture = match saved {
+            Ok(capture) => capture,
+            Err(e) => {
+                let _ = self.resume_after_snapshot().await;
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let children = futures::future::join_all(
+            (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&capture))),
+        );
+        let (resumed, children) = futures::future::join(self.resume_after_snapshot(), children).await;
+        let _ = std::fs::remove_file(dir.join("state"));
         let mut made = Vec::new();
-        let mut failure = None;
+        let mut failure = resumed.err();
         for child in children {
             match child {
                 Ok(vm) => made.push(vm),
@@ -349,6 +390,7 @@ impl Vm {
             for vm in made {
                 let _ = vm.stop().await;
             }
+            runtime.collect_snapshot_layers();
             return Err(e);
         }
         Ok(made)
