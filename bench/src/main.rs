@@ -60,6 +60,10 @@ enum Bench {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Off unless asked for: `CLADE_LOG=clade_host=debug` shows the phases of each operation.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG") {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         match cli.bench {
@@ -340,12 +344,20 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     // Fork: the parent has written N MiB of memory since its restore.
     for written_mib in if want("fork") { vec![10u64, 200] } else { Vec::new() } {
         for count in [1usize, 16] {
-            let times = host::fork(&runtime, &spec, written_mib, count).await?;
+            let mut runs = Vec::new();
+            for _ in 0..FORK_RUNS {
+                runs.push(host::fork(&runtime, &spec, written_mib, count).await?);
+            }
+            let median = |key: fn(&host::ForkTimes) -> Duration| {
+                let mut all: Vec<Duration> = runs.iter().map(key).collect();
+                all.sort();
+                all[all.len() / 2]
+            };
             println!(
-                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {} ms",
-                ms(times.all_created),
-                ms(times.all_answered),
-                times.parent_paused_ms
+                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {} ms (medians of {FORK_RUNS})",
+                ms(median(|t| t.all_created)),
+                ms(median(|t| t.all_answered)),
+                median(|t| Duration::from_millis(t.parent_paused_ms)).as_millis()
             );
         }
     }
@@ -353,6 +365,9 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     let _ = std::fs::remove_dir_all(data);
     Ok(())
 }
+
+/// Forks measured per case (parent written, children): medians are printed.
+const FORK_RUNS: usize = 3;
 
 /// Standby VMMs kept per template by the benchmark's runtime.
 const STANDBY: usize = 2;

@@ -107,7 +107,7 @@ fn output(command: &mut Command) -> (i32, String, String) {
 /// connection. (A lost answer costs a 3 s handshake attempt or a 10 s hook
 /// attempt, and a retry, which the CLI logs.)
 #[test]
-fn creates_reach_the_restored_agent_without_a_retry() {
+fn creates_and_forks_reach_the_restored_agent_without_a_retry() {
     let Some(env) = vm_env() else { return };
     for _ in 0..8 {
         let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
@@ -119,6 +119,24 @@ fn creates_reach_the_restored_agent_without_a_retry() {
         let (code, _, stderr) = output(clade(&env).args(["vm", "rm", &id]));
         assert_eq!(code, 0, "{stderr}");
     }
+    // Forks end the parent's session right before it stops, and both the
+    // parent and the children open a new one right after.
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
+    assert_eq!(code, 0, "{stderr}");
+    let parent = stdout.lines().last().unwrap().trim().to_string();
+    for _ in 0..4 {
+        let (code, stdout, stderr) = output(clade(&env).args(["vm", "fork", &parent, "--count", "2"]));
+        assert_eq!(code, 0, "{stderr}");
+        assert!(!stderr.contains("retrying"), "{stderr}");
+        for child in stdout.lines().rev().take(2) {
+            let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", child.trim(), "--", "cat", "/etc/hostname"]));
+            assert_eq!((code, stdout.trim()), (0, format!("sb-{}", child.trim()).as_str()), "{stderr}");
+            let (code, _, stderr) = output(clade(&env).args(["vm", "rm", child.trim()]));
+            assert_eq!(code, 0, "{stderr}");
+        }
+    }
+    let (code, _, stderr) = output(clade(&env).args(["vm", "rm", &parent]));
+    assert_eq!(code, 0, "{stderr}");
 }
 
 #[test]

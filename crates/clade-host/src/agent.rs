@@ -21,8 +21,12 @@ const SHORT_ATTEMPT: Duration = Duration::from_secs(3);
 /// Between handshake attempts: time for the guest to see the closed connection.
 const HANDSHAKE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
-/// Longer than the guest's quiesce flush window (50 ms), with margin for TCG.
-pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(150);
+/// A moment for the guest to leave its session after its quiesce answer
+/// arrived (it does once it sees this host close). A guest saved still inside
+/// its flush window is no fault either: a new host's hello ends the old
+/// session (`HelloWatch` in guestd); waiting longer only lengthens every
+/// snapshot, fork, pause and hibernation.
+pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {

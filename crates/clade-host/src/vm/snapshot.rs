@@ -354,6 +354,7 @@ impl Vm {
         if !(1..=16).contains(&count) {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
+        let started = std::time::Instant::now();
         let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
         // Never listed; its disk layer stays while a child needs it.
         snapshot.deleted = true;
@@ -372,10 +373,20 @@ impl Vm {
                 return Err(e);
             }
         };
-        let children = futures::future::join_all(
-            (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&capture))),
-        );
-        let (resumed, children) = futures::future::join(self.resume_after_snapshot(), children).await;
+        let captured = started.elapsed();
+        let children = async {
+            let children = futures::future::join_all(
+                (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&capture))),
+            )
+            .await;
+            (children, started.elapsed())
+        };
+        let resumed = async {
+            let resumed = self.resume_after_snapshot().await;
+            (resumed, started.elapsed())
+        };
+        let ((resumed, parent_resumed), (children, children_ready)) = futures::future::join(resumed, children).await;
+        tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
         let _ = std::fs::remove_file(dir.join("state"));
         let mut made = Vec::new();
         let mut failure = resumed.err();
