@@ -35,13 +35,21 @@ pub enum AdmissionError {
 impl Admission {
     /// Checks the host as it is now for a VM of `memory_mb`.
     pub fn check(&self, memory_mb: u32, data_dir: &Path) -> Result<(), AdmissionError> {
-        let needed_mb = (f64::from(memory_mb) / self.overcommit).ceil() as u64 + self.host_reserve_mb;
+        self.check_many(1, memory_mb, data_dir)
+    }
+
+    /// Checks the host as it is now for `count` VMs of `memory_mb` made at
+    /// once (a fork): each one's check alone would pass before any of them
+    /// takes memory.
+    pub fn check_many(&self, count: u32, memory_mb: u32, data_dir: &Path) -> Result<(), AdmissionError> {
+        let count = u64::from(count);
+        let needed_mb = count * (f64::from(memory_mb) / self.overcommit).ceil() as u64 + self.host_reserve_mb;
         let available_mb = mem_available_mb().unwrap_or(u64::MAX);
         if needed_mb > available_mb {
             return Err(AdmissionError::Memory { needed_mb, available_mb });
         }
         // Room for the VM's own writes and, if it hibernates, its memory.
-        let needed_mb = u64::from(memory_mb) + self.disk_reserve_mb;
+        let needed_mb = count * u64::from(memory_mb) + self.disk_reserve_mb;
         let available_mb = disk_free_mb(data_dir).unwrap_or(u64::MAX);
         if needed_mb > available_mb {
             return Err(AdmissionError::Disk { dir: data_dir.display().to_string(), needed_mb, available_mb });
@@ -74,5 +82,9 @@ mod tests {
         assert!(err.to_string().contains("not enough host memory"));
         let greedy_disk = Admission { disk_reserve_mb: u64::MAX / 2, ..admission };
         assert!(matches!(greedy_disk.check(512, Path::new("/tmp")), Err(AdmissionError::Disk { .. })));
+        let host_mb = mem_available_mb().unwrap();
+        let many = (host_mb / 256 + 1) as u32;
+        assert!(admission.check(512, Path::new("/tmp")).is_ok(), "one of them fits");
+        assert!(matches!(admission.check_many(many, 512, Path::new("/tmp")), Err(AdmissionError::Memory { .. })), "all {many} at once do not");
     }
 }

@@ -354,6 +354,8 @@ impl Vm {
         if !(1..=16).contains(&count) {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
+        let memory_mb = self.inner.record.lock().expect("record lock").memory_mb;
+        runtime.admission.check_many(count as u32, memory_mb, &runtime.config.data_dir)?;
         let started = std::time::Instant::now();
         let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
         // Never listed; its disk layer stays while a child needs it.

@@ -1,6 +1,6 @@
-//! Snapshots of sandboxes (§3.8): the host takes them (live: the sandbox
-//! pauses only for the switchover), the store keeps one row per snapshot in
-//! the workspace that took it. A snapshot outlives its sandbox; deleting it
+//! Snapshots of sandboxes (§3.8): the host takes them (the sandbox pauses
+//! while the pages its guest wrote are read), the store keeps one row per
+//! snapshot in the workspace that took it. A snapshot outlives its sandbox; deleting it
 //! never breaks a sandbox made from it (the host keeps the layers it needs).
 
 use std::path::Path;
