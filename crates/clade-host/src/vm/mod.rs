@@ -585,35 +585,66 @@ const HIBERNATED_MEMORY: &str = "hibernated.memory";
 /// How long one post-restore hook may take before the session is presumed lost.
 const HOOK_ATTEMPT: Duration = Duration::from_secs(10);
 
+/// A hook whose answer took longer than this is sent again with the time
+/// read anew: the guest's clock is set to the time the request was made, so
+/// it is behind by however long the request took to reach it (seconds on a
+/// host busy with many TCG guests).
+const CLOCK_TOLERANCE: Duration = Duration::from_millis(200);
+/// At most this many extra rounds for the clock.
+const CLOCK_ROUNDS: usize = 3;
+
 /// Runs the post-restore hook; if its session is lost or the answer does not
 /// come (a guest that ended the session under it, e.g. after a handshake
-/// retry on a loaded host), opens a new session and runs it once more. The
-/// hook is idempotent. Never waits longer than `timeout` in all.
+/// retry on a loaded host), opens a new session and runs it once more. Then,
+/// while its answer is slow, sends it again with the time read anew (the
+/// hook is idempotent). Never waits longer than `timeout` in all.
 async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, timeout: Duration) -> Result<(), VmError> {
     let deadline = tokio::time::Instant::now() + timeout;
+    let mut sent = tokio::time::Instant::now();
     let first = tokio::time::timeout(HOOK_ATTEMPT.min(timeout), agent.restore_hook(request.clone())).await;
     match first {
-        Ok(Ok(())) => return Ok(()),
+        Ok(Ok(())) => {}
         Ok(Err(e)) if !e.is_session_lost() => return Err(e.into()),
-        Ok(Err(e)) => tracing::warn!("post-restore hook: session lost ({e}); retrying on a new session"),
-        Err(_) => tracing::warn!("post-restore hook: no answer in {HOOK_ATTEMPT:?}; retrying on a new session"),
+        outcome => {
+            match outcome {
+                Ok(Err(e)) => tracing::warn!("post-restore hook: session lost ({e}); retrying on a new session"),
+                _ => tracing::warn!("post-restore hook: no answer in {HOOK_ATTEMPT:?}; retrying on a new session"),
+            }
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            agent.reconnect(remaining).await?;
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            request.unix_time_ns = unix_time_ns();
+            sent = tokio::time::Instant::now();
+            tokio::time::timeout(remaining, agent.restore_hook(request.clone()))
+                .await
+                .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+        }
     }
-    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-    agent.reconnect(remaining).await?;
-    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-    request.unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    tokio::time::timeout(remaining, agent.restore_hook(request))
-        .await
-        .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+    for _ in 0..CLOCK_ROUNDS {
+        let took = sent.elapsed();
+        if took <= CLOCK_TOLERANCE {
+            break;
+        }
+        tracing::debug!(?took, "post-restore hook was slow; setting the clock again");
+        request.unix_time_ns = unix_time_ns();
+        sent = tokio::time::Instant::now();
+        let remaining = deadline.saturating_duration_since(sent);
+        tokio::time::timeout(remaining, agent.restore_hook(request.clone()))
+            .await
+            .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+    }
     Ok(())
+}
+
+fn unix_time_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
     let entropy: Vec<u8> = (0..64).map(|_| rand::random::<u8>()).collect();
-    let unix_time_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     RestoreRequest {
         entropy,
-        unix_time_ns,
+        unix_time_ns: unix_time_ns(),
         hostname: new_identity.then(|| format!("sb-{id}")),
         machine_id: new_identity.then(|| format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())),
         sandbox_id: new_identity.then(|| id.to_string()),

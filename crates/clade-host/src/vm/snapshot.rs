@@ -340,8 +340,8 @@ impl Vm {
         *self.inner.state.lock().expect("vm state lock") = State::Running;
         resumed?;
         reconnected?;
-        // The copies believe they are this VM until their hook runs.
-        let _ = self.inner.agent.restore_hook(restore_request(&self.id(), false)).await;
+        // Its clock lost the pause.
+        let _ = super::run_restore_hook(&self.inner.agent, restore_request(&self.id(), false), AGENT_RECONNECT_TIMEOUT).await;
         Ok(())
     }
 
