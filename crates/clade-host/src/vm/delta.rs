@@ -149,7 +149,7 @@ impl Capture {
         let mut offset = 0;
         for (block, indices) in blocks.iter().zip(to_read) {
             let range = offset..offset + indices.len() * PAGE;
-            read_pages(pid, block.host_address, &indices, &mut data[range.clone()])?;
+            read_pages_in_parallel(pid, block.host_address, &indices, &mut data[range.clone()])?;
             offset = range.end;
             captured.push(BlockPages { name: block.name.clone(), length: block.length, indices, data: range });
         }
@@ -248,6 +248,22 @@ fn runs(base: u64, indices: &[u32]) -> Vec<RemoteIoVec> {
         previous = Some(index);
     }
     runs
+}
+
+/// [`read_pages`] on two threads when there is enough to read: the guest is
+/// stopped meanwhile, so its host cores are free.
+fn read_pages_in_parallel(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
+    const PARALLEL_FROM_PAGES: usize = 4096;
+    if indices.len() < PARALLEL_FROM_PAGES {
+        return read_pages(pid, base, indices, into);
+    }
+    let half = indices.len() / 2;
+    let (first_into, second_into) = into.split_at_mut(half * PAGE);
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| read_pages(pid, base, &indices[half..], second_into));
+        let first = read_pages(pid, base, &indices[..half], first_into);
+        first.and(second.join().unwrap_or_else(|_| Err(DeltaError::Blocks("a memory reader panicked".into()))))
+    })
 }
 
 fn read_pages(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
@@ -369,15 +385,16 @@ mod tests {
     }
 
     /// A capture of this very process: its private copy-on-write mapping of
-    /// a file, two pages of it written, goes into a second mapping of the
+    /// a file, 5002 pages of it written, goes into a second mapping of the
     /// same file, which then reads like the first.
     #[test]
     #[allow(unsafe_code)]
     fn written_pages_of_a_private_file_mapping_are_captured_and_applied() {
         use std::os::fd::AsFd;
+        const PAGES: usize = 8192;
         let dir = tempfile::tempdir().unwrap();
         let file_path = dir.path().join("template");
-        let template: Vec<u8> = (0..16 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
+        let template: Vec<u8> = (0..PAGES * PAGE).map(|i| (i / PAGE) as u8 | 1).collect();
         std::fs::write(&file_path, &template).unwrap();
         let file = std::fs::File::open(&file_path).unwrap();
         let map = || {
@@ -386,7 +403,7 @@ mod tests {
             unsafe {
                 nix::sys::mman::mmap(
                     None,
-                    std::num::NonZeroUsize::new(16 * PAGE).unwrap(),
+                    std::num::NonZeroUsize::new(PAGES * PAGE).unwrap(),
                     nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
                     nix::sys::mman::MapFlags::MAP_PRIVATE,
                     file.as_fd(),
@@ -397,30 +414,35 @@ mod tests {
             }
         };
         let (source, target): (*mut u8, *mut u8) = (map(), map());
-        // SAFETY: both mappings are 16 pages long and private to this test.
+        // SAFETY: both mappings are PAGES pages long and private to this test.
         let (source, target) = unsafe {
-            (std::slice::from_raw_parts_mut(source, 16 * PAGE), std::slice::from_raw_parts_mut(target, 16 * PAGE))
+            (std::slice::from_raw_parts_mut(source, PAGES * PAGE), std::slice::from_raw_parts_mut(target, PAGES * PAGE))
         };
         source[3 * PAGE] = 0xaa;
         source[9 * PAGE..10 * PAGE].fill(0);
+        // Enough written pages that two threads read them.
+        for page in 100..5100 {
+            source[page * PAGE + 7] = 0x55;
+        }
         assert_eq!(target[0], 1, "reading faults in a file page, which is not a written one");
         let pid = std::process::id();
-        let block = |address: &[u8]| vec![RamBlock { name: "mem".into(), length: 16 * PAGE as u64, host_address: address.as_ptr() as u64 }];
+        let block = |address: &[u8]| vec![RamBlock { name: "mem".into(), length: PAGES as u64 * PAGE as u64, host_address: address.as_ptr() as u64 }];
         let buffer = CaptureBuffer::sized_for(pid, &block(source), "mem").unwrap();
         let capture = Capture::read(pid, &block(source), "mem", buffer).unwrap();
-        assert_eq!(capture.blocks[0].indices, vec![3, 9]);
-        assert_eq!(capture.bytes(), 2 * PAGE as u64);
+        let expected: Vec<u32> = [3, 9].into_iter().chain(100..5100).collect();
+        assert_eq!(capture.blocks[0].indices, expected);
+        assert_eq!(capture.bytes(), 5002 * PAGE as u64);
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();
-        assert_eq!(apply(&saved, pid, &block(target)).unwrap(), 2 * PAGE as u64);
+        assert_eq!(apply(&saved, pid, &block(target)).unwrap(), 5002 * PAGE as u64);
         assert!(source == target, "the second mapping reads like the first");
         let third = map();
         // SAFETY: as above.
-        let third = unsafe { std::slice::from_raw_parts_mut(third, 16 * PAGE) };
+        let third = unsafe { std::slice::from_raw_parts_mut(third, PAGES * PAGE) };
         capture.apply(pid, &block(third)).unwrap();
         assert!(source == third, "so does one the capture was applied to from memory");
         assert_eq!(target[3 * PAGE], 0xaa);
-        assert_eq!(target[4 * PAGE], 5);
+        assert_eq!(target[4 * PAGE], 5, "an unwritten page is the template's");
         std::fs::write(&saved, b"CLADEMEM\x09\0\0\0").unwrap();
         assert!(matches!(apply(&saved, pid, &block(target)), Err(DeltaError::Format(_))));
     }
