@@ -267,31 +267,33 @@ fn read_pages_in_parallel(pid: u32, base: u64, indices: &[u32], into: &mut [u8])
 }
 
 fn read_pages(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
-    let remote = runs(base, indices);
-    let mut offset = 0;
-    for batch in remote.chunks(MAX_IOVECS) {
-        let len: usize = batch.iter().map(|r| r.len).sum();
-        let mut local = [IoSliceMut::new(&mut into[offset..offset + len])];
-        let read = process_vm_readv(Pid::from_raw(pid as i32), &mut local, batch)
-            .map_err(|e| io_err("reading guest memory out of QEMU")(e.into()))?;
-        if read != len {
-            return Err(io_err("reading guest memory out of QEMU")(std::io::Error::other(format!("{read} of {len} bytes"))));
-        }
-        offset += len;
-    }
-    Ok(())
+    move_pages(base, indices, "reading guest memory out of QEMU", |remote, local| {
+        process_vm_readv(Pid::from_raw(pid as i32), &mut [IoSliceMut::new(&mut into[local])], remote)
+    })
 }
 
 fn write_pages(pid: u32, base: u64, indices: &[u32], from: &[u8]) -> Result<(), DeltaError> {
+    move_pages(base, indices, "writing guest memory into QEMU", |remote, local| {
+        process_vm_writev(Pid::from_raw(pid as i32), &[IoSlice::new(&from[local])], remote)
+    })
+}
+
+/// Moves the pages `indices` of the block at `base` in batches of runs:
+/// `copy` gets a batch's remote runs and its range in the local buffer, and
+/// returns the bytes it moved.
+fn move_pages(
+    base: u64,
+    indices: &[u32],
+    what: &str,
+    mut copy: impl FnMut(&[RemoteIoVec], std::ops::Range<usize>) -> nix::Result<usize>,
+) -> Result<(), DeltaError> {
     let remote = runs(base, indices);
     let mut offset = 0;
     for batch in remote.chunks(MAX_IOVECS) {
         let len: usize = batch.iter().map(|r| r.len).sum();
-        let local = [IoSlice::new(&from[offset..offset + len])];
-        let written = process_vm_writev(Pid::from_raw(pid as i32), &local, batch)
-            .map_err(|e| io_err("writing guest memory into QEMU")(e.into()))?;
-        if written != len {
-            return Err(io_err("writing guest memory into QEMU")(std::io::Error::other(format!("{written} of {len} bytes"))));
+        let moved = copy(batch, offset..offset + len).map_err(|e| io_err(what)(e.into()))?;
+        if moved != len {
+            return Err(io_err(what)(std::io::Error::other(format!("{moved} of {len} bytes"))));
         }
         offset += len;
     }
@@ -303,6 +305,25 @@ fn matching_block<'a>(blocks: &'a [RamBlock], name: &str, length: u64) -> Result
         .iter()
         .find(|b| b.name == name && b.length == length)
         .ok_or_else(|| DeltaError::Blocks(format!("the delta has block {name:?} of {length} bytes; QEMU has {blocks:?}")))
+}
+
+/// A delta to write into a new QEMU: saved in a file, or still in memory
+/// (a fork's).
+#[derive(Debug, Clone)]
+pub enum Pages {
+    Saved(std::path::PathBuf),
+    Captured(std::sync::Arc<Capture>),
+}
+
+impl Pages {
+    /// Writes the pages into QEMU process `pid`, whose RAM blocks are
+    /// `blocks` and whose guest has not run yet.
+    pub fn apply(&self, pid: u32, blocks: &[RamBlock]) -> Result<(), DeltaError> {
+        match self {
+            Pages::Saved(path) => apply(path, pid, blocks).map(drop),
+            Pages::Captured(capture) => capture.apply(pid, blocks),
+        }
+    }
 }
 
 /// Writes the capture saved at `path` into QEMU process `pid`, whose RAM

@@ -533,7 +533,7 @@ impl VmRuntime {
         let state = dir.join(HIBERNATED_STATE);
         let memory_file = dir.join(HIBERNATED_MEMORY);
         let memory = match memory_file.exists() {
-            true => RestoredMemory::Delta { file: &memory_file, vmm },
+            true => RestoredMemory::Delta { pages: delta::Pages::Saved(memory_file.clone()), vmm },
             false => RestoredMemory::InState,
         };
         let woken = async {
@@ -605,19 +605,14 @@ async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, time
     match first {
         Ok(Ok(())) => {}
         Ok(Err(e)) if !e.is_session_lost() => return Err(e.into()),
-        outcome => {
-            match outcome {
-                Ok(Err(e)) => tracing::warn!("post-restore hook: session lost ({e}); retrying on a new session"),
-                _ => tracing::warn!("post-restore hook: no answer in {HOOK_ATTEMPT:?}; retrying on a new session"),
-            }
-            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-            agent.reconnect(remaining).await?;
-            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-            request.unix_time_ns = unix_time_ns();
-            sent = tokio::time::Instant::now();
-            tokio::time::timeout(remaining, agent.restore_hook(request.clone()))
-                .await
-                .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+        lost => {
+            let why = match lost {
+                Ok(Err(e)) => format!("session lost ({e})"),
+                _ => format!("no answer in {HOOK_ATTEMPT:?}"),
+            };
+            tracing::warn!("post-restore hook: {why}; retrying on a new session");
+            agent.reconnect(deadline.saturating_duration_since(tokio::time::Instant::now())).await?;
+            sent = resend_restore_hook(agent, &mut request, deadline, timeout).await?;
         }
     }
     for _ in 0..CLOCK_ROUNDS {
@@ -626,14 +621,31 @@ async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, time
             break;
         }
         tracing::debug!(?took, "post-restore hook was slow; setting the clock again");
-        request.unix_time_ns = unix_time_ns();
-        sent = tokio::time::Instant::now();
-        let remaining = deadline.saturating_duration_since(sent);
-        tokio::time::timeout(remaining, agent.restore_hook(request.clone()))
-            .await
-            .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+        sent = resend_restore_hook(agent, &mut request, deadline, timeout).await?;
     }
     Ok(())
+}
+
+/// Sends the hook again with the time read anew; returns when it was sent.
+async fn resend_restore_hook(
+    agent: &AgentClient,
+    request: &mut RestoreRequest,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> Result<tokio::time::Instant, VmError> {
+    request.unix_time_ns = unix_time_ns();
+    let sent = tokio::time::Instant::now();
+    tokio::time::timeout(deadline.saturating_duration_since(sent), agent.restore_hook(request.clone()))
+        .await
+        .map_err(|_| VmError::Agent(AgentError::Timeout(timeout)))??;
+    Ok(sent)
+}
+
+/// Runs a blocking read or write of guest memory off the async workers.
+async fn memory_task<T: Send + 'static>(
+    task: impl FnOnce() -> Result<T, delta::DeltaError> + Send + 'static,
+) -> Result<T, VmError> {
+    Ok(tokio::task::spawn_blocking(task).await.map_err(|e| VmError::Config(format!("memory task: {e}")))??)
 }
 
 fn unix_time_ns() -> u64 {
@@ -729,29 +741,27 @@ async fn wait_for_agent(
     }
 }
 
-/// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
-/// connects the agent.
 /// Where a restore finds guest memory besides the mapped RAM file.
-#[derive(Debug, Clone, Copy)]
-enum RestoredMemory<'a> {
+#[derive(Debug, Clone)]
+enum RestoredMemory {
     /// All of it in the state stream (an older hibernation).
     InState,
     /// None: the mapped file is all of it (a template or an older snapshot),
     /// left out of the stream with `x-ignore-shared`.
     Shared,
-    /// What the guest wrote on top of its template, in a delta file
-    /// written into QEMU process `vmm` before the device state loads.
-    Delta { file: &'a Path, vmm: ProcessId },
-    /// The same, still in memory (a fork's).
-    Captured { capture: &'a Arc<delta::Capture>, vmm: ProcessId },
+    /// What the guest wrote on top of its template, written into QEMU
+    /// process `vmm` before the device state loads.
+    Delta { pages: delta::Pages, vmm: ProcessId },
 }
 
+/// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
+/// connects the agent.
 async fn restore_into(
     dir: &Path,
     exit_rx: &watch::Receiver<Option<String>>,
     qmp: Option<Qmp>,
     state: &Path,
-    memory: RestoredMemory<'_>,
+    memory: RestoredMemory,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
@@ -764,21 +774,10 @@ async fn restore_into(
         let ignore_shared = match memory {
             RestoredMemory::InState => false,
             RestoredMemory::Shared => true,
-            RestoredMemory::Delta { file, vmm } => {
+            RestoredMemory::Delta { pages, vmm } => {
                 // Before the device state: loading virtio queues reads guest memory.
                 let blocks = delta::ram_blocks(&qmp).await?;
-                let file = file.to_path_buf();
-                tokio::task::spawn_blocking(move || delta::apply(&file, vmm.pid, &blocks))
-                    .await
-                    .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
-                false
-            }
-            RestoredMemory::Captured { capture, vmm } => {
-                let blocks = delta::ram_blocks(&qmp).await?;
-                let capture = Arc::clone(capture);
-                tokio::task::spawn_blocking(move || capture.apply(vmm.pid, &blocks))
-                    .await
-                    .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+                memory_task(move || pages.apply(vmm.pid, &blocks)).await?;
                 false
             }
         };
@@ -1016,8 +1015,7 @@ impl Vm {
             }
             let (_, capture) = self.stop_and_capture(&tmp).await?;
             let file = memory.clone();
-            tokio::task::spawn_blocking(move || capture.save(&file)).await.map_err(|e| VmError::Config(format!("memory task: {e}")))??;
-            Ok(())
+            memory_task(move || capture.save(&file)).await
         };
         if let Err(e) = saved.await {
             let _ = std::fs::remove_file(&tmp);
@@ -1054,16 +1052,11 @@ impl Vm {
     async fn stop_and_capture(&self, state: &Path) -> Result<(std::time::Instant, delta::Capture), VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
-        let memory_task = |e: tokio::task::JoinError| VmError::Config(format!("memory task: {e}"));
         let sizing = blocks.clone();
-        let buffer = tokio::task::spawn_blocking(move || delta::CaptureBuffer::sized_for(pid, &sizing, launch::RAM_ID))
-            .await
-            .map_err(memory_task)??;
+        let buffer = memory_task(move || delta::CaptureBuffer::sized_for(pid, &sizing, launch::RAM_ID)).await?;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
-        let capture = tokio::task::spawn_blocking(move || delta::Capture::read(pid, &blocks, launch::RAM_ID, buffer))
-            .await
-            .map_err(memory_task)??;
+        let capture = memory_task(move || delta::Capture::read(pid, &blocks, launch::RAM_ID, buffer)).await?;
         let read = stopped_at.elapsed();
         migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
         tracing::debug!(?read, devices = ?stopped_at.elapsed(), bytes = capture.bytes(), "captured a stopped VM");

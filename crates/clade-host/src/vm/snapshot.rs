@@ -191,10 +191,9 @@ impl VmRuntime {
             let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let memory_file = snap_dir.join("memory");
             let memory = match (memory, snap.memory_delta, snap.own_memory) {
-                (Some(capture), _, _) => RestoredMemory::Captured { capture, vmm },
-                (None, true, _) => RestoredMemory::Delta { file: &memory_file, vmm },
+                (Some(capture), _, _) => RestoredMemory::Delta { pages: delta::Pages::Captured(Arc::clone(capture)), vmm },
+                (None, true, _) => RestoredMemory::Delta { pages: delta::Pages::Saved(snap_dir.join("memory")), vmm },
                 (None, false, true) => RestoredMemory::Shared,
                 (None, false, false) => RestoredMemory::InState,
             };
@@ -266,9 +265,7 @@ impl Vm {
             let (paused, capture) = saved?;
             resumed?;
             let memory = dir.join("memory");
-            tokio::task::spawn_blocking(move || capture.save(&memory))
-                .await
-                .map_err(|e| VmError::Config(format!("memory task: {e}")))??;
+            super::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
             record.save(&dir).map_err(io_err("writing the snapshot record"))
         }
