@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use clade_host::testing::vm_env;
+use clade_host::testing::{output_within, vm_env};
 use serde_json::Value;
 
 /// A `clade server` process; stopped with SIGTERM when dropped.
@@ -89,14 +89,13 @@ fn client_command(args: &[&str]) -> Command {
     command
 }
 
+/// Longer than any one command here takes on a loaded host; a command
+/// still running then has hung.
+const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+#[track_caller]
 fn output(command: &mut Command, stdin: Option<&[u8]>) -> Output {
-    let mut child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let mut pipe = child.stdin.take().unwrap();
-    if let Some(data) = stdin {
-        pipe.write_all(data).unwrap();
-    }
-    drop(pipe);
-    child.wait_with_output().unwrap()
+    output_within(command, Some(stdin.unwrap_or_default()), COMMAND_LIMIT)
 }
 
 /// Runs and expects success; returns stdout.

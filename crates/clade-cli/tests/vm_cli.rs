@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use clade_host::testing::{vm_env, VmTestEnv};
+use clade_host::testing::{output_within, vm_env, VmTestEnv};
 use clade_host::vm::{Phase, VmRecord};
 
 fn clade(env: &VmTestEnv) -> Command {
@@ -86,14 +86,19 @@ fn a_killed_vm_run_leaves_no_orphan() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(dir.exists(), "files remain until the next sweep");
-    let ls = clade(&env).args(["vm", "ls"]).output().unwrap();
+    let ls = output_within(clade(&env).args(["vm", "ls"]), None, COMMAND_LIMIT);
     assert!(ls.status.success());
     assert!(!dir.exists(), "the sweep removed the dead owner's VM");
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&dir.file_name().unwrap().to_string_lossy().to_string()));
 }
 
+/// Longer than any one command here takes on a loaded host (a create that
+/// bakes the template included); a command still running then has hung.
+const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+#[track_caller]
 fn output(command: &mut Command) -> (i32, String, String) {
-    let out = command.output().unwrap();
+    let out = output_within(command, None, COMMAND_LIMIT);
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -230,10 +230,19 @@ impl Port {
     fn hang_up_was_stale(&mut self) -> io::Result<bool> {
         let raw = self.fd()?.as_raw_fd();
         let mut pollfd = libc::pollfd { fd: raw, events: libc::POLLIN, revents: 0 };
-        // SAFETY: `pollfd` is one valid, initialised pollfd for the duration
-        // of the call, and `raw` is an open fd owned by `self`.
-        if unsafe { libc::poll(&mut pollfd, 1, 0) } < 0 {
-            return Err(io::Error::last_os_error());
+        loop {
+            // SAFETY: `pollfd` is one valid, initialised pollfd for the
+            // duration of the call, and `raw` is an open fd owned by `self`.
+            if unsafe { libc::poll(&mut pollfd, 1, 0) } >= 0 {
+                break;
+            }
+            let error = io::Error::last_os_error();
+            // poll is never restarted after a signal handler, and this port
+            // raises SIGIO for every arrival of the host's data: an
+            // interrupted look must not end the session.
+            if error.kind() != io::ErrorKind::Interrupted {
+                return Err(error);
+            }
         }
         if pollfd.revents & libc::POLLHUP != 0 {
             return Ok(false);

@@ -2,7 +2,10 @@
 //! agent socket, every operation on its own substream.
 
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use clade_proto::handshake::{self, HandshakeError};
@@ -12,7 +15,7 @@ use clade_proto::{
     GuestInfo, HostFrame, ListeningPort, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest,
     WriteFileRequest, CHUNK_SIZE,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
 
 /// The first handshake attempt with a guest that may still be in an old session.
@@ -27,6 +30,11 @@ const HANDSHAKE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// session (`HelloWatch` in guestd); waiting longer only lengthens every
 /// snapshot, fork, pause and hibernation.
 pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(20);
+
+/// How long a guest may take to sync its filesystems for a snapshot. One
+/// that takes longer (a stuck disk, a hung agent) is saved unquiesced, as
+/// its callers decide, rather than waited on for ever.
+const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -82,6 +90,108 @@ pub struct AgentClient {
 struct Session {
     mux: MuxClient,
     agent_version: Arc<str>,
+    /// Operations under way on this session (see [`keep_alive`]).
+    in_flight: Arc<AtomicUsize>,
+    /// Held by every clone; the keep-alive task ends (and lets go of the
+    /// connection) as soon as the last one goes.
+    _alive: Arc<tokio::sync::watch::Sender<()>>,
+}
+
+impl Session {
+    fn start(mux: MuxClient, agent_version: &str) -> Self {
+        let (alive, watch_alive) = tokio::sync::watch::channel(());
+        let session = Self { mux, agent_version: agent_version.into(), in_flight: Arc::default(), _alive: Arc::new(alive) };
+        tokio::spawn(keep_alive(session.mux.clone(), session.in_flight.clone(), watch_alive));
+        session
+    }
+}
+
+/// While an operation waits on the guest, how often the session is checked.
+const KEEPALIVE_INTERVAL: Duration = if cfg!(test) { Duration::from_millis(50) } else { Duration::from_secs(5) };
+/// How long one check may take (a guest on a host busy with many TCG
+/// guests can be slow to be scheduled, not dead).
+const KEEPALIVE_TIMEOUT: Duration = if cfg!(test) { Duration::from_millis(200) } else { Duration::from_secs(15) };
+/// Checks missed in a row after which the session is over.
+const KEEPALIVE_MISSES: u32 = 3;
+
+/// Ends a session whose guest no longer answers while operations wait on
+/// it, so that they fail as "session lost" (and callers reconnect) instead
+/// of waiting for ever. A guest whose side of a session failed (an error on
+/// its port) goes back to waiting for a new hello, and nothing tells this
+/// side: its connection to QEMU stays open. The check is a ping on its own
+/// substream, sent only while operations are in flight, so an idle guest is
+/// never woken by it.
+async fn keep_alive(mux: MuxClient, in_flight: Arc<AtomicUsize>, mut alive: tokio::sync::watch::Receiver<()>) {
+    let mut missed = 0;
+    loop {
+        tokio::select! {
+            _ = mux.closed() => return,
+            _ = alive.changed() => return, // the session's last handle is gone
+            _ = tokio::time::sleep(KEEPALIVE_INTERVAL) => {}
+        }
+        if in_flight.load(Ordering::Relaxed) == 0 {
+            missed = 0;
+            continue;
+        }
+        match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping(&mux)).await {
+            Ok(Ok(())) => missed = 0,
+            _ => missed += 1,
+        }
+        if missed >= KEEPALIVE_MISSES {
+            tracing::warn!("the agent did not answer {missed} pings while operations waited on it; ending the session");
+            mux.close();
+            return;
+        }
+    }
+}
+
+async fn ping(mux: &MuxClient) -> Result<(), AgentError> {
+    let mut stream = mux.open().await?;
+    write_frame(&mut stream, &Request::Ping).await?;
+    match read_frame::<_, GuestFrame>(&mut stream).await? {
+        Some(GuestFrame::Reply(Reply::Pong { .. })) => Ok(()),
+        Some(other) => Err(AgentError::unexpected("pong", &other)),
+        None => Err(AgentError::Eof),
+    }
+}
+
+/// One operation's substream; counted in its session's operations in flight
+/// for as long as it exists.
+#[derive(Debug)]
+pub struct AgentStream {
+    inner: Substream,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl AgentStream {
+    fn new(inner: Substream, in_flight: Arc<AtomicUsize>) -> Self {
+        in_flight.fetch_add(1, Ordering::Relaxed);
+        Self { inner, in_flight }
+    }
+}
+
+impl Drop for AgentStream {
+    fn drop(&mut self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl AsyncRead for AgentStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AgentStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 impl AgentClient {
@@ -152,9 +262,7 @@ impl AgentClient {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let nonce = rand::random::<u64>();
             match tokio::time::timeout(attempt_timeout.min(remaining), handshake::host(stream, nonce)).await {
-                Ok(Ok((channel, hello))) => {
-                    return Ok(Session { mux: MuxClient::spawn(channel), agent_version: hello.agent_version.into() });
-                }
+                Ok(Ok((channel, hello))) => return Ok(Session::start(MuxClient::spawn(channel), &hello.agent_version)),
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) if Instant::now() + HANDSHAKE_RETRY_PAUSE >= deadline => return Err(AgentError::Timeout(timeout)),
                 Err(_) => {
@@ -176,8 +284,9 @@ impl AgentClient {
         self.current().map_or(true, |s| s.mux.is_closed())
     }
 
-    async fn open(&self, request: &Request) -> Result<Substream, AgentError> {
-        let mut stream = self.current()?.mux.open().await?;
+    async fn open(&self, request: &Request) -> Result<AgentStream, AgentError> {
+        let session = self.current()?;
+        let mut stream = AgentStream::new(session.mux.open().await?, session.in_flight);
         write_frame(&mut stream, request).await?;
         Ok(stream)
     }
@@ -393,7 +502,9 @@ impl AgentClient {
     /// ended by both sides (so no byte is in flight), the guest waiting for
     /// the next host's hello. The client has no session afterwards.
     pub async fn quiesce(&self) -> Result<(), AgentError> {
-        let outcome = self.done(Request::Quiesce).await;
+        let outcome = tokio::time::timeout(QUIESCE_TIMEOUT, self.done(Request::Quiesce))
+            .await
+            .unwrap_or(Err(AgentError::Timeout(QUIESCE_TIMEOUT)));
         self.close();
         // The guest drives its side of the session a few more milliseconds
         // (its answer must leave) before it waits for a new hello; a snapshot
@@ -412,7 +523,7 @@ impl AgentClient {
 
 /// A connection to a port inside the guest (see [`AgentClient::connect_port`]):
 /// `AsyncRead + AsyncWrite + Send + Unpin`.
-pub type PortStream = Substream;
+pub type PortStream = AgentStream;
 
 /// What a running command produces, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -429,7 +540,7 @@ pub enum ExecEvent {
 #[derive(Debug)]
 pub struct ExecSession {
     pid: u32,
-    reader: ReadHalf<Substream>,
+    reader: ReadHalf<AgentStream>,
     input: ExecInput,
     finished: bool,
 }
@@ -482,7 +593,7 @@ impl ExecSession {
 
 /// Sends input to a running command.
 #[derive(Debug, Clone)]
-pub struct ExecInput(Arc<tokio::sync::Mutex<WriteHalf<Substream>>>);
+pub struct ExecInput(Arc<tokio::sync::Mutex<WriteHalf<AgentStream>>>);
 
 impl ExecInput {
     async fn send(&self, frame: HostFrame) -> Result<(), AgentError> {
@@ -533,5 +644,78 @@ impl ExecOutput {
 
     pub fn stderr_str(&self) -> String {
         String::from_utf8_lossy(&self.stderr).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clade_proto::mux::MuxServer;
+    use std::sync::atomic::AtomicBool;
+    use tokio::net::UnixListener;
+
+    /// A guest agent on a real socket that answers pings while `answering`
+    /// is set, and answers an exec's start only after `exec_delay` — or,
+    /// with `lose_session_on_exec`, never, and stops answering pings too (its
+    /// side of the session failed, as a port error makes it do).
+    async fn fake_guest(listener: UnixListener, exec_delay: Duration, lose_session_on_exec: bool) {
+        let (stream, _) = listener.accept().await.unwrap();
+        let channel = handshake::guest(stream, "fake").await.unwrap();
+        let mut mux = MuxServer::new(channel);
+        let answering = Arc::new(AtomicBool::new(true));
+        while let Ok(Some(mut substream)) = mux.next().await {
+            let answering = answering.clone();
+            tokio::spawn(async move {
+                match read_frame::<_, Request>(&mut substream).await {
+                    Ok(Some(Request::Ping)) if answering.load(Ordering::Relaxed) => {
+                        let pong = GuestFrame::Reply(Reply::Pong { agent_version: "fake".into(), uptime_ms: 0 });
+                        let _ = write_frame(&mut substream, &pong).await;
+                    }
+                    Ok(Some(Request::Exec(_))) => {
+                        if lose_session_on_exec {
+                            answering.store(false, Ordering::Relaxed);
+                            std::future::pending::<()>().await;
+                        }
+                        tokio::time::sleep(exec_delay).await;
+                        let _ = write_frame(&mut substream, &GuestFrame::Started { pid: 7 }).await;
+                    }
+                    _ => {}
+                }
+                std::future::pending::<()>().await;
+            });
+        }
+    }
+
+    async fn connected(exec_delay: Duration, lose_session_on_exec: bool) -> (AgentClient, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).unwrap();
+        tokio::spawn(fake_guest(listener, exec_delay, lose_session_on_exec));
+        (AgentClient::connect(&socket, Duration::from_secs(5)).await.unwrap(), dir)
+    }
+
+    fn exec_request() -> ExecRequest {
+        ExecRequest::new(clade_proto::Command::Argv(vec!["true".into()]))
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_stops_answering_mid_operation_ends_the_session_instead_of_hanging() {
+        let (agent, _dir) = connected(Duration::ZERO, true).await;
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(Duration::from_secs(10), agent.exec(exec_request())).await;
+        let Err(error) = outcome.expect("the exec waited for ever") else { panic!("the exec cannot have started") };
+        assert!(error.is_session_lost(), "{error}");
+        assert!(agent.is_closed());
+        let bound = (KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT) * (KEEPALIVE_MISSES + 1);
+        assert!(started.elapsed() < bound, "took {:?}", started.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_slow_answer_from_a_guest_that_answers_pings_is_waited_for() {
+        let slow = (KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT) * (KEEPALIVE_MISSES + 1);
+        let (agent, _dir) = connected(slow, false).await;
+        let session = agent.exec(exec_request()).await.expect("a live guest's slow answer");
+        assert_eq!(session.pid(), 7);
+        assert!(!agent.is_closed());
     }
 }

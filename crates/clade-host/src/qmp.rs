@@ -30,7 +30,14 @@ pub enum QmpError {
     Command { command: String, class: String, desc: String },
     #[error("QMP command {0} timed out")]
     Timeout(String),
+    #[error("QMP at {0} did not greet within {GREETING_TIMEOUT:?} (another client holding the monitor, or QEMU stuck)")]
+    NoGreeting(String),
 }
+
+/// How long QEMU may take to greet a new connection. It serves one client
+/// at a time and leaves the next in the listen queue, where a bare read of
+/// the greeting would wait for as long as the first one stays.
+pub const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, (String, String)>>>>>;
 
@@ -51,7 +58,10 @@ impl Qmp {
             .map_err(|source| QmpError::Connect { path: path.display().to_string(), source })?;
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read).lines();
-        let greeting = lines.next_line().await?.ok_or(QmpError::Closed)?;
+        let greeting = tokio::time::timeout(GREETING_TIMEOUT, lines.next_line())
+            .await
+            .map_err(|_| QmpError::NoGreeting(path.display().to_string()))??
+            .ok_or(QmpError::Closed)?;
         let greeting: Value = serde_json::from_str(&greeting).map_err(|_| QmpError::Greeting)?;
         if greeting.get("QMP").is_none() {
             return Err(QmpError::Greeting);

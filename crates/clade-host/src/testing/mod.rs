@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use crate::config::HostConfig;
 use crate::image::{GuestImage, Progress};
@@ -129,6 +130,66 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     RUNTIME.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("tokio runtime")
     })
+}
+
+/// Runs `command` to its end with `stdin` as its input, like
+/// [`Command::output`], but never for longer than `limit`: a command that
+/// hangs is killed and the test fails naming it, with what it printed so far
+/// (its log tells where it waited), instead of the whole suite waiting on it.
+///
+/// [`Command::output`]: std::process::Command::output
+#[track_caller]
+pub fn output_within(command: &mut std::process::Command, stdin: Option<&[u8]>, limit: Duration) -> std::process::Output {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+
+    fn drain(pipe: Option<impl Read + Send + 'static>) -> std::sync::mpsc::Receiver<Vec<u8>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        if let Some(mut pipe) = pipe {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                let _ = pipe.read_to_end(&mut bytes);
+                let _ = tx.send(bytes);
+            });
+        }
+        rx
+    }
+    // A process the command left running may hold its pipes open: wait for
+    // the readers a little, then take what there is.
+    fn collected(rx: &std::sync::mpsc::Receiver<Vec<u8>>) -> Vec<u8> {
+        rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
+    }
+
+    let mut child = command
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    if let (Some(data), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        let data = data.to_vec();
+        // On its own thread: a command that does not read must not stop the clock.
+        std::thread::spawn(move || pipe.write_all(&data));
+    }
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for a test command") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{command:?} did not finish within {limit:?}; killed.\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&collected(&stdout)),
+                String::from_utf8_lossy(&collected(&stderr)),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    std::process::Output { status, stdout: collected(&stdout), stderr: collected(&stderr) }
 }
 
 pub mod internet;

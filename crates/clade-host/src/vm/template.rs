@@ -129,25 +129,33 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
     let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true, None)?;
     let outcome = async {
         let (qmp, agent) = wait_for_agent(dir, &exit_rx, runtime.boot_timeout()).await?;
-        // Warm the page cache every VM will inherit, then quiesce: disk data
-        // synced, and no session open, so no byte is in flight on the channel.
-        // Also the agent's own first steps after a restore (hook, exec, files),
-        // so that their code is in the template's memory, not read from disk
-        // by every new VM.
-        agent.restore_hook(super::restore_request("template", false)).await?;
-        agent.write_file("/tmp/.clade-warmup", b"warm").await?;
-        agent.read_file("/tmp/.clade-warmup").await?;
-        agent.remove("/tmp/.clade-warmup", false).await?;
-        for command in warmup_commands() {
-            let out = agent.run(command).await?;
-            if out.exit_code() != 0 {
-                return Err(VmError::Config(format!("template warm-up failed: {}", out.stderr_str())));
+        // Bounded like the boot: a guest that stops answering mid-warm-up
+        // fails the bake instead of holding every create waiting on it.
+        let steps = async {
+            // Warm the page cache every VM will inherit, then quiesce: disk data
+            // synced, and no session open, so no byte is in flight on the channel.
+            // Also the agent's own first steps after a restore (hook, exec, files),
+            // so that their code is in the template's memory, not read from disk
+            // by every new VM.
+            agent.restore_hook(super::restore_request("template", false)).await?;
+            agent.write_file("/tmp/.clade-warmup", b"warm").await?;
+            agent.read_file("/tmp/.clade-warmup").await?;
+            agent.remove("/tmp/.clade-warmup", false).await?;
+            for command in warmup_commands() {
+                let out = agent.run(command).await?;
+                if out.exit_code() != 0 {
+                    return Err(VmError::Config(format!("template warm-up failed: {}", out.stderr_str())));
+                }
             }
-        }
-        agent.quiesce().await?;
+            agent.quiesce().await?;
+            Ok::<_, VmError>(())
+        };
+        tokio::time::timeout(runtime.boot_timeout(), steps).await.map_err(|_| {
+            VmError::Config(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout()))
+        })??;
         migrate::save(&qmp, &dir.join("state"), true).await.map_err(|e| VmError::Config(format!("saving the template: {e}")))?;
         let _ = qmp.execute_timeout("quit", None, Duration::from_secs(2)).await;
-        Ok(())
+        Ok::<_, VmError>(())
     }
     .await;
     // Whatever happened, the baking QEMU must be gone before files are published.
