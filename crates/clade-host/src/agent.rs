@@ -84,6 +84,11 @@ impl AgentError {
 pub struct AgentClient {
     socket: Arc<Path>,
     session: Arc<std::sync::RwLock<Option<Session>>>,
+    /// Held through a reconnect: between closing the old session and
+    /// finishing the new one's handshake (QEMU takes one connection at a
+    /// time, so the old must go first), an operation waits here for the new
+    /// session instead of failing for want of any.
+    reconnecting: Arc<tokio::sync::Mutex<()>>,
 }
 
 #[derive(Debug, Clone)]
@@ -212,16 +217,17 @@ impl AgentClient {
 
     async fn connect_with_attempts(socket: &Path, timeout: Duration, first_attempt: Duration) -> Result<Self, AgentError> {
         let session = Self::handshake(socket, timeout, first_attempt).await?;
-        Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))) })
+        Ok(Self { socket: socket.into(), session: Arc::new(std::sync::RwLock::new(Some(session))), reconnecting: Arc::default() })
     }
 
     /// A client with no session yet (its guest cannot answer now, e.g. paused).
     pub fn disconnected(socket: &Path) -> Self {
-        Self { socket: socket.into(), session: Arc::default() }
+        Self { socket: socket.into(), session: Arc::default(), reconnecting: Arc::default() }
     }
 
     /// Opens a new session, replacing (and closing) the current one.
     pub async fn reconnect(&self, timeout: Duration) -> Result<(), AgentError> {
+        let _reconnecting = self.reconnecting.lock().await;
         self.close();
         let session = Self::handshake(&self.socket, timeout, SHORT_ATTEMPT).await?;
         *self.session.write().expect("agent session lock") = Some(session);
@@ -285,7 +291,13 @@ impl AgentClient {
     }
 
     async fn open(&self, request: &Request) -> Result<AgentStream, AgentError> {
-        let session = self.current()?;
+        let session = match self.current() {
+            Ok(session) => session,
+            Err(_) => {
+                let _reconnected = self.reconnecting.lock().await;
+                self.current()?
+            }
+        };
         let mut stream = AgentStream::new(session.mux.open().await?, session.in_flight);
         write_frame(&mut stream, request).await?;
         Ok(stream)

@@ -64,6 +64,30 @@ fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
     });
 }
 
+/// A guest can leave a session without the host hearing of it: here,
+/// session data holding a hello line, which ends the guest's side of the
+/// session (`HelloWatch`). Nothing answers on that session any more, but
+/// the guest takes a new one: the VM is alive, not hung, and the operation
+/// that was waiting fails instead of waiting for ever.
+#[test]
+fn a_guest_that_left_its_session_silently_gets_a_new_one_and_is_not_called_hung() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let mut spec = VmSpec::new(env.image.clone());
+        spec.watchdog =
+            Some(Watchdog { interval: Duration::from_millis(500), timeout: Duration::from_secs(1), misses: 2 });
+        let vm = env.runtime.boot(spec).await.unwrap();
+        let write = vm.agent().write_file("/tmp/hello", b"\nCLADE-HELLO x\n");
+        let outcome = tokio::time::timeout(Duration::from_secs(60), write).await.expect("the write waited for ever");
+        let error = outcome.expect_err("the guest left the session before answering");
+        assert!(error.is_session_lost(), "{error}");
+        let out = vm.run(sh("echo alive")).await.unwrap();
+        assert_eq!(out.stdout_str(), "alive\n");
+        assert!(tokio::time::timeout(Duration::from_secs(1), vm.failed()).await.is_err(), "called hung");
+        vm.stop().await.unwrap();
+    });
+}
+
 #[test]
 fn a_vm_the_host_cannot_hold_is_refused_and_nothing_is_left() {
     let Some(env) = vm_env() else { return };

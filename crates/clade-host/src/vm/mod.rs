@@ -1140,6 +1140,18 @@ async fn monitor(mut m: Monitor) {
                 },
                 _ => missed += 1,
             }
+            // Before calling the guest hung: its side of this session may
+            // have ended without a word (see `agent::keep_alive`), and a
+            // guest that takes a new session is alive. Operations still
+            // waiting on the old one fail as "session lost".
+            let running = || *state.lock().expect("vm state lock") == State::Running;
+            if missed >= dog.misses && running() && agent.reconnect(dog.timeout).await.is_ok() {
+                tracing::warn!(dir = %m.dir.display(), "the agent stopped answering on its session but took a new one");
+                missed = 0;
+            }
+            if !running() {
+                missed = 0; // paused, snapshotted or stopped meanwhile
+            }
             if missed >= dog.misses {
                 return (
                     FailureKind::Unresponsive,
