@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use clade_host::testing::{output_within, vm_env};
+use clade_host::testing::{output_within, vm_env, COMMAND_LIMIT};
 use serde_json::Value;
 
 /// A `clade server` process; stopped with SIGTERM when dropped.
@@ -88,10 +88,6 @@ fn client_command(args: &[&str]) -> Command {
         .env("CLADE_CONFIG", "/nonexistent/clade-config.json");
     command
 }
-
-/// Longer than any one command here takes on a loaded host; a command
-/// still running then has hung.
-const COMMAND_LIMIT: Duration = Duration::from_secs(300);
 
 #[track_caller]
 fn output(command: &mut Command, stdin: Option<&[u8]>) -> Output {

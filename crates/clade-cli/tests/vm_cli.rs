@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use clade_host::testing::{output_within, vm_env, VmTestEnv};
+use clade_host::testing::{output_within, vm_env, VmTestEnv, COMMAND_LIMIT};
 use clade_host::vm::{Phase, VmRecord};
 
 fn clade(env: &VmTestEnv) -> Command {
@@ -91,10 +91,6 @@ fn a_killed_vm_run_leaves_no_orphan() {
     assert!(!dir.exists(), "the sweep removed the dead owner's VM");
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&dir.file_name().unwrap().to_string_lossy().to_string()));
 }
-
-/// Longer than any one command here takes on a loaded host (a create that
-/// bakes the template included); a command still running then has hung.
-const COMMAND_LIMIT: Duration = Duration::from_secs(300);
 
 #[track_caller]
 fn output(command: &mut Command) -> (i32, String, String) {

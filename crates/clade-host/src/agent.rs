@@ -150,13 +150,27 @@ async fn keep_alive(mux: MuxClient, in_flight: Arc<AtomicUsize>, mut alive: toki
     }
 }
 
+/// A ping on its own substream of `mux`, not counted as an operation.
 async fn ping(mux: &MuxClient) -> Result<(), AgentError> {
     let mut stream = mux.open().await?;
     write_frame(&mut stream, &Request::Ping).await?;
-    match read_frame::<_, GuestFrame>(&mut stream).await? {
-        Some(GuestFrame::Reply(Reply::Pong { .. })) => Ok(()),
-        Some(other) => Err(AgentError::unexpected("pong", &other)),
+    expect_pong(read_reply(&mut stream).await?)
+}
+
+/// The one reply frame that answers a request.
+async fn read_reply(stream: &mut (impl AsyncRead + Unpin)) -> Result<Reply, AgentError> {
+    match read_frame::<_, GuestFrame>(stream).await? {
+        Some(GuestFrame::Reply(reply)) => Ok(reply),
+        Some(GuestFrame::Error(e)) => Err(e.into()),
+        Some(other) => Err(AgentError::unexpected("a reply", &other)),
         None => Err(AgentError::Eof),
+    }
+}
+
+fn expect_pong(reply: Reply) -> Result<(), AgentError> {
+    match reply {
+        Reply::Pong { .. } => Ok(()),
+        other => Err(AgentError::Unexpected { expected: "pong", got: format!("{other:?}") }),
     }
 }
 
@@ -304,22 +318,14 @@ impl AgentClient {
     }
 
     async fn simple(&self, request: Request) -> Result<Reply, AgentError> {
-        let mut stream = self.open(&request).await?;
-        match read_frame::<_, GuestFrame>(&mut stream).await? {
-            Some(GuestFrame::Reply(reply)) => Ok(reply),
-            Some(GuestFrame::Error(e)) => Err(e.into()),
-            Some(other) => Err(AgentError::unexpected("a reply", &other)),
-            None => Err(AgentError::Eof),
-        }
+        read_reply(&mut self.open(&request).await?).await
     }
 
     /// Round trip to the agent; returns the time it took.
     pub async fn ping(&self) -> Result<Duration, AgentError> {
         let start = Instant::now();
-        match self.simple(Request::Ping).await? {
-            Reply::Pong { .. } => Ok(start.elapsed()),
-            other => Err(AgentError::Unexpected { expected: "pong", got: format!("{other:?}") }),
-        }
+        expect_pong(self.simple(Request::Ping).await?)?;
+        Ok(start.elapsed())
     }
 
     /// Starts a command; its output arrives through the returned session.
@@ -497,11 +503,9 @@ impl AgentClient {
     pub async fn connect_port(&self, port: u16) -> Result<PortStream, AgentError> {
         let mut stream = self.open(&Request::Connect { port }).await?;
         // Exactly one frame is read: whatever follows it is the connection's data.
-        match read_frame::<_, GuestFrame>(&mut stream).await? {
-            Some(GuestFrame::Reply(Reply::Done)) => Ok(stream),
-            Some(GuestFrame::Error(e)) => Err(e.into()),
-            Some(other) => Err(AgentError::unexpected("connected", &other)),
-            None => Err(AgentError::Eof),
+        match read_reply(&mut stream).await? {
+            Reply::Done => Ok(stream),
+            other => Err(AgentError::Unexpected { expected: "connected", got: format!("{other:?}") }),
         }
     }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use clade_host::testing::vm_env;
+use clade_host::testing::{vm_env, VmTestEnv};
 use clade_host::vm::{FailureKind, Watchdog};
 use clade_host::{VmError, VmSpec};
 use common::{block_on, sh};
@@ -13,6 +13,12 @@ use common::{block_on, sh};
 fn assert_cleaned_up(dir: &std::path::Path, vmm: clade_host::vm::ProcessId) {
     assert!(!vmm.is_alive(), "QEMU still runs");
     assert!(!dir.exists(), "VM directory left behind: {}", dir.display());
+}
+
+/// A VM whose watchdog gives up after two missed pings of a second.
+fn with_quick_watchdog(env: &VmTestEnv) -> VmSpec {
+    let watchdog = Watchdog { interval: Duration::from_millis(500), timeout: Duration::from_secs(1), misses: 2 };
+    VmSpec { watchdog: Some(watchdog), ..VmSpec::new(env.image.clone()) }
 }
 
 #[test]
@@ -48,10 +54,7 @@ fn a_guest_panic_is_reported_with_its_console_and_cleaned_up() {
 fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
     let Some(env) = vm_env() else { return };
     block_on(async {
-        let mut spec = VmSpec::new(env.image.clone());
-        spec.watchdog =
-            Some(Watchdog { interval: Duration::from_millis(500), timeout: Duration::from_secs(1), misses: 2 });
-        let vm = env.runtime.boot(spec).await.unwrap();
+        let vm = env.runtime.boot(with_quick_watchdog(&env)).await.unwrap();
         let (dir, vmm) = (vm.dir().to_path_buf(), vm.vmm());
         // Freeze the guest's CPU behind the VM's back: to the host it simply stops answering.
         vm.qmp().execute("stop", None).await.unwrap();
@@ -73,10 +76,7 @@ fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
 fn a_guest_that_left_its_session_silently_gets_a_new_one_and_is_not_called_hung() {
     let Some(env) = vm_env() else { return };
     block_on(async {
-        let mut spec = VmSpec::new(env.image.clone());
-        spec.watchdog =
-            Some(Watchdog { interval: Duration::from_millis(500), timeout: Duration::from_secs(1), misses: 2 });
-        let vm = env.runtime.boot(spec).await.unwrap();
+        let vm = env.runtime.boot(with_quick_watchdog(&env)).await.unwrap();
         let write = vm.agent().write_file("/tmp/hello", b"\nCLADE-HELLO x\n");
         let outcome = tokio::time::timeout(Duration::from_secs(60), write).await.expect("the write waited for ever");
         let error = outcome.expect_err("the guest left the session before answering");

@@ -132,6 +132,10 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// Longer than any one command of a test takes on a loaded host (a create
+/// that bakes the template included); a command still running then has hung.
+pub const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
 /// Runs `command` to its end with `stdin` as its input, like
 /// [`Command::output`], but never for longer than `limit`: a command that
 /// hangs is killed and the test fails naming it, with what it printed so far

@@ -1122,16 +1122,18 @@ async fn monitor(mut m: Monitor) {
     let state = m.state.clone();
     let watchdog = async {
         let Some(dog) = m.watchdog else { return std::future::pending().await };
+        // A paused, snapshotted or stopped guest cannot answer, and need not.
+        let running = || *state.lock().expect("vm state lock") == State::Running;
         let mut missed = 0;
         loop {
             tokio::time::sleep(dog.interval).await;
-            if *state.lock().expect("vm state lock") != State::Running {
-                missed = 0; // a paused guest cannot answer, and need not
+            if !running() {
+                missed = 0;
                 continue;
             }
             match tokio::time::timeout(dog.timeout, agent.ping()).await {
                 Ok(Ok(_)) => missed = 0,
-                _ if *state.lock().expect("vm state lock") != State::Running => missed = 0,
+                _ if !running() => missed = 0,
                 // A lost session while QEMU runs (QEMU exiting is reported by
                 // the exit branch): a guest that takes a new one is alive.
                 Ok(Err(e)) if e.is_session_lost() => match agent.reconnect(dog.timeout).await {
@@ -1144,13 +1146,12 @@ async fn monitor(mut m: Monitor) {
             // have ended without a word (see `agent::keep_alive`), and a
             // guest that takes a new session is alive. Operations still
             // waiting on the old one fail as "session lost".
-            let running = || *state.lock().expect("vm state lock") == State::Running;
             if missed >= dog.misses && running() && agent.reconnect(dog.timeout).await.is_ok() {
                 tracing::warn!(dir = %m.dir.display(), "the agent stopped answering on its session but took a new one");
                 missed = 0;
             }
             if !running() {
-                missed = 0; // paused, snapshotted or stopped meanwhile
+                missed = 0;
             }
             if missed >= dog.misses {
                 return (
