@@ -313,8 +313,19 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         let vm = runtime.create(spec.clone()).await.unwrap();
         assert!(matches!(vm.boot_kind(), BootKind::Restored { standby: true, .. }), "{:?}", vm.boot_kind());
         assert_eq!(vm.id(), standby[0], "the create used the standby VMM");
-        let out = vm.run(sh("hostname; cat /run/clade/sandbox-id")).await.unwrap();
-        assert_eq!(out.stdout_str(), format!("sb-{0}\n{0}", vm.id()));
+        // The identity lives in /run (the hook writes no disk), and exec
+        // cgroups are cheap to join.
+        let out = vm
+            .run(sh("hostname; cat /run/clade/sandbox-id; echo; cat /etc/hostname; readlink /etc/hostname /etc/machine-id; \
+                     grep -c '^cgroup2 .*favordynmods' /proc/mounts"))
+            .await
+            .unwrap();
+        assert_eq!(
+            out.stdout_str(),
+            format!("sb-{0}\n{0}\nsb-{0}\n/run/clade/hostname\n/run/clade/machine-id\n1\n", vm.id()),
+            "{}",
+            out.stderr_str()
+        );
 
         // The pool refills in the background, with a new process.
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
