@@ -182,6 +182,7 @@ impl VmRuntime {
         let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
         record.backing_snapshot = Some(snapshot_id.to_string());
         let created = async {
+            let preparing = std::time::Instant::now();
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
             super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &dir.join("disk.qcow2")).await?;
@@ -191,6 +192,7 @@ impl VmRuntime {
             let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let prepared = preparing.elapsed();
             let memory = match (memory, snap.memory_delta, snap.own_memory) {
                 (Some(capture), _, _) => RestoredMemory::Delta { pages: delta::Pages::Captured(Arc::clone(capture)), vmm },
                 (None, true, _) => RestoredMemory::Delta { pages: delta::Pages::Saved(snap_dir.join("memory")), vmm },
@@ -198,8 +200,11 @@ impl VmRuntime {
                 (None, false, false) => RestoredMemory::InState,
             };
             let state = snap_dir.join("state");
+            let restoring = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
+            let restored = restoring.elapsed();
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
+            tracing::debug!(vm = %id, prepared = ?prepared, ?restored, total = ?restoring.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let kind = BootKind::FromSnapshot { snapshot: snapshot_id.clone() };
