@@ -267,6 +267,16 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         source.run(sh("head -c 8000000 /dev/urandom > /root/data && sha256sum /root/data > /root/data.sum")).await.unwrap();
         let snapshot = source.snapshot(&env.runtime).await.unwrap();
         let child = env.runtime.create_from_snapshot(&snapshot, Lifetime::Persistent, None).await.unwrap();
+        // Its disk layer is a copy of the empty layer the snapshot prepared, over the snapshot's.
+        let snap_dir = env.data_dir().join("snapshots").join(&snapshot);
+        assert!(snap_dir.join("child.qcow2").is_file(), "the snapshot prepared its VMs' empty layer");
+        let info = std::process::Command::new("qemu-img")
+            .args(["info", "-U", "--output=json"])
+            .arg(child.dir().join("disk.qcow2"))
+            .output()
+            .unwrap();
+        let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        assert_eq!(info["backing-filename"], snap_dir.join("disk.qcow2").display().to_string(), "{info}");
         env.runtime.delete_snapshot(&snapshot).unwrap();
         assert!(env.runtime.snapshots().is_empty());
         assert!(matches!(env.runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await, Err(VmError::NotFound(_))));

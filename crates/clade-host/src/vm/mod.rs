@@ -382,7 +382,7 @@ impl VmRuntime {
     pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
         let (id, dir, mut record) = self.new_vm(&spec, None)?;
         let booted = async {
-            create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2")).await?;
+            create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2"), None).await?;
             let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
             let mut launch = self.launch_spec(&id, &dir, &spec, Memory::Anonymous, false);
             launch.tap = netns.is_some();
@@ -1196,14 +1196,15 @@ async fn connect_qmp(socket: &Path, timeout: Duration) -> Result<Qmp, VmError> {
 }
 
 /// A new qcow2 layer over `base` (whose format is `base_format`).
-async fn create_overlay(base: &Path, base_format: &str, overlay: &Path) -> Result<(), VmError> {
-    let output = tokio::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", base_format, "-b"])
-        .arg(base)
-        .arg(overlay)
-        .output()
-        .await
-        .map_err(io_err("running qemu-img"))?;
+/// Makes `overlay` an empty qcow2 layer over `base`. With `size` given, the
+/// base is not opened (it may not exist yet) and the layer gets that size.
+async fn create_overlay(base: &Path, base_format: &str, overlay: &Path, size: Option<u64>) -> Result<(), VmError> {
+    let mut command = tokio::process::Command::new("qemu-img");
+    command.args(["create", "-q", "-f", "qcow2", "-F", base_format, "-b"]).arg(base).arg(overlay);
+    if let Some(size) = size {
+        command.arg("-u").arg(size.to_string());
+    }
+    let output = command.output().await.map_err(io_err("running qemu-img"))?;
     if !output.status.success() {
         return Err(VmError::Io {
             context: format!("qemu-img create failed: {}", String::from_utf8_lossy(&output.stderr).trim()),
@@ -1211,6 +1212,19 @@ async fn create_overlay(base: &Path, base_format: &str, overlay: &Path) -> Resul
         });
     }
     Ok(())
+}
+
+/// The virtual size recorded in a qcow2 image's header.
+fn qcow2_virtual_size(path: &Path) -> Result<u64, VmError> {
+    use std::io::Read;
+    let mut header = [0u8; 32];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .map_err(io_err("reading the disk layer's header"))?;
+    if &header[..4] != b"QFI\xfb" {
+        return Err(VmError::Config(format!("{} is not a qcow2 image", path.display())));
+    }
+    Ok(u64::from_be_bytes(header[24..32].try_into().expect("8 bytes")))
 }
 
 const CONSOLE_TAIL_LINES: usize = 40;

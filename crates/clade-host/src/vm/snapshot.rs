@@ -8,6 +8,10 @@
 //!   state           device state only
 //!   disk.qcow2      a copy of the VM's disk layer at the snapshot instant
 //!                   (backed by the template's or an earlier snapshot's layer)
+//!   child.qcow2     an empty layer over disk.qcow2, made while the VM is
+//!                   quiesced: each VM made from the snapshot starts with a
+//!                   copy (no `qemu-img` run on its path; older snapshots
+//!                   without one get a layer made then)
 //! ```
 //!
 //! A snapshot stops the VM only while it reads the pages its guest has
@@ -46,6 +50,7 @@ use super::{
 };
 
 const RECORD: &str = "snapshot.json";
+const CHILD_LAYER: &str = "child.qcow2";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotRecord {
@@ -185,7 +190,14 @@ impl VmRuntime {
             let preparing = std::time::Instant::now();
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
-            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &dir.join("disk.qcow2")).await?;
+            let layer = dir.join("disk.qcow2");
+            match std::fs::copy(snap_dir.join(CHILD_LAYER), &layer) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &layer, None).await?;
+                }
+                Err(e) => return Err(io_err("creating the disk layer")(e)),
+            }
             let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
             let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
             launch.tap = netns.is_some();
@@ -227,6 +239,7 @@ impl VmRuntime {
         let _ = std::fs::remove_file(dir.join("state"));
         let _ = std::fs::remove_file(dir.join("ram"));
         let _ = std::fs::remove_file(dir.join("memory"));
+        let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
         self.collect_snapshot_layers();
         Ok(())
     }
@@ -264,7 +277,7 @@ impl Vm {
     /// its disk layer are read; the pages are written out once it runs.
     pub async fn snapshot(&self, runtime: &VmRuntime) -> Result<String, VmError> {
         let (dir, mut record) = self.begin_snapshot(runtime)?;
-        let saved = self.save_stopped(&dir).await;
+        let (saved, _) = tokio::join!(self.save_stopped(&dir), self.prepare_child_layer(&dir));
         let resumed = self.resume_after_snapshot().await;
         let outcome = async {
             let (paused, capture) = saved?;
@@ -334,6 +347,21 @@ impl Vm {
         Ok((paused, capture))
     }
 
+    /// Makes the snapshot's [`CHILD_LAYER`] while the VM is being quiesced
+    /// and captured (its base, the snapshot's disk layer, need not exist
+    /// yet). Best effort: without it, each VM made gets a layer of its own.
+    async fn prepare_child_layer(&self, snap_dir: &Path) {
+        let made = async {
+            let size = super::qcow2_virtual_size(&self.inner.dir.join("disk.qcow2"))?;
+            let staged = snap_dir.join(format!(".{CHILD_LAYER}.tmp"));
+            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &staged, Some(size)).await?;
+            std::fs::rename(&staged, snap_dir.join(CHILD_LAYER)).map_err(io_err("publishing the child layer"))
+        };
+        if let Err(e) = made.await {
+            tracing::debug!(snapshot = %snap_dir.display(), "no child layer prepared: {e}");
+        }
+    }
+
     /// After a snapshot, whatever happened: the VM runs, has a new session,
     /// and its clock no longer lags by the pause.
     async fn resume_after_snapshot(&self) -> Result<(), VmError> {
@@ -363,7 +391,8 @@ impl Vm {
         // Never listed; its disk layer stays while a child needs it.
         snapshot.deleted = true;
         let saved = async {
-            let (paused, capture) = self.save_stopped(&dir).await?;
+            let (saved, _) = tokio::join!(self.save_stopped(&dir), self.prepare_child_layer(&dir));
+            let (paused, capture) = saved?;
             snapshot.source_paused_ms = paused.as_millis() as u64;
             snapshot.save(&dir).map_err(io_err("writing the snapshot record"))?;
             Ok::<_, VmError>(Arc::new(capture))
@@ -391,7 +420,9 @@ impl Vm {
         };
         let ((resumed, parent_resumed), (children, children_ready)) = futures::future::join(resumed, children).await;
         tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
+        // The children have what they need from these.
         let _ = std::fs::remove_file(dir.join("state"));
+        let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
         let mut made = Vec::new();
         let mut failure = resumed.err();
         for child in children {

@@ -101,7 +101,7 @@ pub(super) async fn ensure(
     std::fs::rename(&staging, &template.dir).map_err(io_err("publishing the template"))?;
     // The seed overlay names the published disk layer as its backing file.
     let seed_tmp = template.dir.join("overlay.qcow2.tmp");
-    super::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp).await?;
+    super::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp, None).await?;
     set_read_only(&seed_tmp)?;
     std::fs::rename(&seed_tmp, template.overlay()).map_err(io_err("publishing the template overlay"))?;
     tracing::info!(template = %key, image = %image.name, "template baked");
@@ -110,7 +110,7 @@ pub(super) async fn ensure(
 
 async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32, dir: &Path) -> Result<(), VmError> {
     let disk = dir.join("disk.qcow2");
-    super::create_overlay(&image.rootfs, "raw", &disk).await?;
+    super::create_overlay(&image.rootfs, "raw", &disk, None).await?;
     let launch = LaunchSpec {
         id: "template".into(),
         dir: dir.to_path_buf(),
