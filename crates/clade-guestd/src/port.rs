@@ -101,8 +101,9 @@ pub trait SessionChannel: AsyncRead + AsyncWrite + Unpin + Send {
 /// would otherwise feed the new hello to the old session, which takes it for
 /// garbage and loses it. Here the hello ends whatever session is reading: the
 /// bytes before it are delivered, then one end-of-file, then the hello itself
-/// to the next handshake. (Session data that contained a complete hello
-/// marker would end that session; the host then opens a new one.)
+/// to the next handshake. Only the marker followed by a hello line counts
+/// (or by its start, where a read ends): session data holding the marker
+/// otherwise is passed on.
 pub struct HelloWatch<T> {
     inner: T,
     pending: Vec<u8>,
@@ -141,9 +142,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for HelloWatch<T> {
         }
         let before = buf.filled().len();
         ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
-        let marker = clade_proto::handshake::HELLO_MARKER;
         let fresh = &buf.filled()[before..];
-        if let Some(at) = fresh.windows(marker.len()).position(|w| w == marker) {
+        if let Some(at) = find_hello(fresh) {
             this.pending = fresh[at..].to_vec();
             buf.set_filled(before + at);
             // With bytes before the hello, they are this read; the EOF is the next.
@@ -151,6 +151,23 @@ impl<T: AsyncRead + Unpin> AsyncRead for HelloWatch<T> {
         }
         Poll::Ready(Ok(()))
     }
+}
+
+/// Where the first hello in `bytes` starts: the marker followed by a hello
+/// line, or by the start of one that the read cut short (a new host's hello
+/// must never be missed). The marker followed by anything else is session
+/// data, e.g. a file that quotes the protocol.
+fn find_hello(bytes: &[u8]) -> Option<usize> {
+    use clade_proto::handshake::{hello_line, HelloLine, HELLO_MARKER};
+    let mut from = 0;
+    while let Some(found) = bytes[from..].windows(HELLO_MARKER.len()).position(|w| w == HELLO_MARKER) {
+        let at = from + found;
+        match hello_line(&bytes[at + HELLO_MARKER.len()..]) {
+            HelloLine::Complete | HelloLine::Unfinished => return Some(at),
+            HelloLine::NotAHello => from = at + 1,
+        }
+    }
+    None
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for HelloWatch<T> {
@@ -479,6 +496,26 @@ mod tests {
         assert_eq!(&buf[..n], b"old-session-bytes");
         assert_eq!(watch.read(&mut buf).await.unwrap(), 0, "the old session ends");
         assert!(SessionChannelProbe::pending(&watch));
+        let n = watch.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"\nCLADE-HELLO 1 00000000000000ff\n");
+    }
+
+    #[tokio::test]
+    async fn session_data_quoting_the_marker_is_not_a_hello() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut host, guest) = tokio::io::duplex(4096);
+        let mut watch = HelloWatch::new(guest);
+        let data = b"docs:\nCLADE-HELLO <version> <nonce>\nCLADE-HELLO x\n".to_vec();
+        host.write_all(&data).await.unwrap();
+        let mut buf = [0u8; 256];
+        let n = watch.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], &data[..], "delivered whole, the session goes on");
+        assert!(!SessionChannelProbe::pending(&watch));
+        // A real hello behind such data still ends the session.
+        host.write_all(b"\nCLADE-HELLO x\nCLADE-HELLO 1 00000000000000ff\n").await.unwrap();
+        let n = watch.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"\nCLADE-HELLO x");
+        assert_eq!(watch.read(&mut buf).await.unwrap(), 0, "the old session ends");
         let n = watch.read(&mut buf).await.unwrap();
         assert_eq!(&buf[..n], b"\nCLADE-HELLO 1 00000000000000ff\n");
     }

@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
+use clade_host::agent::ExecEvent;
 use clade_host::testing::{vm_env, VmTestEnv};
+use clade_proto::{Command, ExecRequest};
 use clade_host::vm::{FailureKind, Watchdog};
 use clade_host::{VmError, VmSpec};
 use common::{block_on, sh};
@@ -67,19 +69,55 @@ fn a_guest_that_stops_answering_is_detected_and_cleaned_up() {
     });
 }
 
-/// A guest can leave a session without the host hearing of it: here,
-/// session data holding a hello line, which ends the guest's side of the
-/// session (`HelloWatch`). Nothing answers on that session any more, but
-/// the guest takes a new one: the VM is alive, not hung, and the operation
-/// that was waiting fails instead of waiting for ever.
+/// Session data that quotes the hello marker (a file of protocol notes) is
+/// data: it is written and read back whole, and the session goes on.
+#[test]
+fn session_data_quoting_the_hello_marker_is_written_whole() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let vm = env.runtime.boot(with_quick_watchdog(&env)).await.unwrap();
+        let notes = b"the host sends:\nCLADE-HELLO <version> <nonce>\nCLADE-HELLO x\nand waits\n";
+        vm.agent().write_file("/tmp/notes", notes).await.unwrap();
+        assert_eq!(vm.agent().read_file("/tmp/notes").await.unwrap(), notes);
+        let out = vm.agent().run_with_stdin(ExecRequest::new(Command::Argv(vec!["cat".into()])), notes).await.unwrap();
+        assert_eq!(out.stdout, notes);
+        vm.stop().await.unwrap();
+    });
+}
+
+/// A guest can leave a session without the host hearing of it: here, a
+/// command's stdin ending with the start of a hello line, which the guest
+/// must take for a new host's hello cut short (`HelloWatch`), so it ends its
+/// side of the session and waits for the rest of the line. Nothing answers
+/// on that session any more, but the guest takes a new one: the VM is alive,
+/// not hung, and the command that was waiting fails instead of waiting for ever.
 #[test]
 fn a_guest_that_left_its_session_silently_gets_a_new_one_and_is_not_called_hung() {
     let Some(env) = vm_env() else { return };
     block_on(async {
         let vm = env.runtime.boot(with_quick_watchdog(&env)).await.unwrap();
-        let write = vm.agent().write_file("/tmp/hello", b"\nCLADE-HELLO x\n");
-        let outcome = tokio::time::timeout(Duration::from_secs(60), write).await.expect("the write waited for ever");
-        let error = outcome.expect_err("the guest left the session before answering");
+        let request = ExecRequest { stdin: true, ..ExecRequest::new(Command::Argv(vec!["cat".into()])) };
+        let mut exec = vm.agent().exec(request).await.unwrap();
+        let input = exec.input();
+        let outcome = tokio::time::timeout(Duration::from_secs(60), async {
+            // The guest must read these bytes last in one read; should a
+            // watchdog ping land in the same read, they are `cat`'s data and
+            // are echoed: send them again.
+            loop {
+                if input.stdin(b"\nCLADE-HELLO 1 ").await.is_err() {
+                    break exec.next().await.map(|_| ());
+                }
+                let echoed = tokio::time::timeout(Duration::from_secs(10), exec.next()).await;
+                match echoed {
+                    Ok(Ok(Some(ExecEvent::Stdout(_)))) => continue,
+                    Ok(other) => break other.map(|_| ()),
+                    Err(_) => break Ok(()),
+                }
+            }
+        })
+        .await
+        .expect("the command waited for ever");
+        let error = outcome.expect_err("the guest left the session before the command ended");
         assert!(error.is_session_lost(), "{error}");
         let out = vm.run(sh("echo alive")).await.unwrap();
         assert_eq!(out.stdout_str(), "alive\n");

@@ -20,6 +20,46 @@ const HELLO: &[u8] = b"CLADE-HELLO ";
 /// guest watches for in its input even mid-session, since a new host's hello
 /// can arrive before the guest has noticed that the previous host left.
 pub const HELLO_MARKER: &[u8] = b"\nCLADE-HELLO ";
+/// Digits of a hello's nonce, as [`host`] writes it.
+const NONCE_DIGITS: usize = 16;
+/// More digits than any protocol version will have.
+const MAX_VERSION_DIGITS: usize = 9;
+
+/// What the bytes after a [`HELLO_MARKER`] are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HelloLine {
+    /// A hello line: `<version> <16 hex digits>` and its newline.
+    Complete,
+    /// The start of one, cut short where the bytes end.
+    Unfinished,
+    /// Anything else: session data that happens to hold the marker.
+    NotAHello,
+}
+
+/// Classifies `after_marker`, the bytes that follow a [`HELLO_MARKER`].
+pub fn hello_line(after_marker: &[u8]) -> HelloLine {
+    let version = after_marker.iter().take_while(|b| b.is_ascii_digit()).count();
+    if version > MAX_VERSION_DIGITS {
+        return HelloLine::NotAHello;
+    }
+    if version == after_marker.len() {
+        return HelloLine::Unfinished;
+    }
+    if version == 0 || after_marker[version] != b' ' {
+        return HelloLine::NotAHello;
+    }
+    let nonce = &after_marker[version + 1..];
+    let hex = nonce.iter().take(NONCE_DIGITS).take_while(|b| b.is_ascii_hexdigit()).count();
+    if hex < nonce.len().min(NONCE_DIGITS) {
+        return HelloLine::NotAHello;
+    }
+    match nonce.get(NONCE_DIGITS) {
+        None => HelloLine::Unfinished,
+        Some(b'\n') => HelloLine::Complete,
+        Some(_) => HelloLine::NotAHello,
+    }
+}
+
 const READY: &[u8] = b"CLADE-READY ";
 const REJECT: &[u8] = b"CLADE-REJECT ";
 /// Stale bytes kept while scanning: enough for a partial line, no more.
@@ -235,6 +275,20 @@ mod tests {
         });
         let err = host(host_io, 1).await.unwrap_err();
         assert!(matches!(err, HandshakeError::VersionMismatch { guest: 99, .. }));
+    }
+
+    #[test]
+    fn only_a_well_formed_line_after_the_marker_is_a_hello() {
+        use HelloLine::*;
+        let nonce = format!("{:016x}", 0xbeefu64);
+        assert_eq!(hello_line(format!("1 {nonce}\n").as_bytes()), Complete);
+        assert_eq!(hello_line(format!("1 {nonce}\nyamux").as_bytes()), Complete);
+        for cut in ["", "1", "1 ", "1 00000000"] {
+            assert_eq!(hello_line(cut.as_bytes()), Unfinished, "{cut:?}");
+        }
+        for data in ["x\n", "<version> <nonce>\n", "1 xyz", " 1 0000000000000000\n", "1  0000000000000000\n", "1 00000000000000000\n", "1234567890 0\n"] {
+            assert_eq!(hello_line(data.as_bytes()), NotAHello, "{data:?}");
+        }
     }
 
     #[test]
