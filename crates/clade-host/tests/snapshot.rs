@@ -353,6 +353,24 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         runtime.drain_standby();
         assert!(dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby).is_empty());
         assert!(!pid.is_alive(), "a drained standby VMM is stopped");
+
+        // A fork child takes one too (of the parent's template and the
+        // child's lifetime): the child's disk layer is attached when it is
+        // taken, over the fork's copy of the parent's layer.
+        let ephemeral = VmSpec { lifetime: Lifetime::Ephemeral, ..spec };
+        runtime.prestart(&ephemeral).await.unwrap();
+        let standby = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+        assert_eq!(standby.len(), 1, "{standby:?}");
+        let out = vm.run(sh("echo from-parent > /root/f && sync")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+        let children = vm.fork(&runtime, 1, Lifetime::Ephemeral).await.unwrap();
+        assert_eq!(children[0].id(), standby[0], "the fork child used the standby VMM");
+        let read_back = "echo 3 > /proc/sys/vm/drop_caches; cat /root/f; echo child > /root/g && sync && cat /root/g; hostname";
+        let out = children[0].run(sh(read_back)).await.unwrap();
+        assert_eq!(out.stdout_str(), format!("from-parent\nchild\nsb-{}\n", standby[0]), "{}", out.stderr_str());
+        let out = vm.run(sh("cat /root/g")).await.unwrap();
+        assert_ne!(out.exit_code(), 0, "the child's write stays in the child");
+        runtime.drain_standby();
         vm.stop().await.unwrap();
     });
 }

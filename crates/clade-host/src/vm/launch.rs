@@ -43,9 +43,11 @@ pub struct LaunchSpec {
 pub enum Disk {
     /// A qcow2 layer (over the image or an earlier layer).
     Qcow2(PathBuf),
-    /// No storage, reads as zeros: for a VMM that only receives and re-saves
-    /// state and never runs the guest.
-    Null { bytes: u64 },
+    /// Not known yet: a standby VMM's, whose VM's layer (a create's or a
+    /// fork child's) is attached when it is taken (`standby::attach_disk`). Until
+    /// then `root` is a `raw` node over a placeholder of `bytes` that reads
+    /// as zeros; no guest instruction runs before the layer is in place.
+    Deferred { bytes: u64 },
 }
 
 /// Where guest RAM lives.
@@ -145,7 +147,9 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
                 r#"{{"driver":"qcow2","node-name":"root","discard":"unmap","file":{{"driver":"file","filename":"{}"}}}}"#,
                 path(file.clone())
             ),
-            Disk::Null { bytes } => format!(r#"{{"driver":"null-co","node-name":"root","size":{bytes},"read-zeroes":true}}"#),
+            Disk::Deferred { bytes } => format!(
+                r#"{{"driver":"raw","node-name":"root","file":{{"driver":"null-co","node-name":"placeholder","size":{bytes},"read-zeroes":true}}}}"#
+            ),
         },
         "-device".into(),
         "virtio-blk-device,drive=root".into(),

@@ -411,26 +411,19 @@ impl VmRuntime {
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
         let from_standby = standby.is_some();
-        let (id, dir, mut record, qmp, exit_rx) = match standby {
-            Some(s) => (s.id, s.dir, s.record, Some(s.qmp), Some(s.exited)),
+        let (id, dir, mut record, mut standby) = match standby {
+            Some(s) => (s.id.clone(), s.dir.clone(), s.record.clone(), Some(s)),
             None => {
                 let (id, dir, record) = self.new_vm(&spec, Some(&template))?;
-                (id, dir, record, None, None)
+                (id, dir, record, None)
             }
         };
         let created = async {
-            let exit_rx = match exit_rx {
-                Some(exit_rx) => {
-                    record.phase = Phase::Creating;
-                    record.tag = spec.tag.clone();
-                    // A standby VMM's slot is isolated until now.
-                    if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &record.network) {
-                        pool.set_policy(&dir, policy).await?;
-                    }
-                    if record.network.is_some() {
-                        record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
-                    }
-                    exit_rx
+            let (exit_rx, qmp) = match standby.take() {
+                Some(mut s) => {
+                    self.claim_standby(&mut s, &spec, &template.overlay()).await?;
+                    record = s.record;
+                    (s.exited, Some(s.qmp))
                 }
                 None => {
                     let disk = dir.join("disk.qcow2");
@@ -441,7 +434,7 @@ impl VmRuntime {
                     launch.tap = netns.is_some();
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
-                    exit_rx
+                    (exit_rx, None)
                 }
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;

@@ -184,26 +184,51 @@ impl VmRuntime {
             ..VmSpec::new(image)
         };
         let template = Template { dir: self.templates_dir.join(&snap.template), key: snap.template.clone() };
-        let (id, dir, mut record) = self.new_vm(&spec, Some(&template))?;
+        let child_layer = snap_dir.join(CHILD_LAYER);
+        // A standby VMM maps the template's RAM: fine for every snapshot but
+        // the older ones with a RAM file of their own.
+        let standby = if snap.own_memory || !child_layer.is_file() { None } else { self.standby.take(&template, lifetime) };
+        if standby.is_some() {
+            self.refill_standby(&template, &spec);
+        }
+        let (id, dir, mut record, mut standby) = match standby {
+            Some(s) => (s.id.clone(), s.dir.clone(), s.record.clone(), Some(s)),
+            None => {
+                let (id, dir, record) = self.new_vm(&spec, Some(&template))?;
+                (id, dir, record, None)
+            }
+        };
         record.backing_snapshot = Some(snapshot_id.to_string());
         let created = async {
             let preparing = std::time::Instant::now();
-            record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
-            let layer = dir.join("disk.qcow2");
-            match std::fs::copy(snap_dir.join(CHILD_LAYER), &layer) {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &layer, None).await?;
+            let (exit_rx, qmp) = match standby.take() {
+                Some(mut s) => {
+                    self.claim_standby(&mut s, &spec, &child_layer).await?;
+                    s.record.backing_snapshot = Some(snapshot_id.to_string());
+                    record = s.record;
+                    (s.exited, Some(s.qmp))
                 }
-                Err(e) => return Err(io_err("creating the disk layer")(e)),
-            }
-            let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
-            let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
-            launch.tap = netns.is_some();
-            let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
-            record.vmm = Some(vmm);
+                None => {
+                    record.save(&dir).map_err(io_err("writing the VM record"))?;
+                    let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
+                    let layer = dir.join("disk.qcow2");
+                    match std::fs::copy(&child_layer, &layer) {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &layer, None).await?;
+                        }
+                        Err(e) => return Err(io_err("creating the disk layer")(e)),
+                    }
+                    let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
+                    let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
+                    launch.tap = netns.is_some();
+                    let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
+                    record.vmm = Some(vmm);
+                    (exit_rx, None)
+                }
+            };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let vmm = record.vmm.ok_or_else(|| VmError::Config("a VM without a VMM process".into()))?;
             let prepared = preparing.elapsed();
             let memory = match (memory, snap.memory_delta, snap.own_memory) {
                 (Some(capture), _, _) => RestoredMemory::Delta { pages: delta::Pages::Captured(Arc::clone(capture)), vmm },
@@ -213,7 +238,7 @@ impl VmRuntime {
             };
             let state = snap_dir.join("state");
             let restoring = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, memory, self.boot_timeout()).await?;
             let restored = restoring.elapsed();
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, prepared = ?prepared, ?restored, total = ?restoring.elapsed(), "restore timings");

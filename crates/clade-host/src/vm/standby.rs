@@ -2,10 +2,14 @@
 //! hold no guest state.
 //!
 //! Starting QEMU (exec, device set-up, the QMP greeting) is the largest fixed
-//! cost of a create that is not the guest's own work. A standby process has
-//! done all of it: its disk layer is in place, its RAM is the template's file
-//! mapped but untouched, QMP is connected, and it waits in `-incoming defer`.
-//! A create takes one and only loads the template's device state into it.
+//! cost of a create or a fork child that is not the guest's own work. A
+//! standby process has done all of it: its RAM is the template's file mapped
+//! but untouched, QMP is connected, and it waits in `-incoming defer`. Its
+//! disk is a placeholder until it is taken, because a create and a fork child
+//! of the same template need different layers: the taker attaches the VM's
+//! layer (two QMP commands), then loads the template's device state (a
+//! create) or the snapshot's pages and devices (a fork child, a create from a
+//! snapshot) into it.
 //! This is not a warm pool of sandboxes: no guest has run in a standby
 //! process, and the state it is given is the same template state a cold
 //! create would load.
@@ -16,15 +20,17 @@
 //! owner by the parent-death signal).
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use serde_json::json;
 use tokio::sync::watch;
 
-use super::launch::Memory;
+use super::launch::{Disk, Memory};
 use super::record::{Lifetime, Phase, VmRecord};
 use super::template::Template;
 use super::{connect_qmp, io_err, make_writable, record, spawn_qemu, VmError, VmRuntime, VmSpec};
+use crate::net::EgressPolicy;
 use crate::qmp::Qmp;
 
 /// A QEMU process waiting for a template's state.
@@ -130,15 +136,14 @@ impl VmRuntime {
     async fn start_standby(&self, template: &Template, spec: &VmSpec) -> Result<Standby, VmError> {
         let (id, dir, mut record) = self.new_vm(spec, Some(template))?;
         let started = async {
-            let disk = dir.join("disk.qcow2");
-            std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
-            make_writable(&disk)?;
+            let bytes = super::qcow2_virtual_size(&template.overlay())?;
             // With networking, a standby holds an isolated slot: the create
             // that takes it puts its own policy in force before the guest runs.
             let isolated = self.network.as_ref().map(|_| crate::net::EgressPolicy::isolated());
             let netns = self.attach_network(&dir, isolated.as_ref()).await?;
             record.network = isolated;
             let mut launch = self.launch_spec(&id, &dir, spec, Memory::FromTemplate(template.ram()), true);
+            launch.disk = Disk::Deferred { bytes };
             launch.tap = netns.is_some();
             let (vmm, exited) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
@@ -156,6 +161,42 @@ impl VmRuntime {
             }
         }
     }
+}
+
+impl VmRuntime {
+    /// Makes a taken standby VMM the new VM `spec` describes: its record,
+    /// its egress policy (the slot was isolated until now), and its disk
+    /// layer, a copy of `layer` attached in place of the placeholder.
+    pub(super) async fn claim_standby(&self, standby: &mut Standby, spec: &VmSpec, layer: &Path) -> Result<(), VmError> {
+        standby.record.phase = Phase::Creating;
+        standby.record.tag = spec.tag.clone();
+        if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &standby.record.network) {
+            pool.set_policy(&standby.dir, policy).await?;
+        }
+        if standby.record.network.is_some() {
+            standby.record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
+        }
+        let disk = standby.dir.join("disk.qcow2");
+        std::fs::copy(layer, &disk).map_err(io_err("creating the disk layer"))?;
+        make_writable(&disk)?;
+        attach_disk(&standby.qmp, &disk).await
+    }
+}
+
+/// Puts a standby VMM's disk in place before its state loads: `layer` opened
+/// as node `disk` and made the file of the `raw` node `root` the guest's
+/// virtio-blk device uses, instead of the placeholder (which goes away).
+pub(super) async fn attach_disk(qmp: &Qmp, layer: &Path) -> Result<(), VmError> {
+    let node = json!({
+        "driver": "qcow2",
+        "node-name": "disk",
+        "discard": "unmap",
+        "file": { "driver": "file", "filename": layer },
+    });
+    qmp.execute("blockdev-add", Some(node)).await?;
+    qmp.execute("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "file": "disk" }] })))
+        .await?;
+    Ok(())
 }
 
 /// Shared by the clones of one runtime.
