@@ -411,18 +411,11 @@ impl VmRuntime {
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
         let from_standby = standby.is_some();
-        let (id, dir, mut record, mut standby) = match standby {
-            Some(s) => (s.id.clone(), s.dir.clone(), s.record.clone(), Some(s)),
-            None => {
-                let (id, dir, record) = self.new_vm(&spec, Some(&template))?;
-                (id, dir, record, None)
-            }
-        };
+        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template)?;
         let created = async {
-            let (exit_rx, qmp) = match standby.take() {
-                Some(mut s) => {
-                    self.claim_standby(&mut s, &spec, &template.overlay()).await?;
-                    record = s.record;
+            let (exit_rx, qmp) = match standby {
+                Some(s) => {
+                    self.claim_standby(&s, &mut record, &spec, &template.overlay()).await?;
                     (s.exited, Some(s.qmp))
                 }
                 None => {

@@ -191,21 +191,13 @@ impl VmRuntime {
         if standby.is_some() {
             self.refill_standby(&template, &spec);
         }
-        let (id, dir, mut record, mut standby) = match standby {
-            Some(s) => (s.id.clone(), s.dir.clone(), s.record.clone(), Some(s)),
-            None => {
-                let (id, dir, record) = self.new_vm(&spec, Some(&template))?;
-                (id, dir, record, None)
-            }
-        };
+        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template)?;
         record.backing_snapshot = Some(snapshot_id.to_string());
         let created = async {
             let preparing = std::time::Instant::now();
-            let (exit_rx, qmp) = match standby.take() {
-                Some(mut s) => {
-                    self.claim_standby(&mut s, &spec, &child_layer).await?;
-                    s.record.backing_snapshot = Some(snapshot_id.to_string());
-                    record = s.record;
+            let (exit_rx, qmp) = match standby {
+                Some(s) => {
+                    self.claim_standby(&s, &mut record, &spec, &child_layer).await?;
                     (s.exited, Some(s.qmp))
                 }
                 None => {

@@ -164,17 +164,27 @@ impl VmRuntime {
 }
 
 impl VmRuntime {
-    /// Makes a taken standby VMM the new VM `spec` describes: its record,
-    /// its egress policy (the slot was isolated until now), and its disk
-    /// layer, a copy of `layer` attached in place of the placeholder.
-    pub(super) async fn claim_standby(&self, standby: &mut Standby, spec: &VmSpec, layer: &Path) -> Result<(), VmError> {
-        standby.record.phase = Phase::Creating;
-        standby.record.tag = spec.tag.clone();
-        if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &standby.record.network) {
+    /// The new VM's id, directory and record: those of the standby VMM it
+    /// takes, or new ones.
+    pub(super) fn new_or_standby(&self, standby: Option<&Standby>, spec: &VmSpec, template: &Template) -> Result<(String, PathBuf, VmRecord), VmError> {
+        match standby {
+            Some(s) => Ok((s.id.clone(), s.dir.clone(), s.record.clone())),
+            None => self.new_vm(spec, Some(template)),
+        }
+    }
+
+    /// Makes a taken standby VMM the new VM `spec` describes: `record` (its
+    /// own, from [`Self::new_or_standby`]) becomes the VM's, its egress
+    /// policy is put in force (the slot was isolated until now), and a copy
+    /// of `layer` is attached as its disk in place of the placeholder.
+    pub(super) async fn claim_standby(&self, standby: &Standby, record: &mut VmRecord, spec: &VmSpec, layer: &Path) -> Result<(), VmError> {
+        record.phase = Phase::Creating;
+        record.tag = spec.tag.clone();
+        if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &record.network) {
             pool.set_policy(&standby.dir, policy).await?;
         }
-        if standby.record.network.is_some() {
-            standby.record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
+        if record.network.is_some() {
+            record.network = Some(spec.network.clone().unwrap_or_else(EgressPolicy::isolated));
         }
         let disk = standby.dir.join("disk.qcow2");
         std::fs::copy(layer, &disk).map_err(io_err("creating the disk layer"))?;
