@@ -32,6 +32,8 @@ pub enum InitError {
         #[source]
         source: io::Error,
     },
+    #[error("remount / with noatime")]
+    RootNoatime(#[source] Errno),
     #[error("bring lo up")]
     Loopback(#[source] io::Error),
     #[error("set the hostname")]
@@ -128,6 +130,9 @@ const DEV_LINKS: &[(&str, &str)] = &[
 pub fn prepare_system() {
     // Files the agent creates get the conventional modes.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    if let Err(e) = root_noatime() {
+        tracing::warn!("{}", crate::error_chain(&e));
+    }
     for fs in FILESYSTEMS {
         if let Err(e) = mount_once(fs) {
             tracing::warn!("{}", crate::error_chain(&e));
@@ -158,6 +163,22 @@ pub fn prepare_system() {
     if let Err(e) = crate::restore::IdentityFiles::system().prepare(&hostname) {
         tracing::warn!("{}", crate::error_chain(&e));
     }
+}
+
+/// Every sandbox of a template shares the template's file timestamps. With
+/// `relatime`, the first read of a file whose access time is older than its
+/// change time or a day old writes its inode: once a template is a day old,
+/// each sandbox's first commands would write the disk (a journal commit, a
+/// cluster in its own layer) just to record that they read `/bin/sh`.
+fn root_noatime() -> Result<(), InitError> {
+    let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_NOATIME;
+    // A remount sets every flag anew: a read-only root stays read-only.
+    let read_only = nix::sys::statvfs::statvfs("/")
+        .is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
+    if read_only {
+        flags |= MsFlags::MS_RDONLY;
+    }
+    mount(None::<&str>, "/", None::<&str>, flags, None::<&str>).map_err(InitError::RootNoatime)
 }
 
 /// Mounts `fs` unless something is mounted there already: mounting proc or

@@ -26,9 +26,11 @@ pub enum NetError {
     },
     #[error("write /etc/resolv.conf")]
     Resolver(#[source] io::Error),
+    #[error("turn IPv6 off on {GUEST_INTERFACE}")]
+    Ipv6(#[source] io::Error),
 }
 
-/// Configures `eth0`, the default route and /etc/resolv.conf.
+/// Configures `eth0` (IPv4 only), the default route and /etc/resolv.conf.
 pub fn configure() -> Result<(), NetError> {
     if !std::path::Path::new("/sys/class/net").join(GUEST_INTERFACE).exists() {
         return Err(NetError::NoInterface);
@@ -36,11 +38,26 @@ pub fn configure() -> Result<(), NetError> {
     let socket = std::net::UdpSocket::bind(("0.0.0.0", 0)).map_err(|source| NetError::Ioctl { step: "open a socket", source })?;
     let fd = socket.as_raw_fd();
     let mask = Ipv4Addr::from(u32::MAX << (32 - u32::from(GUEST_PREFIX)));
+    ipv6_off()?;
     set_address(fd, libc::SIOCSIFADDR, GUEST_ADDRESS, "set the address")?;
     set_address(fd, libc::SIOCSIFNETMASK, mask, "set the netmask")?;
     bring_up(fd)?;
     add_default_route(fd)?;
     std::fs::write("/etc/resolv.conf", format!("nameserver {GATEWAY}\noptions timeout:2 attempts:2\n")).map_err(NetError::Resolver)
+}
+
+/// The sandbox network is IPv4 only (ADR 11). With IPv6 on, bringing `eth0`
+/// up starts duplicate address detection, router solicitations and MLD
+/// reports whose timers outlive the template's bake: every restored sandbox
+/// would finish them, sending packets nobody answers and running kernel code
+/// (translated anew under TCG) on its create path. Loopback keeps `::1`.
+fn ipv6_off() -> Result<(), NetError> {
+    let knob = format!("/proc/sys/net/ipv6/conf/{GUEST_INTERFACE}/disable_ipv6");
+    match std::fs::write(knob, "1") {
+        // A kernel built without IPv6 has nothing to turn off.
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        result => result.map_err(NetError::Ipv6),
+    }
 }
 
 fn interface_request() -> libc::ifreq {

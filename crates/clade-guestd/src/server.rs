@@ -123,7 +123,9 @@ where
     T: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let channel = handshake::guest(io, &agent.version).await?;
-    tracing::info!("host connected");
+    // Debug, not info: a console write (a serial port under TCG) on every
+    // session would sit on every create's path; the host logs sessions.
+    tracing::debug!("host connected");
     let mut mux = MuxServer::new(channel);
     let session = CancellationToken::new();
     let quiesced = CancellationToken::new();
@@ -166,7 +168,7 @@ where
     })
     .await;
     tasks.detach_all();
-    tracing::info!("host disconnected");
+    tracing::debug!("host disconnected");
     Ok(outcome?)
 }
 

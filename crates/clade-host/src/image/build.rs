@@ -148,6 +148,12 @@ pub(super) fn image(
             "-F".as_ref(),
             "-L".as_ref(),
             "clade-root".as_ref(),
+            // Inode tables and journal zeroed here, once, rather than by the
+            // kernel's lazy-init thread after mount: that thread would still
+            // be working when the template is saved, and every sandbox
+            // restored from it would go on writing zeroes into its own layer.
+            "-E".as_ref(),
+            "lazy_itable_init=0,lazy_journal_init=0".as_ref(),
             "-d".as_ref(),
             staged_tree.as_os_str(),
             image_tmp.as_os_str(),

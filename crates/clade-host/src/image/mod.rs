@@ -113,7 +113,7 @@ impl ImageStore {
 
         let kernel_key = hash(&[b"kernel/1", KERNEL_FRAGMENT.as_bytes(), KERNEL_BUILD.as_bytes(), linux_source_version().as_bytes()]);
         let tree_key = hash(&[b"rootfs/1", packages.as_bytes(), ROOTFS_BUILD.as_bytes(), &injected_ca_bytes()]);
-        let image_key = hash(&[b"image/1", tree_key.as_bytes(), &guestd_bytes, IMAGE_SIZE.as_bytes()]);
+        let image_key = hash(&[b"image/2", tree_key.as_bytes(), &guestd_bytes, IMAGE_SIZE.as_bytes()]);
         Ok(Plan {
             name: name.to_string(),
             packages,
