@@ -13,7 +13,7 @@
 
 use std::ffi::CString;
 use std::path::Path;
-use std::process::{Command as StdCommand, Stdio};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +34,7 @@ use crate::cgroup::{CgroupError, ExecCgroup};
 use crate::pty::{self, PtyError, PtyMaster};
 use crate::reaper::ProcessExit;
 use crate::server::Agent;
-use crate::spawn::{ChildSetup, Credentials};
+use crate::spawn::{ChildSetup, Credentials, Program};
 use crate::users::{self, User, UsersError};
 
 /// The search path every command starts with.
@@ -150,9 +150,9 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
     extra.extend(req.env.iter().cloned());
     let env = environment(&user, req.pty.is_some(), &extra)?;
 
-    let mut cmd = StdCommand::new(&program);
-    cmd.args(&args).env_clear().envs(env);
-    let pty = match req.pty {
+    let start = Program::new(&program, &args, &env).map_err(|source| ExecError::Spawn { program: program.clone(), source })?;
+    // The child's fds 0-2 (ours stay close-on-exec) and the agent's ends.
+    let (stdio, pty, ours) = match req.pty {
         Some(size) => {
             let pty = pty::open(size)?;
             // Like login(1): the user owns their terminal, so programs that
@@ -163,23 +163,21 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
                 Some(nix::unistd::Uid::from_raw(user.uid)),
                 Some(nix::unistd::Gid::from_raw(tty_gid)),
             );
-            let slave = || {
-                pty.slave
-                    .try_clone()
-                    .map(Stdio::from)
-                    .map_err(ExecError::Stdio)
-            };
-            cmd.stdin(slave()?).stdout(slave()?).stderr(slave()?);
-            Some(pty)
+            let slave = || pty.slave.try_clone().map_err(ExecError::Stdio);
+            ([slave()?, slave()?, slave()?], Some(pty), None)
         }
         None => {
-            cmd.stdin(if req.stdin {
-                Stdio::piped()
+            let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ExecError::Stdio(e.into()));
+            let (stdin_child, stdin_ours) = if req.stdin {
+                let (read, write) = pipe()?;
+                (read, Some(write))
             } else {
-                Stdio::null()
-            });
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-            None
+                let null = std::fs::File::open("/dev/null").map_err(ExecError::Stdio)?;
+                (OwnedFd::from(null), None)
+            };
+            let (stdout_ours, stdout_child) = pipe()?;
+            let (stderr_ours, stderr_child) = pipe()?;
+            ([stdin_child, stdout_child, stderr_child], None, Some((stdin_ours, stdout_ours, stderr_ours)))
         }
     };
 
@@ -187,7 +185,7 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
     let cgroup_procs = cgroup.as_ref().map(|c| path_cstring(&c.procs_path()));
     let switch_user =
         user.uid != nix::unistd::geteuid().as_raw() || user.gid != nix::unistd::getegid().as_raw();
-    ChildSetup {
+    let setup = ChildSetup {
         controlling_tty: pty.is_some(),
         cgroup_procs,
         credentials: switch_user.then(|| Credentials {
@@ -196,16 +194,18 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
             groups: user.groups.clone(),
         }),
         cwd: path_cstring(Path::new(&cwd)),
-    }
-    .install(&mut cmd);
+    };
 
     let reaper = agent.reaper().clone();
-    // Fork and exec block; the Command (holding our copies of the pty
-    // slave) is dropped on that thread once the child has it.
-    let spawned = tokio::task::spawn_blocking(move || reaper.spawn(&mut cmd))
-        .await
-        .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
-    let (mut child, exit) = match spawned {
+    // The clone and exec block; the child's copies of its fds (the pty
+    // slave's among them) are closed on that thread once it has them.
+    let spawned = tokio::task::spawn_blocking(move || {
+        let [stdin, stdout, stderr] = &stdio;
+        reaper.spawn(|| start.spawn([stdin, stdout, stderr], &setup))
+    })
+    .await
+    .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
+    let (pid, exit) = match spawned {
         Ok(spawned) => spawned,
         Err(source) => {
             if let Some(cgroup) = cgroup {
@@ -214,23 +214,15 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
             return Err(ExecError::Spawn { program, source });
         }
     };
-    let pid = child.id() as i32;
-    let io = match pty {
-        Some(pty) => {
+    let io = match (pty, ours) {
+        (Some(pty), _) => {
             drop(pty.slave);
             ChildIo::Pty(Arc::new(pty.master))
         }
-        None => {
-            let taken = (child.stdin.take(), child.stdout.take(), child.stderr.take());
-            let (Some(stdout), Some(stderr)) = (taken.1, taken.2) else {
-                unreachable!("stdout and stderr were configured as pipes");
-            };
-            let stdin = taken
-                .0
-                .map(|s| pipe::Sender::from_owned_fd(s.into()))
-                .transpose();
-            let stdout = pipe::Receiver::from_owned_fd(stdout.into());
-            let stderr = pipe::Receiver::from_owned_fd(stderr.into());
+        (None, Some((stdin, stdout, stderr))) => {
+            let stdin = stdin.map(pipe::Sender::from_owned_fd).transpose();
+            let stdout = pipe::Receiver::from_owned_fd(stdout);
+            let stderr = pipe::Receiver::from_owned_fd(stderr);
             match (stdin, stdout, stderr) {
                 (Ok(stdin), Ok(stdout), Ok(stderr)) => ChildIo::Pipes {
                     stdin,
@@ -246,6 +238,7 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
                 }
             }
         }
+        (None, None) => unreachable!("without a pty the agent keeps the pipes' ends"),
     };
     Ok(Running {
         pid,

@@ -11,7 +11,6 @@
 //! by one, so it never takes a status another part of the process waits for.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -83,19 +82,20 @@ impl Reaper {
         Ok(Self { inner })
     }
 
-    /// Spawns `cmd` and registers its pid in one step. Blocks for the fork
-    /// and exec, so call it from a blocking context. If the exec fails, std
-    /// waits for the child itself, which is safe because reaping is held off
-    /// until this returns.
+    /// Runs `start` (which spawns a process and returns its pid) and
+    /// registers the pid in one step. `start` blocks for the clone and exec,
+    /// so call this from a blocking context. If the exec fails, `start` waits
+    /// for its child itself, which is safe because reaping is held off until
+    /// this returns.
     pub fn spawn(
         &self,
-        cmd: &mut Command,
-    ) -> std::io::Result<(Child, oneshot::Receiver<ProcessExit>)> {
+        start: impl FnOnce() -> std::io::Result<i32>,
+    ) -> std::io::Result<(i32, oneshot::Receiver<ProcessExit>)> {
         let mut waiters = self.inner.lock();
-        let child = cmd.spawn()?;
+        let pid = start()?;
         let (tx, rx) = oneshot::channel();
-        waiters.insert(child.id() as i32, tx);
-        Ok((child, rx))
+        waiters.insert(pid, tx);
+        Ok((pid, rx))
     }
 }
 
@@ -168,13 +168,22 @@ fn deliver(waiters: &mut Waiters, status: WaitStatus) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spawn::{ChildSetup, Program};
+
+    fn start(program: &str, args: &[&str]) -> impl FnOnce() -> std::io::Result<i32> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let program = Program::new(program, &args, &[("PATH".into(), "/usr/bin:/bin".into())]).unwrap();
+        move || {
+            let null: std::os::fd::OwnedFd = std::fs::File::options().read(true).write(true).open("/dev/null")?.into();
+            let setup = ChildSetup { controlling_tty: false, cgroup_procs: None, credentials: None, cwd: c"/".to_owned() };
+            program.spawn([&null, &null, &null], &setup)
+        }
+    }
 
     #[tokio::test]
     async fn delivers_exit_codes_and_signals() {
         let reaper = Reaper::start(ReapScope::Registered).unwrap();
-        let (_child, rx) = reaper
-            .spawn(Command::new("/bin/sh").args(["-c", "exit 7"]))
-            .unwrap();
+        let (_pid, rx) = reaper.spawn(start("sh", &["-c", "exit 7"])).unwrap();
         assert_eq!(
             rx.await.unwrap(),
             ProcessExit {
@@ -182,9 +191,7 @@ mod tests {
                 signal: None
             }
         );
-        let (_child, rx) = reaper
-            .spawn(Command::new("/bin/sh").args(["-c", "kill -9 $$"]))
-            .unwrap();
+        let (_pid, rx) = reaper.spawn(start("/bin/sh", &["-c", "kill -9 $$"])).unwrap();
         assert_eq!(
             rx.await.unwrap(),
             ProcessExit {
@@ -197,9 +204,9 @@ mod tests {
     #[tokio::test]
     async fn failed_exec_is_an_error_not_a_stolen_status() {
         let reaper = Reaper::start(ReapScope::Registered).unwrap();
-        let err = reaper
-            .spawn(&mut Command::new("/definitely/not/here"))
-            .unwrap_err();
+        let err = reaper.spawn(start("/definitely/not/here", &[])).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+        let err = reaper.spawn(start("not-on-any-path-either", &[])).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
     }
 }
