@@ -260,7 +260,15 @@ async fn handle_substream(
             match outcome {
                 Ok(env) => {
                     agent.set_default_env(env);
-                    reply(&mut stream, Reply::Done).await
+                    let answered = reply(&mut stream, Reply::Done).await;
+                    // After the answer, off the create's path: a restored
+                    // sandbox's console (its logs) says what it is from its
+                    // first moment, as a booted one shows its boot.
+                    match &req.hostname {
+                        Some(hostname) => tracing::info!("restored as {hostname}"),
+                        None => tracing::info!("restored"),
+                    }
+                    answered
                 }
                 Err(e) => Err(e.into()),
             }

@@ -48,6 +48,14 @@ fn every_create_after_the_first_restores_the_template_and_gets_its_own_entropy_a
                 assert!(set.insert(value.clone()), "two sandboxes of one template share {value:?}");
             }
             assert_eq!(lines[2], format!("sb-{}", vm.id()));
+            // Its console (the sandbox's logs) says so too.
+            let said = format!("restored as sb-{}", vm.id());
+            let console = vm.dir().join("console.log");
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !std::fs::read_to_string(&console).unwrap_or_default().contains(&said) {
+                assert!(std::time::Instant::now() < deadline, "{said:?} not in {}", console.display());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let guest_time: f64 = lines[4].parse().unwrap();
             assert!((guest_time - host_now()).abs() < 1.0, "guest clock {guest_time} vs host {}", host_now());
         }
