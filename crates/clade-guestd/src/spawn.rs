@@ -65,7 +65,7 @@ const FALLBACK_PATH: &str = "/bin:/usr/bin";
 
 impl Program {
     /// `program` with `args` (after `argv[0]`) and exactly `env`. Fails with
-    /// `InvalidInput` on a NUL byte or an empty program.
+    /// `InvalidInput` on a NUL byte, `NotFound` on an empty program.
     pub fn new(program: &str, args: &[String], env: &[(String, String)]) -> io::Result<Self> {
         let cstring = |s: String| CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
         if program.is_empty() {
@@ -91,7 +91,7 @@ impl Program {
     /// setup or of every exec is returned as that step's error, after the
     /// child is reaped. Blocks the calling thread until the exec.
     pub fn spawn(&self, stdio: [&OwnedFd; 3], setup: &ChildSetup) -> io::Result<i32> {
-        match self.spawn_once(&self.argv, stdio, setup)? {
+        match self.spawn_once(stdio, setup)? {
             Ok(pid) => Ok(pid),
             // A file without a `#!` line: run it with the shell, as execvp does.
             Err((error, Some(script))) if error.raw_os_error() == Some(libc::ENOEXEC) => {
@@ -100,7 +100,7 @@ impl Program {
                     argv: [c"/bin/sh".to_owned(), script].into_iter().chain(self.argv.iter().skip(1).cloned()).collect(),
                     envp: self.envp.clone(),
                 };
-                shell.spawn_once(&shell.argv, stdio, setup)?.map_err(|(error, _)| error)
+                shell.spawn_once(stdio, setup)?.map_err(|(error, _)| error)
             }
             Err((error, _)) => Err(error),
         }
@@ -111,14 +111,13 @@ impl Program {
     #[allow(clippy::type_complexity)]
     fn spawn_once(
         &self,
-        argv: &[CString],
         stdio: [&OwnedFd; 3],
         setup: &ChildSetup,
     ) -> io::Result<Result<i32, (io::Error, Option<CString>)>> {
         let pointers = |strings: &[CString]| -> Vec<*const libc::c_char> {
             strings.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
         };
-        let argv = pointers(argv);
+        let argv = pointers(&self.argv);
         let envp = pointers(&self.envp);
         let candidates: Vec<&CStr> = self.candidates.iter().map(CString::as_c_str).collect();
         let groups: Vec<libc::gid_t> = setup.credentials.as_ref().map(|c| c.groups.clone()).unwrap_or_default();
