@@ -20,6 +20,11 @@ pub struct ServerArgs {
     /// refused with 503 and Retry-After. Env: CLADE_MAX_RUNNING.
     #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
+    /// QEMU processes kept started ahead of need for the default template
+    /// (standby VMMs: no guest state, so not a warm pool). A create or fork
+    /// child that finds one skips QEMU's start-up; 0 keeps none. Env: CLADE_STANDBY.
+    #[arg(long, env = "CLADE_STANDBY", default_value_t = 1)]
+    standby: usize,
     /// Run sandboxes without any network (no namespaces, no nftables rules).
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
@@ -42,6 +47,7 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = args.database_url;
     config.sandboxes.max_running_per_host = args.max_running;
+    config.sandboxes.standby = args.standby;
     if args.no_network {
         eprintln!("clade server: networking is off (--no-network): sandboxes have no network");
     } else if !nix::unistd::geteuid().is_root() {

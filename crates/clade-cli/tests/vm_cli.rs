@@ -252,3 +252,40 @@ fn a_fork_killed_half_way_leaves_the_parent_usable_and_nothing_half_made() {
     let qemus = Command::new("pgrep").args(["-c", "-f", &vms.display().to_string()]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&qemus.stdout).trim(), "1", "one QEMU: the parent's");
 }
+
+#[test]
+fn a_server_keeps_the_standby_vmms_it_is_told_to_and_stops_them_with_itself() {
+    let Some(env) = vm_env() else { return };
+    let standby = |data_dir: &std::path::Path| -> Vec<u32> {
+        std::fs::read_dir(data_dir.join("vms"))
+            .map(|dir| {
+                dir.flatten()
+                    .filter_map(|e| VmRecord::load(&e.path()))
+                    .filter(|r| r.phase == Phase::Standby)
+                    .filter_map(|r| r.vmm.map(|p| p.pid))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut server = clade(&env)
+        .args(["server", "--listen", "127.0.0.1:0", "--no-network", "--standby", "2"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + COMMAND_LIMIT;
+    let pids = loop {
+        let pids = standby(env.data_dir());
+        if pids.len() >= 2 || Instant::now() > deadline {
+            break pids;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(pids.len(), 2, "two standby VMMs: {pids:?}");
+    Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
+    assert!(server.wait().unwrap().success());
+    assert!(standby(env.data_dir()).is_empty(), "a stopping server drains its standby VMMs");
+    for pid in pids {
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} outlived the server");
+    }
+}
