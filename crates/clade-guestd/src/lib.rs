@@ -47,7 +47,12 @@ pub fn run_agent() -> ! {
 
 fn serve_forever(config: AgentConfig) -> ! {
     loop {
-        let runtime = match tokio::runtime::Builder::new_multi_thread()
+        // One thread: the agent waits on I/O and its children, and whatever
+        // blocks (file operations, the spawn) runs on the blocking pool. A
+        // worker thread beside the main one only added cross-thread wake-ups
+        // (agent ping 1.2 -> 0.8 ms, exec 9.8 -> 9.1 ms, file writes
+        // 28 -> 36 MiB/s under TCG with one of them).
+        let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
         {
