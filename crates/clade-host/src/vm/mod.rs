@@ -391,6 +391,11 @@ impl VmRuntime {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let timeout = spec.boot_timeout.unwrap_or_else(|| self.boot_timeout());
             let (qmp, agent) = wait_for_agent(&dir, &exit_rx, timeout).await?;
+            // The guest has no RTC (`rtc=off`): without the host's clock it
+            // would read 1970, and TLS would refuse every certificate. The
+            // hook that follows a restore sets it (and adds host entropy);
+            // the booted identity is kept.
+            run_restore_hook(&agent, restore_request(&id, false), timeout).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, BootKind::Cold))
