@@ -392,7 +392,7 @@ impl VmRuntime {
             let timeout = spec.boot_timeout.unwrap_or_else(|| self.boot_timeout());
             let (qmp, agent) = wait_for_agent(&dir, &exit_rx, timeout).await?;
             // The guest has no RTC (`rtc=off`): without the host's clock it
-            // would read 1970, and TLS would refuse every certificate. The
+            // would read 1970 and find every TLS certificate not yet valid. The
             // hook that follows a restore sets it (and adds host entropy);
             // the booted identity is kept.
             run_restore_hook(&agent, restore_request(&id, false), timeout).await?;
