@@ -17,6 +17,7 @@
 mod build;
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
@@ -109,11 +110,11 @@ impl ImageStore {
             ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") }
         })?;
         let guestd = self.guestd.clone().or_else(find_guestd).ok_or(ImageError::GuestdMissing)?;
-        let guestd_bytes = std::fs::read(&guestd).map_err(io_err(format!("reading {}", guestd.display())))?;
+        let guestd_digest = guestd_digest(&guestd).map_err(io_err(format!("reading {}", guestd.display())))?;
 
         let kernel_key = hash(&[b"kernel/1", KERNEL_FRAGMENT.as_bytes(), KERNEL_BUILD.as_bytes(), linux_source_version().as_bytes()]);
         let tree_key = hash(&[b"rootfs/1", packages.as_bytes(), ROOTFS_BUILD.as_bytes(), &injected_ca_bytes()]);
-        let image_key = hash(&[b"image/2", tree_key.as_bytes(), &guestd_bytes, IMAGE_SIZE.as_bytes()]);
+        let image_key = hash(&[b"image/3", tree_key.as_bytes(), guestd_digest.as_bytes(), IMAGE_SIZE.as_bytes()]);
         Ok(Plan {
             name: name.to_string(),
             packages,
@@ -161,7 +162,60 @@ fn hash(parts: &[&[u8]]) -> String {
 }
 
 /// The installed linux-source-6.1 package version ("" when not installed).
+/// What a file's contents are taken to be unchanged by: a replaced or
+/// rewritten file gets a new inode or modification time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    path: PathBuf,
+    len: u64,
+    modified: std::time::SystemTime,
+    inode: u64,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path)?;
+        Ok(Self { path: path.to_path_buf(), len: meta.len(), modified: meta.modified()?, inode: meta.ino() })
+    }
+}
+
+/// Every lookup of an image by name plans it (each fork child, each wake,
+/// each create from a snapshot), and the plan's two slow inputs, the agent
+/// binary's digest (~20 MB hashed) and the linux-source version (a
+/// dpkg-query process), cost ~25 ms together. Each is remembered for as
+/// long as the file it comes from is unchanged.
+///
+/// A file modified less than a second before it was read is not remembered:
+/// modification times are coarse, so a second write in the same tick
+/// (same size, same inode) could not be told apart (git's "racy" entries).
+fn remembered(memo: &Mutex<Option<(FileStamp, String)>>, source: &Path, compute: impl FnOnce() -> std::io::Result<String>) -> std::io::Result<String> {
+    let stamp = FileStamp::of(source).ok();
+    if let (Some(stamp), Some((seen, value))) = (&stamp, &*memo.lock().unwrap_or_else(|p| p.into_inner())) {
+        if stamp == seen {
+            return Ok(value.clone());
+        }
+    }
+    let value = compute()?;
+    let settled = |stamp: &FileStamp| {
+        std::time::SystemTime::now().duration_since(stamp.modified).is_ok_and(|age| age >= std::time::Duration::from_secs(1))
+    };
+    *memo.lock().unwrap_or_else(|p| p.into_inner()) = stamp.filter(settled).map(|stamp| (stamp, value.clone()));
+    Ok(value)
+}
+
+fn guestd_digest(path: &Path) -> std::io::Result<String> {
+    static MEMO: Mutex<Option<(FileStamp, String)>> = Mutex::new(None);
+    remembered(&MEMO, path, || Ok(hex::encode(Sha256::digest(std::fs::read(path)?))))
+}
+
 fn linux_source_version() -> String {
+    static MEMO: Mutex<Option<(FileStamp, String)>> = Mutex::new(None);
+    // dpkg rewrites its status file whenever a package is installed or removed.
+    remembered(&MEMO, Path::new("/var/lib/dpkg/status"), || Ok(query_linux_source_version())).unwrap_or_default()
+}
+
+fn query_linux_source_version() -> String {
     std::process::Command::new("dpkg-query")
         .args(["-W", "-f=${Version}", "linux-source-6.1"])
         .output()
@@ -225,6 +279,36 @@ pub(crate) fn script_path(cache_dir: &Path, name: &str, body: &str) -> Result<Pa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_remembered_digest_is_used_only_for_a_settled_unchanged_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("agent");
+        let memo = Mutex::new(None);
+        let computed = std::cell::Cell::new(0);
+        let digest = || {
+            remembered(&memo, &file, || {
+                computed.set(computed.get() + 1);
+                Ok(hex::encode(Sha256::digest(std::fs::read(&file)?)))
+            })
+            .unwrap()
+        };
+        std::fs::write(&file, b"v1").unwrap();
+        let fresh = digest();
+        // Just written: read again each time, so a rewrite in the same
+        // timestamp tick is never missed.
+        std::fs::write(&file, b"v2").unwrap();
+        assert_ne!(digest(), fresh);
+        assert_eq!(computed.get(), 2);
+        // Settled (a second old): read once, then remembered until it changes.
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(5);
+        std::fs::File::options().write(true).open(&file).unwrap().set_modified(old).unwrap();
+        let settled = digest();
+        assert_eq!(digest(), settled);
+        assert_eq!(computed.get(), 3, "the second lookup of a settled file is remembered");
+        std::fs::write(&file, b"v3").unwrap();
+        assert_ne!(digest(), settled);
+    }
 
     #[test]
     fn keys_change_with_any_input_and_unknown_images_are_refused() {
