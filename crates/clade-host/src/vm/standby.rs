@@ -52,6 +52,9 @@ pub(super) struct StandbyPool {
     ready: Mutex<HashMap<PoolKey, Vec<Standby>>>,
     /// Keys with a refill under way: one at a time per key.
     refilling: Mutex<HashSet<PoolKey>>,
+    /// Raised by every drain: a standby whose start began before the drain
+    /// is stopped when it is ready instead of parked.
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl StandbyPool {
@@ -76,8 +79,19 @@ impl StandbyPool {
         None
     }
 
-    fn park(&self, key: &PoolKey, standby: Standby) {
-        self.ready.lock().expect("standby lock").entry(key.clone()).or_default().push(standby);
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Parks a standby started in `generation`; one that a drain overtook is stopped.
+    fn park(&self, key: &PoolKey, standby: Standby, generation: u64) {
+        let mut ready = self.ready.lock().expect("standby lock");
+        if generation != self.generation() {
+            drop(ready);
+            record::stop_leftover(&standby.dir);
+            return;
+        }
+        ready.entry(key.clone()).or_default().push(standby);
     }
 
     fn count(&self, key: &PoolKey) -> usize {
@@ -86,7 +100,11 @@ impl StandbyPool {
 
     /// Stops every standby process (a clean shutdown; the sweep covers the rest).
     pub fn drain(&self) {
-        let all: Vec<Standby> = self.ready.lock().expect("standby lock").drain().flat_map(|(_, v)| v).collect();
+        let all: Vec<Standby> = {
+            let mut ready = self.ready.lock().expect("standby lock");
+            self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            ready.drain().flat_map(|(_, v)| v).collect()
+        };
         for standby in all {
             record::stop_leftover(&standby.dir);
         }
@@ -103,9 +121,10 @@ impl VmRuntime {
         }
         let (runtime, template, spec) = (self.clone(), template.clone(), spec.clone());
         tokio::spawn(async move {
-            while runtime.standby.count(&key) < runtime.standby.target() {
+            let generation = runtime.standby.generation();
+            while runtime.standby.count(&key) < runtime.standby.target() && generation == runtime.standby.generation() {
                 match runtime.start_standby(&template, &spec).await {
-                    Ok(standby) => runtime.standby.park(&key, standby),
+                    Ok(standby) => runtime.standby.park(&key, standby, generation),
                     Err(e) => {
                         tracing::warn!("could not start a standby VMM: {e}");
                         break;
@@ -121,9 +140,10 @@ impl VmRuntime {
     pub async fn prestart(&self, spec: &VmSpec) -> Result<(), VmError> {
         let (template, _) = self.template(spec).await?;
         let key = (template.key.clone(), spec.lifetime);
-        while self.standby.count(&key) < self.standby.target() {
+        let generation = self.standby.generation();
+        while self.standby.count(&key) < self.standby.target() && generation == self.standby.generation() {
             let standby = self.start_standby(&template, spec).await?;
-            self.standby.park(&key, standby);
+            self.standby.park(&key, standby, generation);
         }
         Ok(())
     }
@@ -131,6 +151,15 @@ impl VmRuntime {
     /// Stops the standby VMMs this runtime started.
     pub fn drain_standby(&self) {
         self.standby.drain();
+        // Starts still under way (their QEMU may be running already) are
+        // not in the pool: stop them by their records, so that a process
+        // that exits right after draining leaves none behind.
+        let me = super::ProcessId::current();
+        for entry in std::fs::read_dir(self.vms_dir()).into_iter().flatten().flatten() {
+            if VmRecord::load(&entry.path()).is_some_and(|r| r.phase == Phase::Standby && r.owner == me) {
+                record::stop_leftover(&entry.path());
+            }
+        }
     }
 
     async fn start_standby(&self, template: &Template, spec: &VmSpec) -> Result<Standby, VmError> {
