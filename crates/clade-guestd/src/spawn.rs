@@ -120,14 +120,12 @@ impl Program {
         let argv = pointers(&self.argv);
         let envp = pointers(&self.envp);
         let candidates: Vec<&CStr> = self.candidates.iter().map(CString::as_c_str).collect();
-        let groups: Vec<libc::gid_t> = setup.credentials.as_ref().map(|c| c.groups.clone()).unwrap_or_default();
         let child = Child {
             candidates: &candidates,
             argv: argv.as_ptr(),
             envp: envp.as_ptr(),
             stdio: stdio.map(AsRawFd::as_raw_fd),
             setup,
-            groups: &groups,
             failed_errno: AtomicI32::new(0),
             failed_candidate: AtomicI32::new(-1),
         };
@@ -236,7 +234,6 @@ struct Child<'a> {
     envp: *const *const libc::c_char,
     stdio: [RawFd; 3],
     setup: &'a ChildSetup,
-    groups: &'a [libc::gid_t],
     failed_errno: AtomicI32,
     failed_candidate: AtomicI32,
 }
@@ -262,7 +259,6 @@ impl Child<'_> {
     /// execve, raw syscalls), on memory the parent prepared; `errno` is the
     /// suspended calling thread's, which nothing else reads meanwhile.
     fn run(&self) -> (i32, i32) {
-        let errno = || io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
         reset_signal_handlers();
         for (target, &fd) in (0..).zip(&self.stdio) {
             let ok = if fd == target {
@@ -274,17 +270,17 @@ impl Child<'_> {
                 (unsafe { libc::dup2(fd, target) }) == target
             };
             if !ok {
-                return (errno(), -1);
+                return (last_errno(), -1);
             }
         }
         // SAFETY: no arguments, no memory.
         if unsafe { libc::setsid() } < 0 {
-            return (errno(), -1);
+            return (last_errno(), -1);
         }
         // SAFETY: fd 0 is the pty slave just put in place; TIOCSCTTY takes
         // an int argument (0: do not steal) and touches no memory of ours.
         if self.setup.controlling_tty && unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
-            return (errno(), -1);
+            return (last_errno(), -1);
         }
         if let Some(procs) = &self.setup.cgroup_procs {
             if let Err(e) = join_cgroup(procs) {
@@ -293,20 +289,20 @@ impl Child<'_> {
         }
         if let Some(creds) = &self.setup.credentials {
             // Raw calls: this process alone (see the module comment).
-            // SAFETY: `groups` is a live slice of gid_t of the given length,
-            // which the kernel only reads; the other two take plain ids.
-            let switched = unsafe { libc::syscall(libc::SYS_setgroups, self.groups.len(), self.groups.as_ptr()) } == 0
+            // SAFETY: `groups` is a live slice of u32 (gid_t) of the given
+            // length, which the kernel only reads; the other two take plain ids.
+            let switched = unsafe { libc::syscall(libc::SYS_setgroups, creds.groups.len(), creds.groups.as_ptr()) } == 0
                 // SAFETY: as above.
                 && unsafe { libc::syscall(libc::SYS_setgid, creds.gid) } == 0
                 // SAFETY: as above.
                 && unsafe { libc::syscall(libc::SYS_setuid, creds.uid) } == 0;
             if !switched {
-                return (errno(), -1);
+                return (last_errno(), -1);
             }
         }
         // SAFETY: `cwd` is a NUL-terminated path the parent keeps alive.
         if unsafe { libc::chdir(self.setup.cwd.as_ptr()) } < 0 {
-            return (errno(), -1);
+            return (last_errno(), -1);
         }
         // As std does: the child starts with no signal blocked.
         // SAFETY: sigset_t is plain data, initialised by sigemptyset before
@@ -326,7 +322,7 @@ impl Child<'_> {
             // NULL-terminated arrays of them that the parent keeps alive; on
             // success this never returns.
             unsafe { libc::execve(path.as_ptr(), self.argv, self.envp) };
-            let error = errno();
+            let error = last_errno();
             match error {
                 libc::EACCES => {
                     denied.get_or_insert((error, index));
@@ -364,18 +360,22 @@ fn reset_signal_handlers() {
     }
 }
 
+/// errno of the last failed call (read from the thread's errno, no allocation).
+fn last_errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
 /// Writes "0" (this process) into a `cgroup.procs` file; the errno on failure.
 fn join_cgroup(procs: &CStr) -> Result<(), i32> {
-    let errno = || io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
     // SAFETY: `procs` is a valid NUL-terminated path that outlives the call;
     // open returns a new fd that only this function uses and closes.
     let fd = unsafe { libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
     if fd < 0 {
-        return Err(errno());
+        return Err(last_errno());
     }
     // SAFETY: `fd` is open for writing and the buffer is a 1-byte static.
     let written = unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
-    let error = errno();
+    let error = last_errno();
     // SAFETY: `fd` was opened above and is not used after this.
     unsafe { libc::close(fd) };
     if written != 1 {

@@ -11,6 +11,12 @@ use clade_host::vm::BootKind;
 use clade_host::{Lifetime, VmError, VmSpec};
 use common::{argv, block_on, sh};
 
+/// `qemu-img SUBCOMMAND -U --output=json IMAGE` (of a disk a running VM holds), parsed.
+fn qemu_img_json(subcommand: &str, image: &std::path::Path) -> serde_json::Value {
+    let out = std::process::Command::new("qemu-img").args([subcommand, "-U", "--output=json"]).arg(image).output().unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn host_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
 }
@@ -278,12 +284,7 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         // Its disk layer is a copy of the empty layer the snapshot prepared, over the snapshot's.
         let snap_dir = env.data_dir().join("snapshots").join(&snapshot);
         assert!(snap_dir.join("child.qcow2").is_file(), "the snapshot prepared its VMs' empty layer");
-        let info = std::process::Command::new("qemu-img")
-            .args(["info", "-U", "--output=json"])
-            .arg(child.dir().join("disk.qcow2"))
-            .output()
-            .unwrap();
-        let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        let info = qemu_img_json("info", &child.dir().join("disk.qcow2"));
         assert_eq!(info["backing-filename"], snap_dir.join("disk.qcow2").display().to_string(), "{info}");
         env.runtime.delete_snapshot(&snapshot).unwrap();
         assert!(env.runtime.snapshots().is_empty());
@@ -318,12 +319,7 @@ fn a_restored_sandbox_that_only_reads_writes_nothing_to_its_disk_layer() {
                      grep -c '^/dev/root / ext4 .*noatime' /proc/mounts && cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6";
         let out = vm.run(sh(reads)).await.unwrap();
         assert_eq!(out.stdout_str(), "1\n1\n", "root without access times, eth0 IPv4 only: {}", out.stderr_str());
-        let map = std::process::Command::new("qemu-img")
-            .args(["map", "-U", "--output=json"])
-            .arg(vm.dir().join("disk.qcow2"))
-            .output()
-            .unwrap();
-        let extents: serde_json::Value = serde_json::from_slice(&map.stdout).unwrap();
+        let extents = qemu_img_json("map", &vm.dir().join("disk.qcow2"));
         let written: Vec<&serde_json::Value> = extents
             .as_array()
             .unwrap()
