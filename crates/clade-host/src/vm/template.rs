@@ -50,8 +50,10 @@ impl Template {
 pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
+    let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
         "template/2",
+        &root_mount,
         &image.id,
         &memory_mb.to_string(),
         &vcpus.to_string(),
