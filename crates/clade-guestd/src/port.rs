@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use clade_proto::handshake::HandshakeError;
+use clade_proto::handshake::{hello_line, HandshakeError, HelloLine, HELLO_MARKER};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -103,17 +103,49 @@ pub trait SessionChannel: AsyncRead + AsyncWrite + Unpin + Send {
 /// bytes before it are delivered, then one end-of-file, then the hello itself
 /// to the next handshake. Only the marker followed by a hello line counts
 /// (or by its start, where a read ends): session data holding the marker
-/// otherwise is passed on.
+/// otherwise is passed on. A marker cut by the end of a read is found too:
+/// its first bytes have gone to the session (which ends at once), and the
+/// whole hello goes to the next handshake.
 pub struct HelloWatch<T> {
     inner: T,
     pending: Vec<u8>,
     eof_next: bool,
+    /// The end of the bytes delivered so far, when it is the start of a
+    /// marker (`"\n"`, `"\nCLA"`, ...); empty otherwise.
+    marker_start: Vec<u8>,
 }
 
 impl<T> HelloWatch<T> {
     pub fn new(inner: T) -> Self {
-        Self { inner, pending: Vec::new(), eof_next: false }
+        Self { inner, pending: Vec::new(), eof_next: false, marker_start: Vec::new() }
     }
+
+    /// Whether `fresh` completes a hello whose marker began in the bytes
+    /// delivered before it.
+    fn completes_a_hello(&self, fresh: &[u8]) -> bool {
+        if self.marker_start.is_empty() || fresh.is_empty() {
+            return false;
+        }
+        // Enough of `fresh` to see the rest of the marker and a whole hello line.
+        let mut joined = self.marker_start.clone();
+        joined.extend_from_slice(&fresh[..fresh.len().min(HELLO_MARKER.len() + 32)]);
+        find_hello(&joined) == Some(0)
+    }
+}
+
+/// Keeps in `marker_start` the end of the bytes delivered so far (`bytes`
+/// the latest) when it is the start of a marker.
+fn remember_marker_start(marker_start: &mut Vec<u8>, bytes: &[u8]) {
+    let longest = HELLO_MARKER.len() - 1;
+    if bytes.len() >= longest {
+        marker_start.clear();
+    }
+    marker_start.extend_from_slice(&bytes[bytes.len().saturating_sub(longest)..]);
+    let keep = (1..=marker_start.len().min(longest))
+        .rev()
+        .find(|&n| HELLO_MARKER.starts_with(&marker_start[marker_start.len() - n..]))
+        .unwrap_or(0);
+    marker_start.drain(..marker_start.len() - keep);
 }
 
 impl<T: SessionChannel> SessionChannel for HelloWatch<T> {
@@ -137,17 +169,28 @@ impl<T: AsyncRead + Unpin> AsyncRead for HelloWatch<T> {
         if !this.pending.is_empty() {
             let n = buf.remaining().min(this.pending.len());
             buf.put_slice(&this.pending[..n]);
+            remember_marker_start(&mut this.marker_start, &this.pending[..n]);
             this.pending.drain(..n);
             return Poll::Ready(Ok(()));
         }
         let before = buf.filled().len();
         ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
         let fresh = &buf.filled()[before..];
-        if let Some(at) = find_hello(fresh) {
+        if this.completes_a_hello(fresh) {
+            // The session has had the marker's start already: it ends now
+            // (this read is its EOF), and the next handshake gets it all.
+            let mut hello = std::mem::take(&mut this.marker_start);
+            hello.extend_from_slice(fresh);
+            this.pending = hello;
+            buf.set_filled(before);
+        } else if let Some(at) = find_hello(fresh) {
             this.pending = fresh[at..].to_vec();
             buf.set_filled(before + at);
             // With bytes before the hello, they are this read; the EOF is the next.
             this.eof_next = at > 0;
+            this.marker_start.clear();
+        } else {
+            remember_marker_start(&mut this.marker_start, fresh);
         }
         Poll::Ready(Ok(()))
     }
@@ -158,7 +201,6 @@ impl<T: AsyncRead + Unpin> AsyncRead for HelloWatch<T> {
 /// must never be missed). The marker followed by anything else is session
 /// data, e.g. a file that quotes the protocol.
 fn find_hello(bytes: &[u8]) -> Option<usize> {
-    use clade_proto::handshake::{hello_line, HelloLine, HELLO_MARKER};
     let mut from = 0;
     while let Some(found) = bytes[from..].windows(HELLO_MARKER.len()).position(|w| w == HELLO_MARKER) {
         let at = from + found;
@@ -518,6 +560,58 @@ mod tests {
         assert_eq!(watch.read(&mut buf).await.unwrap(), 0, "the old session ends");
         let n = watch.read(&mut buf).await.unwrap();
         assert_eq!(&buf[..n], b"\nCLADE-HELLO 1 00000000000000ff\n");
+    }
+
+    #[tokio::test]
+    async fn a_hello_cut_by_the_end_of_a_read_still_ends_the_session() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let hello = b"\nCLADE-HELLO 1 00000000000000ff\n";
+        // Cut after every byte of the marker but its last.
+        for cut in 1..clade_proto::handshake::HELLO_MARKER.len() {
+            let (mut host, guest) = tokio::io::duplex(4096);
+            let mut watch = HelloWatch::new(guest);
+            let mut buf = [0u8; 256];
+            host.write_all(b"old-session").await.unwrap();
+            host.write_all(&hello[..cut]).await.unwrap();
+            let n = watch.read(&mut buf).await.unwrap();
+            assert_eq!(&buf[..n], [&b"old-session"[..], &hello[..cut]].concat(), "cut at {cut}");
+            host.write_all(&hello[cut..]).await.unwrap();
+            assert_eq!(watch.read(&mut buf).await.unwrap(), 0, "cut at {cut}: the old session ends");
+            let n = watch.read(&mut buf).await.unwrap();
+            assert_eq!(&buf[..n], hello, "cut at {cut}: the whole hello reaches the handshake");
+        }
+        // One byte per read: the session ends when the marker is whole.
+        let (mut host, guest) = tokio::io::duplex(4096);
+        let mut watch = HelloWatch::new(guest);
+        let mut buf = [0u8; 256];
+        let marker = clade_proto::handshake::HELLO_MARKER.len();
+        for (i, byte) in hello.iter().enumerate() {
+            host.write_all(&[*byte]).await.unwrap();
+            let n = watch.read(&mut buf).await.unwrap();
+            if i + 1 < marker {
+                assert_eq!(&buf[..n], &[*byte], "byte {i} goes to the session");
+            } else if i + 1 == marker {
+                assert_eq!(n, 0, "the old session ends");
+                let n = watch.read(&mut buf).await.unwrap();
+                assert_eq!(&buf[..n], &hello[..marker], "the marker reaches the handshake");
+            } else {
+                assert_eq!(&buf[..n], &[*byte], "and the rest of its line");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn session_data_that_only_looks_like_a_cut_marker_is_passed_on() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut host, guest) = tokio::io::duplex(4096);
+        let mut watch = HelloWatch::new(guest);
+        let mut buf = [0u8; 256];
+        for part in [&b"frame\nCLADE-HE"[..], b"LLO x\n", b"\n", b"CLADE-HELLO <version>\n"] {
+            host.write_all(part).await.unwrap();
+            let n = watch.read(&mut buf).await.unwrap();
+            assert_eq!(&buf[..n], part, "delivered as it came");
+        }
+        assert!(!SessionChannelProbe::pending(&watch));
     }
 
     trait SessionChannelProbe {
