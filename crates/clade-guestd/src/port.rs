@@ -35,6 +35,11 @@ const RETRY: Duration = Duration::from_millis(100);
 /// the host's connection and every arrival of its data. Every look wakes an
 /// idle guest: under TCG, looking 10 times a second cost an idle VM with no
 /// host 4.1 % of a host core, against 0.8 % once a second.
+///
+/// SIGIO is armed only between sessions ([`SessionChannel::expect_host`]):
+/// armed in a session, every arrival of the host's data was a signal to the
+/// agent (a signal frame, the runtime's handler and its wake-up), on every
+/// request and many times in each file transfer.
 const SIGIO_FALLBACK: Duration = Duration::from_secs(1);
 
 /// How long a write waits for a host that the driver reports gone: the
@@ -87,6 +92,12 @@ fn find_in(class: &Path, dev: &Path, name: &str) -> Result<PathBuf, PortError> {
 pub trait SessionChannel: AsyncRead + AsyncWrite + Unpin + Send {
     /// Makes the channel ready for a new session attempt.
     fn renew(&mut self) -> io::Result<()>;
+
+    /// Before waiting for a host: asks to be signalled when one comes, then
+    /// says whether one may have come already (nothing to wait for then).
+    fn expect_host(&mut self) -> io::Result<bool> {
+        Ok(false)
+    }
 
     /// Whether input is already waiting (so a new attempt need not wait for the host).
     fn has_pending(&self) -> bool {
@@ -156,6 +167,10 @@ impl<T: SessionChannel> SessionChannel for HelloWatch<T> {
 
     fn has_pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    fn expect_host(&mut self) -> io::Result<bool> {
+        self.inner.expect_host()
     }
 }
 
@@ -245,9 +260,10 @@ pub struct Port {
 }
 
 impl Port {
-    /// Opens the port non-blocking and asks for SIGIO when the host connects.
-    /// Register a SIGIO handler before calling this: SIGIO's default action
-    /// terminates the process (outside PID 1).
+    /// Opens the port non-blocking, this process the owner of its SIGIO
+    /// (armed by [`SessionChannel::expect_host`]). Register a SIGIO handler
+    /// before that: SIGIO's default action terminates the process (outside
+    /// PID 1).
     pub fn open(path: &Path) -> Result<Self, PortError> {
         let open_err = |source| PortError::Open {
             path: path.display().to_string(),
@@ -261,7 +277,7 @@ impl Port {
             .open(path)
             .map_err(open_err)?;
         let fd: OwnedFd = file.into();
-        arm_sigio(&fd).map_err(PortError::Async)?;
+        own_sigio(&fd).map_err(PortError::Async)?;
         let fd = register(fd).map_err(open_err)?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -296,8 +312,8 @@ impl Port {
                 break;
             }
             let error = io::Error::last_os_error();
-            // poll is never restarted after a signal handler, and this port
-            // raises SIGIO for every arrival of the host's data: an
+            // poll is never restarted after a signal handler (a SIGIO still
+            // pending from before the session, or any other signal): an
             // interrupted look must not end the session.
             if error.kind() != io::ErrorKind::Interrupted {
                 return Err(error);
@@ -321,7 +337,23 @@ impl SessionChannel for Port {
             Some(registered) => self.fd = Some(register(registered.into_inner())?),
             None => *self = Port::open(&self.path).map_err(io::Error::other)?,
         }
-        Ok(())
+        set_sigio(self.fd()?.get_ref(), false)
+    }
+
+    fn expect_host(&mut self) -> io::Result<bool> {
+        let fd = self.fd()?.get_ref();
+        set_sigio(fd, true)?;
+        // Armed first, looked second: a host that comes after the look is
+        // signalled, one that came before is seen here.
+        let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pollfd` is one valid, initialised pollfd for the duration
+        // of the call, and its fd is open (owned by `self`).
+        let ready = unsafe { libc::poll(&mut pollfd, 1, 0) };
+        if ready < 0 {
+            let error = io::Error::last_os_error();
+            return if error.kind() == io::ErrorKind::Interrupted { Ok(true) } else { Err(error) };
+        }
+        Ok(pollfd.revents & libc::POLLIN != 0 || pollfd.revents & libc::POLLHUP == 0)
     }
 }
 
@@ -333,20 +365,26 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     registered.map_err(|e| e.into_parts().1)
 }
 
-/// Makes the driver signal this process (F_SETOWN) on port events (O_ASYNC).
-fn arm_sigio(fd: &OwnedFd) -> io::Result<()> {
-    let raw = fd.as_raw_fd();
-    // SAFETY: `raw` is an open fd for the duration of the call; F_SETOWN takes a pid by value.
-    if unsafe { libc::fcntl(raw, libc::F_SETOWN, libc::getpid()) } < 0 {
+/// Makes this process the one the driver signals on port events (F_SETOWN).
+fn own_sigio(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: the fd is open for the duration of the call; F_SETOWN takes a pid by value.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETOWN, libc::getpid()) } < 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: as above; F_GETFL takes no argument.
+    Ok(())
+}
+
+/// Arms (O_ASYNC) or disarms the driver's SIGIO on port events.
+fn set_sigio(fd: &OwnedFd, armed: bool) -> io::Result<()> {
+    let raw = fd.as_raw_fd();
+    // SAFETY: `raw` is an open fd for the duration of the call; F_GETFL takes no argument.
     let flags = unsafe { libc::fcntl(raw, libc::F_GETFL) };
     if flags < 0 {
         return Err(io::Error::last_os_error());
     }
+    let wanted = if armed { flags | libc::O_ASYNC } else { flags & !libc::O_ASYNC };
     // SAFETY: as above; F_SETFL takes the flags by value.
-    if unsafe { libc::fcntl(raw, libc::F_SETFL, flags | libc::O_ASYNC) } < 0 {
+    if wanted != flags && unsafe { libc::fcntl(raw, libc::F_SETFL, wanted) } < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
@@ -467,7 +505,16 @@ pub async fn serve_channel<T: SessionChannel>(
         }
         match serve_connection(agent, &mut *channel).await {
             Ok(()) => {}
-            Err(ServerError::Handshake(HandshakeError::Closed)) if !channel.has_pending() => wait.next().await,
+            Err(ServerError::Handshake(HandshakeError::Closed)) if !channel.has_pending() => {
+                match channel.expect_host() {
+                    Ok(true) => {}
+                    Ok(false) => wait.next().await,
+                    Err(e) => {
+                        tracing::warn!("cannot arm SIGIO on the agent channel: {e}");
+                        tokio::time::sleep(RETRY).await;
+                    }
+                }
+            }
             Err(ServerError::Handshake(HandshakeError::Closed)) => {}
             Err(e) => {
                 tracing::warn!("{}", crate::error_chain(&e));

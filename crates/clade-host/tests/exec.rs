@@ -58,6 +58,29 @@ fn stdin_is_piped_and_binary_output_is_exact() {
 }
 
 #[test]
+fn the_agent_port_raises_no_sigio_during_a_session() {
+    let Some(s) = shared() else { return };
+    block_on(async {
+        // O_ASYNC on the port made every arrival of the host's data a signal
+        // to the agent; it is armed only while the agent waits for a host.
+        let flags = s
+            .vm
+            .run(sh("for fd in /proc/1/fd/*; do case $(readlink $fd) in /dev/vport*) \
+                     sed -n 's/^flags:[[:space:]]*//p' /proc/1/fdinfo/${fd##*/};; esac; done"))
+            .await
+            .unwrap();
+        let flags = flags.stdout_str();
+        let flags = u32::from_str_radix(flags.trim(), 8).unwrap_or_else(|_| panic!("the port's flags: {flags:?}"));
+        assert_eq!(flags & O_ASYNC, 0, "O_ASYNC is set on the agent port in a session: {flags:o}");
+        assert_ne!(flags & O_NONBLOCK, 0, "and it is the agent's non-blocking port: {flags:o}");
+    });
+}
+
+/// `O_ASYNC` and `O_NONBLOCK` on x86-64 Linux.
+const O_ASYNC: u32 = 0o20000;
+const O_NONBLOCK: u32 = 0o4000;
+
+#[test]
 fn output_streams_before_the_command_ends() {
     let Some(s) = shared() else { return };
     block_on(async {
