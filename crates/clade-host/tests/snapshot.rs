@@ -351,6 +351,52 @@ fn dirs_in_phase(vms_dir: &std::path::Path, phase: clade_host::Phase) -> Vec<Str
         .collect()
 }
 
+/// QEMU processes whose command line names a path under `dir`.
+fn qemus_under(dir: &std::path::Path) -> Vec<u32> {
+    let dir = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            cmdline.contains("qemu-system") && cmdline.contains(&dir)
+        })
+        .collect()
+}
+
+#[test]
+fn a_drain_in_the_middle_of_standby_starts_leaves_no_vmm_running() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let runtime = env.runtime.clone().with_standby(2);
+        let spec = VmSpec::new(env.image.clone());
+        // The template is baked first, so that the drains land in the starts.
+        runtime.prestart(&spec).await.unwrap();
+        runtime.drain_standby();
+        for delay_ms in [0, 5, 15, 40, 80, 160] {
+            let starting = tokio::spawn({
+                let (runtime, spec) = (runtime.clone(), spec.clone());
+                async move { runtime.prestart(&spec).await }
+            });
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            runtime.drain_standby();
+            starting.await.unwrap().unwrap_or_else(|e| panic!("a prestart drained after {delay_ms} ms: {e}"));
+            assert!(
+                dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby).is_empty(),
+                "a standby left by a drain {delay_ms} ms into the starts"
+            );
+            // A stopped VMM may take a moment to exit.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !qemus_under(runtime.vms_dir()).is_empty() && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(qemus_under(runtime.vms_dir()), Vec::<u32>::new(), "a VMM left by a drain {delay_ms} ms into the starts");
+        }
+    });
+}
+
 #[test]
 fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained() {
     let Some(env) = vm_env() else { return };

@@ -55,6 +55,11 @@ pub(super) struct StandbyPool {
     /// Raised by every drain: a standby whose start began before the drain
     /// is stopped when it is ready instead of parked.
     generation: std::sync::atomic::AtomicU64,
+    /// Held while a standby's QEMU is spawned and recorded, and by a drain
+    /// while it raises the generation: a start either has its QEMU recorded
+    /// before the drain (whose sweep of the records then stops it) or sees
+    /// the new generation and spawns nothing.
+    starting: Mutex<()>,
 }
 
 impl StandbyPool {
@@ -101,6 +106,7 @@ impl StandbyPool {
     /// Stops every standby process (a clean shutdown; the sweep covers the rest).
     pub fn drain(&self) {
         let all: Vec<Standby> = {
+            let _starting = self.starting.lock().expect("standby lock");
             let mut ready = self.ready.lock().expect("standby lock");
             self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             ready.drain().flat_map(|(_, v)| v).collect()
@@ -123,8 +129,9 @@ impl VmRuntime {
         tokio::spawn(async move {
             let generation = runtime.standby.generation();
             while runtime.standby.count(&key) < runtime.standby.target() && generation == runtime.standby.generation() {
-                match runtime.start_standby(&template, &spec).await {
-                    Ok(standby) => runtime.standby.park(&key, standby, generation),
+                match runtime.start_standby(&template, &spec, generation).await {
+                    Ok(Some(standby)) => runtime.standby.park(&key, standby, generation),
+                    Ok(None) => break,
                     Err(e) => {
                         tracing::warn!("could not start a standby VMM: {e}");
                         break;
@@ -142,7 +149,7 @@ impl VmRuntime {
         let key = (template.key.clone(), spec.lifetime);
         let generation = self.standby.generation();
         while self.standby.count(&key) < self.standby.target() && generation == self.standby.generation() {
-            let standby = self.start_standby(&template, spec).await?;
+            let Some(standby) = self.start_standby(&template, spec, generation).await? else { break };
             self.standby.park(&key, standby, generation);
         }
         Ok(())
@@ -162,7 +169,9 @@ impl VmRuntime {
         }
     }
 
-    async fn start_standby(&self, template: &Template, spec: &VmSpec) -> Result<Standby, VmError> {
+    /// Starts a standby VMM for a pool of `generation`; none once a drain
+    /// has raised it.
+    async fn start_standby(&self, template: &Template, spec: &VmSpec, generation: u64) -> Result<Option<Standby>, VmError> {
         let (id, dir, mut record) = self.new_vm(spec, Some(template))?;
         let started = async {
             let bytes = super::qcow2_virtual_size(&template.overlay())?;
@@ -174,16 +183,40 @@ impl VmRuntime {
             let mut launch = self.launch_spec(&id, &dir, spec, Memory::FromTemplate(template.ram()), true);
             launch.disk = Disk::Deferred { bytes };
             launch.tap = netns.is_some();
-            let (vmm, exited) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
-            record.vmm = Some(vmm);
-            record.phase = Phase::Standby;
-            record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let qmp = connect_qmp(&super::launch::qmp_socket(&dir), self.boot_timeout()).await?;
-            Ok::<_, VmError>((exited, qmp))
+            let exited = {
+                let _starting = self.standby.starting.lock().expect("standby lock");
+                if generation != self.standby.generation() {
+                    return Ok(None);
+                }
+                let (vmm, exited) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
+                record.vmm = Some(vmm);
+                record.phase = Phase::Standby;
+                record.save(&dir).map_err(io_err("writing the VM record"))?;
+                exited
+            };
+            // A drain may stop this VMM before its QMP answers.
+            let mut exit_watch = exited.clone();
+            let socket = super::launch::qmp_socket(&dir);
+            let qmp = tokio::select! {
+                qmp = connect_qmp(&socket, self.boot_timeout()) => qmp?,
+                status = exit_watch.wait_for(Option::is_some) => {
+                    return Err(super::exited_during_boot(&dir, status.ok().and_then(|s| s.clone())));
+                }
+            };
+            Ok::<_, VmError>(Some((exited, qmp)))
         }
         .await;
         match started {
-            Ok((exited, qmp)) => Ok(Standby { id, dir, record, exited, qmp }),
+            Ok(Some((exited, qmp))) => Ok(Some(Standby { id, dir, record, exited, qmp })),
+            Ok(None) => {
+                record::stop_leftover(&dir);
+                Ok(None)
+            }
+            // What failed after a drain failed because of it.
+            Err(_) if generation != self.standby.generation() => {
+                record::stop_leftover(&dir);
+                Ok(None)
+            }
             Err(e) => {
                 record::stop_leftover(&dir);
                 Err(e)
