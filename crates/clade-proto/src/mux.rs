@@ -27,9 +27,14 @@ pub enum MuxError {
 /// separately and writes frame by frame; without buffering every one is a
 /// syscall, and in a guest under TCG every syscall on the port is expensive.
 const CHANNEL_BUFFER: usize = 256 * 1024;
+/// The guest's read buffer: a virtio-serial port hands out one of its 4 KiB
+/// buffers per read, so a larger one is never filled. It is zeroed when a
+/// session starts: at 256 KiB that was 64 pages each restored sandbox wrote
+/// (its own copies of template memory) for nothing.
+const PORT_READ_BUFFER: usize = 16 * 1024;
 
-fn buffered<T: AsyncRead + AsyncWrite>(io: T) -> tokio::io::BufStream<T> {
-    tokio::io::BufStream::with_capacity(CHANNEL_BUFFER, CHANNEL_BUFFER, io)
+fn buffered<T: AsyncRead + AsyncWrite>(io: T, read_capacity: usize) -> tokio::io::BufStream<T> {
+    tokio::io::BufStream::with_capacity(read_capacity, CHANNEL_BUFFER, io)
 }
 
 fn config() -> yamux::Config {
@@ -58,7 +63,7 @@ impl MuxClient {
         let (closed_tx, closed_rx) = watch::channel(None);
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
         let shutdown_requested = shutdown.clone();
-        let mut conn = yamux::Connection::new(buffered(io).compat(), config(), yamux::Mode::Client);
+        let mut conn = yamux::Connection::new(buffered(io, CHANNEL_BUFFER).compat(), config(), yamux::Mode::Client);
         tokio::spawn(async move {
             let shutdown = shutdown_requested.notified();
             tokio::pin!(shutdown);
@@ -149,7 +154,7 @@ where
     T: AsyncRead + AsyncWrite + Unpin,
 {
     pub fn new(io: T) -> Self {
-        Self { conn: yamux::Connection::new(buffered(io).compat(), config(), yamux::Mode::Server) }
+        Self { conn: yamux::Connection::new(buffered(io, PORT_READ_BUFFER).compat(), config(), yamux::Mode::Server) }
     }
 
     /// The next substream, or `Ok(None)` when the host closed the session.
