@@ -303,23 +303,7 @@ impl Port {
     /// hang-up as the end would end a live session after its first request,
     /// losing the answer.
     fn hang_up_was_stale(&mut self) -> io::Result<bool> {
-        let raw = self.fd()?.as_raw_fd();
-        let mut pollfd = libc::pollfd { fd: raw, events: libc::POLLIN, revents: 0 };
-        loop {
-            // SAFETY: `pollfd` is one valid, initialised pollfd for the
-            // duration of the call, and `raw` is an open fd owned by `self`.
-            if unsafe { libc::poll(&mut pollfd, 1, 0) } >= 0 {
-                break;
-            }
-            let error = io::Error::last_os_error();
-            // poll is never restarted after a signal handler (a SIGIO still
-            // pending from before the session, or any other signal): an
-            // interrupted look must not end the session.
-            if error.kind() != io::ErrorKind::Interrupted {
-                return Err(error);
-            }
-        }
-        if pollfd.revents & libc::POLLHUP != 0 {
+        if look(self.fd()?.get_ref())? & libc::POLLHUP != 0 {
             return Ok(false);
         }
         tracing::debug!("the port's hang-up was stale; registering it afresh");
@@ -345,15 +329,27 @@ impl SessionChannel for Port {
         set_sigio(fd, true)?;
         // Armed first, looked second: a host that comes after the look is
         // signalled, one that came before is seen here.
-        let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let revents = look(fd)?;
+        Ok(revents & libc::POLLIN != 0 || revents & libc::POLLHUP == 0)
+    }
+}
+
+/// The port's poll events now (data waiting, host gone), without waiting.
+fn look(fd: &OwnedFd) -> io::Result<libc::c_short> {
+    let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    loop {
         // SAFETY: `pollfd` is one valid, initialised pollfd for the duration
-        // of the call, and its fd is open (owned by `self`).
-        let ready = unsafe { libc::poll(&mut pollfd, 1, 0) };
-        if ready < 0 {
-            let error = io::Error::last_os_error();
-            return if error.kind() == io::ErrorKind::Interrupted { Ok(true) } else { Err(error) };
+        // of the call, and its fd is open (borrowed for the call).
+        if unsafe { libc::poll(&mut pollfd, 1, 0) } >= 0 {
+            return Ok(pollfd.revents);
         }
-        Ok(pollfd.revents & libc::POLLIN != 0 || pollfd.revents & libc::POLLHUP == 0)
+        let error = io::Error::last_os_error();
+        // poll is never restarted after a signal handler (a SIGIO still
+        // pending from before a session, or any other signal): an
+        // interrupted look is looked again.
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
     }
 }
 

@@ -161,7 +161,6 @@ fn hash(parts: &[&[u8]]) -> String {
     hex::encode(&h.finalize()[..12])
 }
 
-/// The installed linux-source-6.1 package version ("" when not installed).
 /// What a file's contents are taken to be unchanged by: a replaced or
 /// rewritten file gets a new inode or modification time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -209,6 +208,7 @@ fn guestd_digest(path: &Path) -> std::io::Result<String> {
     remembered(&MEMO, path, || Ok(hex::encode(Sha256::digest(std::fs::read(path)?))))
 }
 
+/// The installed linux-source-6.1 package version ("" when not installed).
 fn linux_source_version() -> String {
     static MEMO: Mutex<Option<(FileStamp, String)>> = Mutex::new(None);
     // dpkg rewrites its status file whenever a package is installed or removed.

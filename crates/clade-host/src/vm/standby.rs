@@ -103,17 +103,13 @@ impl StandbyPool {
         self.ready.lock().expect("standby lock").get(key).map_or(0, Vec::len)
     }
 
-    /// Stops every standby process (a clean shutdown; the sweep covers the rest).
-    pub fn drain(&self) {
-        let all: Vec<Standby> = {
-            let _starting = self.starting.lock().expect("standby lock");
-            let mut ready = self.ready.lock().expect("standby lock");
-            self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            ready.drain().flat_map(|(_, v)| v).collect()
-        };
-        for standby in all {
-            record::stop_leftover(&standby.dir);
-        }
+    /// Empties the pool and raises the generation; the caller stops the
+    /// processes (by their records, those still starting included).
+    fn drain(&self) {
+        let _starting = self.starting.lock().expect("standby lock");
+        let mut ready = self.ready.lock().expect("standby lock");
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ready.clear();
     }
 }
 
@@ -158,9 +154,9 @@ impl VmRuntime {
     /// Stops the standby VMMs this runtime started.
     pub fn drain_standby(&self) {
         self.standby.drain();
-        // Starts still under way (their QEMU may be running already) are
-        // not in the pool: stop them by their records, so that a process
-        // that exits right after draining leaves none behind.
+        // By their records: the pool's and the starts still under way (whose
+        // QEMU may be running already), so that a process that exits right
+        // after draining leaves none behind.
         let me = super::ProcessId::current();
         for entry in std::fs::read_dir(self.vms_dir()).into_iter().flatten().flatten() {
             if VmRecord::load(&entry.path()).is_some_and(|r| r.phase == Phase::Standby && r.owner == me) {
@@ -208,18 +204,13 @@ impl VmRuntime {
         .await;
         match started {
             Ok(Some((exited, qmp))) => Ok(Some(Standby { id, dir, record, exited, qmp })),
-            Ok(None) => {
+            outcome => {
                 record::stop_leftover(&dir);
-                Ok(None)
-            }
-            // What failed after a drain failed because of it.
-            Err(_) if generation != self.standby.generation() => {
-                record::stop_leftover(&dir);
-                Ok(None)
-            }
-            Err(e) => {
-                record::stop_leftover(&dir);
-                Err(e)
+                match outcome {
+                    // What failed after a drain failed because of it.
+                    Err(e) if generation == self.standby.generation() => Err(e),
+                    _ => Ok(None),
+                }
             }
         }
     }
