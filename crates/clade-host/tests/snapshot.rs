@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clade_host::testing::vm_env;
 use clade_host::vm::BootKind;
-use clade_host::{Lifetime, VmError, VmSpec};
+use clade_host::{HostConfig, Lifetime, VmError, VmRuntime, VmSpec};
 use common::{argv, block_on, sh};
 
 /// `qemu-img SUBCOMMAND -U --output=json IMAGE` (of a disk a running VM holds), parsed.
@@ -304,6 +304,76 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         env.runtime.remove(&id).await.unwrap();
         assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 0, "and goes with the last VM that needed it");
     });
+}
+
+fn template_of(vm: &clade_host::Vm) -> String {
+    match vm.boot_kind() {
+        BootKind::Restored { template, .. } => template.clone(),
+        other => panic!("expected a restore, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_upgrade_bakes_a_new_template_and_the_old_one_goes_with_the_last_vm_and_snapshot_that_need_it() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let templates = env.data_dir().join("templates");
+        let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
+        let old = env.runtime.create(spec.clone()).await.unwrap();
+        let old_template = template_of(&old);
+        old.run(sh("echo kept > /root/kept && sync")).await.unwrap();
+        let snapshot = old.snapshot(&env.runtime).await.unwrap();
+        let old_id = old.id();
+        old.hibernate().await.unwrap();
+        drop(old);
+
+        // The host's QEMU is upgraded: its version is part of the template key.
+        let qemu = env.data_dir().join("qemu-upgraded");
+        let real = env.config.qemu_binary.display();
+        let script = format!("#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'QEMU emulator version 99 (a test upgrade)'; exit 0; }}\nexec {real} \"$@\"\n");
+        std::fs::write(&qemu, script).unwrap();
+        std::fs::set_permissions(&qemu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let upgraded = VmRuntime::new(HostConfig { qemu_binary: qemu, ..env.config.clone() }).unwrap();
+        let new = upgraded.create(spec.clone()).await.unwrap();
+        let new_template = template_of(&new);
+        assert_ne!(new_template, old_template, "an upgraded QEMU bakes a new template");
+        assert!(matches!(new.boot_kind(), BootKind::Restored { baked_now: true, .. }));
+        assert!(upgraded.collect_templates().is_empty(), "a hibernated VM and a snapshot still need the old one");
+        assert!(templates.join(&old_template).join("ram").is_file());
+
+        // What the old template backs still works on the upgraded host.
+        let woken = upgraded.wake(&old_id, None).await.unwrap();
+        assert_eq!(woken.agent().read_file("/root/kept").await.unwrap(), b"kept\n");
+        drop(woken);
+        upgraded.remove(&old_id).await.unwrap();
+        assert!(templates.join(&old_template).join("ram").is_file(), "the snapshot still needs it");
+        let from_snapshot = upgraded.create_from_snapshot(&snapshot, Lifetime::Persistent, None).await.unwrap();
+        assert_eq!(template_of_snapshot_vm(&upgraded, &from_snapshot.id()), old_template);
+        let out = from_snapshot.run(sh("cat /root/kept")).await.unwrap();
+        assert_eq!(out.stdout_str(), "kept\n", "{}", out.stderr_str());
+        let made_from_snapshot = from_snapshot.id();
+        drop(from_snapshot);
+        upgraded.delete_snapshot(&snapshot).unwrap();
+        assert!(templates.join(&old_template).join("ram").is_file(), "a VM made from the snapshot still maps its RAM");
+        upgraded.remove(&made_from_snapshot).await.unwrap();
+        assert!(!templates.join(&old_template).exists(), "removed with the last VM that needed it");
+        assert!(!templates.join(format!(".{old_template}.lock")).exists(), "and its lock file");
+
+        // The current template stays with nothing using it, and creates go on restoring it.
+        let new_id = new.id();
+        drop(new);
+        upgraded.remove(&new_id).await.unwrap();
+        assert!(templates.join(&new_template).join("state").is_file());
+        let again = upgraded.create(VmSpec::new(env.image.clone())).await.unwrap();
+        assert!(matches!(again.boot_kind(), BootKind::Restored { baked_now: false, .. }), "{:?}", again.boot_kind());
+        let names: Vec<String> = std::fs::read_dir(&templates).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names.iter().filter(|n| !n.starts_with('.')).count(), 1, "one template left: {names:?}");
+    });
+}
+
+fn template_of_snapshot_vm(runtime: &VmRuntime, id: &str) -> String {
+    let (record, _) = runtime.list().into_iter().find(|(r, _)| r.id == id).expect("listed");
+    record.template.expect("made from a template")
 }
 
 #[test]

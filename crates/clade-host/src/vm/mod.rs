@@ -219,6 +219,7 @@ impl VmRuntime {
             config,
         };
         runtime.collect_snapshot_layers();
+        runtime.collect_templates();
         Ok(runtime)
     }
 
@@ -329,7 +330,7 @@ impl VmRuntime {
         template::ensure(self, &spec.image, spec.memory_mb, spec.vcpus).await
     }
 
-    fn new_vm(&self, spec: &VmSpec, template: Option<&Template>) -> Result<(String, PathBuf, VmRecord), VmError> {
+    async fn new_vm(&self, spec: &VmSpec, template: Option<&Template>) -> Result<(String, PathBuf, VmRecord), VmError> {
         if spec.memory_mb < 128 || spec.vcpus == 0 {
             return Err(VmError::Config("a VM needs at least 128 MiB and one vCPU".into()));
         }
@@ -353,9 +354,13 @@ impl VmRuntime {
             tag: spec.tag.clone(),
             network: spec.network.clone(),
         };
-        if let Err(e) = record.save(&dir) {
+        let saved = match template {
+            Some(template) => template::record_use(&self.templates_dir, template, || record.save(&dir)).await,
+            None => record.save(&dir).map_err(io_err("writing the VM record")),
+        };
+        if let Err(e) = saved {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(io_err("writing the VM record")(e));
+            return Err(e);
         }
         Ok((id, dir, record))
     }
@@ -380,7 +385,7 @@ impl VmRuntime {
 
     /// Cold-boots a VM and waits until its agent answers.
     pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
-        let (id, dir, mut record) = self.new_vm(&spec, None)?;
+        let (id, dir, mut record) = self.new_vm(&spec, None).await?;
         let booted = async {
             create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2"), None).await?;
             let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
@@ -416,7 +421,7 @@ impl VmRuntime {
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
         let from_standby = standby.is_some();
-        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template)?;
+        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template).await?;
         let created = async {
             let (exit_rx, qmp) = match standby {
                 Some(s) => {
@@ -559,6 +564,7 @@ impl VmRuntime {
         tokio::task::spawn_blocking(move || {
             record::stop_leftover(&dir);
             runtime.collect_snapshot_layers();
+            runtime.collect_templates();
         })
         .await
         .map_err(|e| VmError::Config(format!("removal task: {e}")))

@@ -191,7 +191,7 @@ impl VmRuntime {
         if standby.is_some() {
             self.refill_standby(&template, &spec);
         }
-        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template)?;
+        let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template).await?;
         record.backing_snapshot = Some(snapshot_id.to_string());
         let created = async {
             let preparing = std::time::Instant::now();
@@ -258,6 +258,7 @@ impl VmRuntime {
         let _ = std::fs::remove_file(dir.join("memory"));
         let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
         self.collect_snapshot_layers();
+        self.collect_templates();
         Ok(())
     }
 

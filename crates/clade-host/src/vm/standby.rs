@@ -103,6 +103,19 @@ impl StandbyPool {
         self.ready.lock().expect("standby lock").get(key).map_or(0, Vec::len)
     }
 
+    /// Stops the parked standby VMMs of these templates (superseded ones,
+    /// which no create takes again).
+    pub fn retire(&self, templates: &[String]) {
+        let retired: Vec<Standby> = {
+            let mut ready = self.ready.lock().expect("standby lock");
+            let keys: Vec<PoolKey> = ready.keys().filter(|(template, _)| templates.contains(template)).cloned().collect();
+            keys.iter().filter_map(|key| ready.remove(key)).flatten().collect()
+        };
+        for standby in retired {
+            record::stop_leftover(&standby.dir);
+        }
+    }
+
     /// Empties the pool and raises the generation; the caller stops the
     /// processes (by their records, those still starting included).
     fn drain(&self) {
@@ -168,7 +181,7 @@ impl VmRuntime {
     /// Starts a standby VMM for a pool of `generation`; none once a drain
     /// has raised it.
     async fn start_standby(&self, template: &Template, spec: &VmSpec, generation: u64) -> Result<Option<Standby>, VmError> {
-        let (id, dir, mut record) = self.new_vm(spec, Some(template))?;
+        let (id, dir, mut record) = self.new_vm(spec, Some(template)).await?;
         let started = async {
             let bytes = super::qcow2_virtual_size(&template.overlay())?;
             // With networking, a standby holds an isolated slot: the create
@@ -219,10 +232,10 @@ impl VmRuntime {
 impl VmRuntime {
     /// The new VM's id, directory and record: those of the standby VMM it
     /// takes, or new ones.
-    pub(super) fn new_or_standby(&self, standby: Option<&Standby>, spec: &VmSpec, template: &Template) -> Result<(String, PathBuf, VmRecord), VmError> {
+    pub(super) async fn new_or_standby(&self, standby: Option<&Standby>, spec: &VmSpec, template: &Template) -> Result<(String, PathBuf, VmRecord), VmError> {
         match standby {
             Some(s) => Ok((s.id.clone(), s.dir.clone(), s.record.clone())),
-            None => self.new_vm(spec, Some(template)),
+            None => self.new_vm(spec, Some(template)).await,
         }
     }
 

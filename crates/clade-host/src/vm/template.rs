@@ -8,6 +8,7 @@
 //!   state          device state only (saved with x-ignore-shared), ~100 KB
 //!   disk.qcow2     the baked VM's disk layer, frozen (backed by the image)
 //!   overlay.qcow2  an empty layer over disk.qcow2, copied for each new VM
+//!   template.json  what it was baked for: image, shape, bake time
 //! ```
 //!
 //! The key hashes everything the saved state depends on: the image (kernel,
@@ -16,11 +17,22 @@
 //! key makes concurrent first uses bake once; the bake happens in a staging
 //! directory that is renamed into place, so a crash never leaves half a
 //! template.
+//!
+//! A template is removed once a newer one of the same image and shape (or
+//! one whose baking Clade wrote no `template.json`) supersedes it and no VM,
+//! hibernated VM, standby VMM or snapshot record names it any more (see
+//! [`VmRuntime::collect_templates`]): disk chains and RAM mappings that
+//! something still needs are never broken, and upgrades do not pile up
+//! templates.
 
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
 
 use super::launch::{Disk, LaunchSpec, Memory};
 use super::{io_err, migrate, spawn_qemu, wait_for_agent, VmError, VmRuntime};
@@ -47,12 +59,109 @@ impl Template {
     }
 }
 
+/// What a template was baked for (`template.json`): templates of the same
+/// image name and shape supersede each other, the newest bake winning.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct TemplateMeta {
+    image: String,
+    image_id: String,
+    memory_mb: u32,
+    vcpus: u32,
+    baked_unix_ms: u64,
+}
+
+impl TemplateMeta {
+    const FILE: &'static str = "template.json";
+
+    fn load(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&std::fs::read(dir.join(Self::FILE)).ok()?).ok()
+    }
+
+    fn lineage(&self) -> (&str, u32, u32) {
+        (&self.image, self.memory_mb, self.vcpus)
+    }
+}
+
+/// A held template lock: exclusive while the template is baked or removed,
+/// shared while a VM record that names it is written.
+pub(super) struct TemplateLock {
+    _lock: Flock<File>,
+    path: PathBuf,
+}
+
+impl TemplateLock {
+    fn path(templates_dir: &Path, key: &str) -> PathBuf {
+        templates_dir.join(format!(".{key}.lock"))
+    }
+
+    /// Takes the lock (waiting for it unless `arg` is a non-blocking kind;
+    /// then `None` when it is held elsewhere). The collector unlinks lock
+    /// files of removed templates, so a lock taken on a file that is no
+    /// longer at the path is let go and taken again.
+    fn take(templates_dir: &Path, key: &str, arg: FlockArg) -> std::io::Result<Option<Self>> {
+        let path = Self::path(templates_dir, key);
+        loop {
+            let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
+            let lock = match Flock::lock(file, arg) {
+                Ok(lock) => lock,
+                Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
+                Err((_, e)) => return Err(e.into()),
+            };
+            let held = lock.metadata()?;
+            match std::fs::metadata(&path) {
+                Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => {
+                    return Ok(Some(Self { _lock: lock, path }));
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Blocks in `spawn_blocking`: a bake holds the lock for seconds.
+    async fn take_async(templates_dir: &Path, key: &str, arg: FlockArg) -> Result<Self, VmError> {
+        let (dir, key) = (templates_dir.to_path_buf(), key.to_string());
+        tokio::task::spawn_blocking(move || Self::take(&dir, &key, arg))
+            .await
+            .map_err(|e| VmError::Config(format!("template lock task: {e}")))?
+            .map_err(io_err("locking the template"))?
+            .ok_or_else(|| VmError::Config("template lock refused".into()))
+    }
+
+    /// Removes the lock file while holding it (the template is gone).
+    fn unlink(self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Shared: writes the record of a VM made from `template`, unless the
+/// collector removed the template since the caller found it.
+///
+/// Never waits for the lock on the caller's thread: an exclusive holder may
+/// be another future of the same task (two creates joined, one of them
+/// still in `ensure`), which could then never run to let it go.
+pub(super) async fn record_use(templates_dir: &Path, template: &Template, save: impl FnOnce() -> std::io::Result<()>) -> Result<(), VmError> {
+    let free = TemplateLock::take(templates_dir, &template.key, FlockArg::LockSharedNonblock).map_err(io_err("locking the template"))?;
+    let _shared = match free {
+        Some(lock) => lock,
+        None => TemplateLock::take_async(templates_dir, &template.key, FlockArg::LockShared).await?,
+    };
+    if !template.is_complete() {
+        return Err(VmError::Config(format!(
+            "template {} was removed while this VM was being made (superseded by a newer bake); try again",
+            template.key
+        )));
+    }
+    save().map_err(io_err("writing the VM record"))
+}
+
 pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
-        "template/2",
+        "template/3",
         &root_mount,
         &image.id,
         &memory_mb.to_string(),
@@ -80,21 +189,26 @@ pub(super) async fn ensure(
     if template.is_complete() {
         return Ok((template, false));
     }
-    let lock_path = runtime.templates_dir.join(format!(".{key}.lock"));
-    let _lock = tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::create(&lock_path)?;
-        Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| std::io::Error::from(e))
-    })
-    .await
-    .map_err(|e| VmError::Config(format!("template lock task: {e}")))?
-    .map_err(io_err("locking the template"))?;
+    let lock = TemplateLock::take_async(&runtime.templates_dir, &key, FlockArg::LockExclusive).await?;
     if template.is_complete() {
         return Ok((template, false)); // another creator baked it meanwhile
     }
     let staging = runtime.templates_dir.join(format!("{key}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(io_err("creating the template staging directory"))?;
-    let baked = bake(runtime, image, memory_mb, vcpus, &staging).await;
+    let baked = async {
+        bake(runtime, image, memory_mb, vcpus, &staging).await?;
+        let meta = TemplateMeta {
+            image: image.name.clone(),
+            image_id: image.id.clone(),
+            memory_mb,
+            vcpus,
+            baked_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        };
+        let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Config(format!("template metadata: {e}")))?;
+        std::fs::write(staging.join(TemplateMeta::FILE), json).map_err(io_err("writing the template metadata"))
+    }
+    .await;
     if let Err(e) = baked {
         let _ = std::fs::remove_dir_all(&staging);
         return Err(e);
@@ -107,6 +221,12 @@ pub(super) async fn ensure(
     set_read_only(&seed_tmp)?;
     std::fs::rename(&seed_tmp, template.overlay()).map_err(io_err("publishing the template overlay"))?;
     tracing::info!(template = %key, image = %image.name, "template baked");
+    drop(lock);
+    // The new template may supersede others; their removal is not the
+    // create's business (a one-shot CLI that exits first leaves it to the
+    // next collection).
+    let collector = runtime.clone();
+    tokio::task::spawn_blocking(move || collector.collect_templates());
     Ok((template, true))
 }
 
@@ -174,6 +294,109 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
     Ok(())
 }
 
+impl VmRuntime {
+    /// Removes the templates that are superseded and that nothing names:
+    /// no VM record (running, paused, hibernated, being made or a standby
+    /// VMM) and no snapshot record (deleted ones included: their disk layers
+    /// are backed by the template's). Also what dead bakes and removals left
+    /// behind. Returns the keys of the templates removed.
+    ///
+    /// Each candidate is locked exclusively before the records are read, so
+    /// a VM record written under the shared lock ([`record_use`]) is either
+    /// seen or finds the template gone; a template locked elsewhere (being
+    /// baked or used) waits for the next collection.
+    pub fn collect_templates(&self) -> Vec<String> {
+        let dir = &self.templates_dir;
+        let mut templates: Vec<(String, Option<TemplateMeta>)> = Vec::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(key) = name.split_once(".tmp-").map(|(key, _)| key) {
+                // A staging directory: stale unless its bake holds the lock.
+                if let Ok(Some(_bake)) = TemplateLock::take(dir, key, FlockArg::LockExclusiveNonblock) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            } else if name.starts_with(".trash-") {
+                let _ = std::fs::remove_dir_all(entry.path());
+            } else if let Some(key) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".lock")) {
+                // The lock of a template removed by an older Clade (or of a failed bake).
+                if let Ok(Some(lock)) = TemplateLock::take(dir, key, FlockArg::LockExclusiveNonblock) {
+                    if !dir.join(key).exists() {
+                        lock.unlink();
+                    }
+                }
+            } else if entry.path().is_dir() {
+                let meta = TemplateMeta::load(&entry.path());
+                templates.push((name, meta));
+            }
+        }
+        let superseded = superseded(&templates);
+        if superseded.is_empty() {
+            return Vec::new();
+        }
+        // This runtime's parked standby VMMs of a superseded template would
+        // never be taken again: they are stopped rather than counted as users.
+        self.standby.retire(&superseded);
+        let locked: Vec<(String, TemplateLock)> = superseded
+            .into_iter()
+            .filter_map(|key| {
+                let lock = TemplateLock::take(dir, &key, FlockArg::LockExclusiveNonblock).ok().flatten()?;
+                Some((key, lock))
+            })
+            .collect();
+        let in_use = self.templates_in_use();
+        let mut removed = Vec::new();
+        for (key, lock) in locked {
+            if in_use.contains(&key) {
+                continue;
+            }
+            let trash = dir.join(format!(".trash-{key}-{}", std::process::id()));
+            match std::fs::rename(dir.join(&key), &trash) {
+                Ok(()) => {
+                    lock.unlink();
+                    let _ = std::fs::remove_dir_all(&trash);
+                    tracing::info!(template = %key, "removed a superseded template that nothing uses");
+                    removed.push(key);
+                }
+                Err(e) => tracing::warn!(template = %key, "cannot remove a superseded template: {e}"),
+            }
+        }
+        removed
+    }
+
+    /// Every template key a VM or snapshot record on this host names.
+    fn templates_in_use(&self) -> HashSet<String> {
+        let vms = std::fs::read_dir(&self.vms_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| super::VmRecord::load(&e.path())?.template);
+        let snapshots = self.snapshots_all_records().into_iter().map(|s| s.template);
+        vms.chain(snapshots).collect()
+    }
+}
+
+/// The templates some other one supersedes: all but the newest bake of each
+/// image and shape, and those without metadata (baked by an older Clade,
+/// under an older key scheme).
+fn superseded(templates: &[(String, Option<TemplateMeta>)]) -> Vec<String> {
+    let mut newest: HashMap<(&str, u32, u32), (u64, &str)> = HashMap::new();
+    for (key, meta) in templates {
+        if let Some(meta) = meta {
+            let candidate = (meta.baked_unix_ms, key.as_str());
+            let slot = newest.entry(meta.lineage()).or_insert(candidate);
+            *slot = (*slot).max(candidate);
+        }
+    }
+    templates
+        .iter()
+        .filter(|(key, meta)| match meta {
+            Some(meta) => newest.get(&meta.lineage()).is_some_and(|(_, newest)| newest != key),
+            None => true,
+        })
+        .map(|(key, _)| key.clone())
+        .collect()
+}
+
 /// Run before the save: what they load stays in the template's page cache.
 fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     use clade_proto::{Command, ExecRequest};
@@ -190,4 +413,91 @@ fn set_read_only(path: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
         .map_err(io_err(format!("chmod {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(image: &str, memory_mb: u32, baked_unix_ms: u64) -> Option<TemplateMeta> {
+        Some(TemplateMeta { image: image.into(), image_id: "id".into(), memory_mb, vcpus: 1, baked_unix_ms })
+    }
+
+    #[test]
+    fn only_older_bakes_of_one_image_and_shape_and_templates_without_metadata_are_superseded() {
+        let templates = vec![
+            ("base-old".to_string(), meta("base", 512, 1)),
+            ("base-new".to_string(), meta("base", 512, 3)),
+            ("base-older".to_string(), meta("base", 512, 0)),
+            ("base-1g".to_string(), meta("base", 1024, 2)),
+            ("python".to_string(), meta("python", 512, 0)),
+            ("pre-metadata".to_string(), None),
+        ];
+        let mut superseded = superseded(&templates);
+        superseded.sort();
+        assert_eq!(superseded, ["base-old", "base-older", "pre-metadata"]);
+    }
+
+    #[test]
+    fn a_vm_record_is_not_written_for_a_template_that_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = Template { key: "k".into(), dir: dir.path().join("k") };
+        let mut saved = false;
+        let refused = block_on(record_use(dir.path(), &template, || {
+            saved = true;
+            Ok(())
+        }));
+        assert!(matches!(refused, Err(VmError::Config(ref m)) if m.contains("was removed")), "{refused:?}");
+        assert!(!saved);
+        std::fs::create_dir(&template.dir).unwrap();
+        for file in ["ram", "state", "overlay.qcow2"] {
+            std::fs::write(template.dir.join(file), b"").unwrap();
+        }
+        block_on(record_use(dir.path(), &template, || {
+            saved = true;
+            Ok(())
+        }))
+        .unwrap();
+        assert!(saved);
+    }
+
+    #[test]
+    fn a_record_waits_for_an_exclusive_holder_in_the_same_task() {
+        // Two futures of one task: one holds the lock exclusively across an
+        // await, the other needs it shared. Waiting on the thread would hang.
+        let dir = tempfile::tempdir().unwrap();
+        let template = Template { key: "k".into(), dir: dir.path().join("k") };
+        std::fs::create_dir(&template.dir).unwrap();
+        for file in ["ram", "state", "overlay.qcow2"] {
+            std::fs::write(template.dir.join(file), b"").unwrap();
+        }
+        let held = TemplateLock::take(dir.path(), "k", FlockArg::LockExclusiveNonblock).unwrap().expect("free");
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let holder = async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop(held);
+            };
+            let recorded = tokio::time::timeout(Duration::from_secs(10), record_use(dir.path(), &template, || Ok(())));
+            let ((), recorded) = tokio::join!(holder, recorded);
+            recorded.expect("no deadlock").unwrap();
+        });
+    }
+
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(future)
+    }
+
+    #[test]
+    fn a_lock_taken_on_an_unlinked_lock_file_is_taken_again_on_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = TemplateLock::take(dir.path(), "k", FlockArg::LockExclusiveNonblock).unwrap().expect("free");
+        assert!(TemplateLock::take(dir.path(), "k", FlockArg::LockSharedNonblock).unwrap().is_none(), "held exclusively");
+        // The collector removes the lock file while holding it: the next taker
+        // gets a new file, not the old inode.
+        held.unlink();
+        let again = TemplateLock::take(dir.path(), "k", FlockArg::LockExclusiveNonblock).unwrap().expect("a new file");
+        let on_disk = std::fs::metadata(TemplateLock::path(dir.path(), "k")).unwrap();
+        assert_eq!(again._lock.metadata().unwrap().ino(), on_disk.ino());
+    }
 }
