@@ -31,6 +31,12 @@ fn a_stopped_vm_leaves_no_process_socket_or_file() {
         let (dir, vmm) = (vm.dir().to_path_buf(), vm.vmm());
         assert!(dir.join("agent.sock").exists() && dir.join("qmp.sock").exists());
         vm.agent().ping().await.unwrap();
+        // Under TCG, QEMU runs without transparent huge pages (its translation
+        // buffer asked for them); under KVM guest RAM keeps them.
+        let status = std::fs::read_to_string(format!("/proc/{}/status", vmm.pid)).unwrap();
+        let thp = status.lines().find_map(|l| l.strip_prefix("THP_enabled:")).map(str::trim);
+        let expected = if env.runtime.accel() == clade_host::Accel::Tcg { "0" } else { "1" };
+        assert_eq!(thp, Some(expected), "{status}");
         vm.stop().await.unwrap();
         assert_cleaned_up(&dir, vmm);
         assert_eq!(std::fs::read_dir(env.runtime.vms_dir()).unwrap().count(), 0);

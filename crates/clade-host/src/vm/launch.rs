@@ -226,6 +226,7 @@ struct SpawnRequest {
     command: Command,
     die_with_owner: bool,
     netns: Option<std::fs::File>,
+    huge_pages: bool,
     reply: mpsc::Sender<std::io::Result<Child>>,
 }
 
@@ -238,7 +239,13 @@ struct SpawnRequest {
 ///
 /// With `netns` (a `/run/netns/NAME` file), the process starts inside that
 /// network namespace and has no other network.
-pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>) -> std::io::Result<Child> {
+///
+/// Without `huge_pages`, the process gets no transparent huge pages, even
+/// where it asks for them (`PR_SET_THP_DISABLE`). Under TCG, QEMU asks for
+/// them for its translation buffer: the vCPU thread then zeroes, and the
+/// kernel may compact memory for, 2 MiB at once whenever generated code
+/// first reaches a new part of it, in the middle of a create's first steps.
+pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, huge_pages: bool) -> std::io::Result<Child> {
     let netns = netns.map(std::fs::File::open).transpose()?;
     static LAUNCHER: OnceLock<std::sync::Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let launcher = LAUNCHER.get_or_init(|| {
@@ -247,7 +254,7 @@ pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>) -> st
             .name("clade-vmm-launcher".into())
             .spawn(move || {
                 for request in rx {
-                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner, request.netns));
+                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner, request.netns, request.huge_pages));
                 }
             })
             .expect("starting the VMM launcher thread");
@@ -257,12 +264,12 @@ pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>) -> st
     launcher
         .lock()
         .expect("launcher lock")
-        .send(SpawnRequest { command, die_with_owner, netns, reply })
+        .send(SpawnRequest { command, die_with_owner, netns, huge_pages, reply })
         .map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?;
     outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
 }
 
-fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>) -> std::io::Result<Child> {
+fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>, huge_pages: bool) -> std::io::Result<Child> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let owner = std::process::id() as libc::pid_t;
@@ -281,6 +288,10 @@ fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs:
                 return Err(std::io::Error::last_os_error());
             }
             if die_with_owner && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Kept across exec; refused only by kernels older than 3.15.
+            if !huge_pages && libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             // An owner that died since the fork cannot record this VM, and
