@@ -162,9 +162,7 @@ fn kind(mode: &Value) -> String {
 
 fn mtime(value: &Value) -> String {
     match value.as_i64() {
-        Some(secs) if secs >= 0 => {
-            humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs as u64)).to_string()
-        }
+        Some(secs) if secs >= 0 => crate::output::utc_time(secs.saturating_mul(1000)),
         _ => String::new(),
     }
 }

@@ -60,8 +60,8 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
                     ws,
                     key.name,
                     key.prefix,
-                    time(key.created_at),
-                    key.last_used_at.map_or_else(|| "never".to_string(), time),
+                    crate::output::utc_time(key.created_at),
+                    key.last_used_at.map_or_else(|| "never".to_string(), crate::output::utc_time),
                     if key.is_revoked() { "revoked" } else { "active" },
                 );
             }
@@ -73,9 +73,4 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
     }
     store.close().await;
     Ok(ExitCode::SUCCESS)
-}
-
-fn time(unix_ms: i64) -> String {
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
-    humantime::format_rfc3339_seconds(t).to_string()
 }

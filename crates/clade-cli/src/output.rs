@@ -58,6 +58,12 @@ pub fn metadata(value: &Value) -> String {
         .unwrap_or_default()
 }
 
+/// A Unix time in milliseconds as RFC 3339 UTC, to the second.
+pub fn utc_time(unix_ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = n as f64;

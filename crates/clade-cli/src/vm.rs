@@ -25,6 +25,10 @@ pub enum VmCommand {
     Create(CreateArgs),
     /// Snapshot a running VM (memory, disk, processes); prints the snapshot id.
     Snapshot { id: String },
+    /// List the snapshots on this host.
+    Snapshots,
+    /// Delete a snapshot. VMs made from it keep running; its disk layer goes with the last of them.
+    RmSnapshot { snapshot: String },
     /// Fork a running VM into N new ones; prints their ids, one per line.
     Fork {
         id: String,
@@ -141,6 +145,19 @@ pub async fn run(command: VmCommand, config: HostConfig) -> anyhow::Result<ExitC
         VmCommand::Snapshot { id } => {
             let snapshot = runtime.adopt(&id, None).await?.snapshot(&runtime).await?;
             println!("{snapshot}");
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::Snapshots => {
+            println!("ID\tSOURCE\tIMAGE\tCREATED");
+            for snapshot in runtime.snapshots() {
+                let created = crate::output::utc_time(snapshot.created_unix_ms as i64);
+                println!("{}\t{}\t{}\t{created}", snapshot.id, snapshot.source_vm, snapshot.image);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        VmCommand::RmSnapshot { snapshot } => {
+            let runtime = runtime.clone();
+            tokio::task::spawn_blocking(move || runtime.delete_snapshot(&snapshot)).await??;
             Ok(ExitCode::SUCCESS)
         }
         VmCommand::Fork { id, count } => {

@@ -172,6 +172,44 @@ fn create_exec_hibernate_wake_rm_through_the_cli() {
 }
 
 #[test]
+fn snapshots_are_taken_listed_restored_and_deleted_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
+    assert_eq!(code, 0, "{stderr}");
+    let source = stdout.lines().last().unwrap().trim().to_string();
+    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &source, "--", "sh", "-c", "echo saved > /root/f"]));
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "snapshot", &source]));
+    assert_eq!(code, 0, "{stderr}");
+    let snapshot = stdout.lines().last().unwrap().trim().to_string();
+    let (code, listed, _) = output(clade(&env).args(["vm", "snapshots"]));
+    assert_eq!(code, 0);
+    assert!(listed.lines().any(|l| l.starts_with(&format!("{snapshot}\t{source}\tbase\t"))), "{listed}");
+
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create", "--from-snapshot", &snapshot]));
+    assert_eq!(code, 0, "{stderr}");
+    let restored = stdout.lines().last().unwrap().trim().to_string();
+    let (code, _, stderr) = output(clade(&env).args(["vm", "rm-snapshot", &snapshot]));
+    assert_eq!(code, 0, "{stderr}");
+    let (_, listed, _) = output(clade(&env).args(["vm", "snapshots"]));
+    assert!(!listed.contains(&snapshot), "{listed}");
+    // The VM made from it reads its data from the deleted snapshot's disk layer.
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &restored, "--", "sh", "-c", "echo 3 > /proc/sys/vm/drop_caches; cat /root/f"]));
+    assert_eq!((code, stdout.as_str()), (0, "saved\n"), "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "rm-snapshot", &snapshot]));
+    assert_eq!(code, 125, "deleting it twice");
+    assert!(stderr.contains(&snapshot), "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "create", "--from-snapshot", &snapshot]));
+    assert_ne!(code, 0);
+    assert!(stderr.contains(&snapshot), "{stderr}");
+    for id in [&source, &restored] {
+        let (code, _, stderr) = output(clade(&env).args(["vm", "rm", id]));
+        assert_eq!(code, 0, "{stderr}");
+    }
+    assert_eq!(std::fs::read_dir(env.data_dir().join("snapshots")).unwrap().count(), 0, "the layer went with the last VM");
+}
+
+#[test]
 fn vm_run_cold_boots_when_asked() {
     let Some(env) = vm_env() else { return };
     // A cold boot has a kernel boot log on its console; a restore does not.
