@@ -102,6 +102,13 @@ fn output(command: &mut Command) -> (i32, String, String) {
     )
 }
 
+/// Runs a command that must succeed; returns the last line it printed (an id).
+fn succeed(command: &mut Command) -> String {
+    let (code, stdout, stderr) = output(command);
+    assert_eq!(code, 0, "{stderr}");
+    stdout.lines().last().unwrap_or_default().trim().to_string()
+}
+
 /// Each `clade vm create` starts its own QEMU and connects to a guest that
 /// still processes the close of the connection it was saved with: the
 /// guest must answer the hello and the post-restore hook on that first
@@ -174,23 +181,15 @@ fn create_exec_hibernate_wake_rm_through_the_cli() {
 #[test]
 fn snapshots_are_taken_listed_restored_and_deleted_through_the_cli() {
     let Some(env) = vm_env() else { return };
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));
-    assert_eq!(code, 0, "{stderr}");
-    let source = stdout.lines().last().unwrap().trim().to_string();
-    let (code, _, stderr) = output(clade(&env).args(["vm", "exec", &source, "--", "sh", "-c", "echo saved > /root/f"]));
-    assert_eq!(code, 0, "{stderr}");
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "snapshot", &source]));
-    assert_eq!(code, 0, "{stderr}");
-    let snapshot = stdout.lines().last().unwrap().trim().to_string();
+    let source = succeed(clade(&env).args(["vm", "create"]));
+    succeed(clade(&env).args(["vm", "exec", &source, "--", "sh", "-c", "echo saved > /root/f"]));
+    let snapshot = succeed(clade(&env).args(["vm", "snapshot", &source]));
     let (code, listed, _) = output(clade(&env).args(["vm", "snapshots"]));
     assert_eq!(code, 0);
     assert!(listed.lines().any(|l| l.starts_with(&format!("{snapshot}\t{source}\tbase\t"))), "{listed}");
 
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "create", "--from-snapshot", &snapshot]));
-    assert_eq!(code, 0, "{stderr}");
-    let restored = stdout.lines().last().unwrap().trim().to_string();
-    let (code, _, stderr) = output(clade(&env).args(["vm", "rm-snapshot", &snapshot]));
-    assert_eq!(code, 0, "{stderr}");
+    let restored = succeed(clade(&env).args(["vm", "create", "--from-snapshot", &snapshot]));
+    succeed(clade(&env).args(["vm", "rm-snapshot", &snapshot]));
     let (_, listed, _) = output(clade(&env).args(["vm", "snapshots"]));
     assert!(!listed.contains(&snapshot), "{listed}");
     // The VM made from it reads its data from the deleted snapshot's disk layer.
@@ -203,8 +202,7 @@ fn snapshots_are_taken_listed_restored_and_deleted_through_the_cli() {
     assert_ne!(code, 0);
     assert!(stderr.contains(&snapshot), "{stderr}");
     for id in [&source, &restored] {
-        let (code, _, stderr) = output(clade(&env).args(["vm", "rm", id]));
-        assert_eq!(code, 0, "{stderr}");
+        succeed(clade(&env).args(["vm", "rm", id]));
     }
     assert_eq!(std::fs::read_dir(env.data_dir().join("snapshots")).unwrap().count(), 0, "the layer went with the last VM");
 }
