@@ -80,6 +80,14 @@ pub const MACHINE: &str = "microvm";
 /// written to.
 pub const ROOT_MOUNT_ARGS: [&str; 4] = ["root=/dev/vda", "rw", "rootfstype=ext4", "rootflags=no_prefetch_block_bitmaps"];
 
+/// The most memory, MiB, TCG may fill with translated code per VM. QEMU
+/// never returns what it translated: without a cap, a long-lived sandbox's
+/// cache grows with every program it ever ran, up to QEMU's default of
+/// 1 GiB. When the cache is full QEMU empties it and translates anew. A
+/// mixed Python and git workload has a working set of ~65 MiB, 400
+/// different programs run once each filled 129 MiB (docs/benchmarks.md).
+pub const TCG_CACHE_MB: u32 = 256;
+
 pub fn console_log(dir: &Path) -> PathBuf {
     dir.join("console.log")
 }
@@ -126,7 +134,10 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
             _ => format!("{MACHINE},x-option-roms=off,rtc=off,acpi=off,memory-backend={RAM_ID}"),
         },
         "-accel".into(),
-        spec.accel.to_string(),
+        match spec.accel {
+            Accel::Kvm => "kvm".into(),
+            Accel::Tcg => format!("tcg,tb-size={TCG_CACHE_MB}"),
+        },
         "-cpu".into(),
         match spec.accel {
             Accel::Kvm => "host".into(),
@@ -335,6 +346,12 @@ mod tests {
         assert!(tcg.contains("root=/dev/vda rw rootfstype=ext4 rootflags=no_prefetch_block_bitmaps"), "{tcg}");
         let kvm = kernel_cmdline(&spec(Accel::Kvm));
         assert!(!kvm.contains("tsc"), "{kvm}");
+        let accel = |accel| {
+            let args = qemu_args(&spec(accel));
+            args.iter().position(|a| a == "-accel").map(|i| args[i + 1].clone()).unwrap()
+        };
+        assert_eq!(accel(Accel::Tcg), "tcg,tb-size=256", "TCG's translation cache is capped");
+        assert_eq!(accel(Accel::Kvm), "kvm");
     }
 
     #[test]
