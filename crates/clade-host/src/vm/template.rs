@@ -60,13 +60,15 @@ impl Template {
 }
 
 /// What a template was baked for (`template.json`): templates of the same
-/// image name and shape supersede each other, the newest bake winning.
+/// image name, shape and accelerator supersede each other, the newest bake
+/// winning. (A KVM host where someone runs TCG VMs too keeps both.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct TemplateMeta {
     image: String,
     image_id: String,
     memory_mb: u32,
     vcpus: u32,
+    accel: String,
     baked_unix_ms: u64,
 }
 
@@ -77,8 +79,8 @@ impl TemplateMeta {
         serde_json::from_slice(&std::fs::read(dir.join(Self::FILE)).ok()?).ok()
     }
 
-    fn lineage(&self) -> (&str, u32, u32) {
-        (&self.image, self.memory_mb, self.vcpus)
+    fn lineage(&self) -> (&str, u32, u32, &str) {
+        (&self.image, self.memory_mb, self.vcpus, &self.accel)
     }
 }
 
@@ -203,6 +205,7 @@ pub(super) async fn ensure(
             image_id: image.id.clone(),
             memory_mb,
             vcpus,
+            accel: runtime.accel.to_string(),
             baked_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
         };
         let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Config(format!("template metadata: {e}")))?;
@@ -379,7 +382,7 @@ impl VmRuntime {
 /// image and shape, and those without metadata (baked by an older Clade,
 /// under an older key scheme).
 fn superseded(templates: &[(String, Option<TemplateMeta>)]) -> Vec<String> {
-    let mut newest: HashMap<(&str, u32, u32), (u64, &str)> = HashMap::new();
+    let mut newest: HashMap<(&str, u32, u32, &str), (u64, &str)> = HashMap::new();
     for (key, meta) in templates {
         if let Some(meta) = meta {
             let candidate = (meta.baked_unix_ms, key.as_str());
@@ -420,7 +423,7 @@ mod tests {
     use super::*;
 
     fn meta(image: &str, memory_mb: u32, baked_unix_ms: u64) -> Option<TemplateMeta> {
-        Some(TemplateMeta { image: image.into(), image_id: "id".into(), memory_mb, vcpus: 1, baked_unix_ms })
+        Some(TemplateMeta { image: image.into(), image_id: "id".into(), memory_mb, vcpus: 1, accel: "tcg".into(), baked_unix_ms })
     }
 
     #[test]
@@ -431,6 +434,7 @@ mod tests {
             ("base-older".to_string(), meta("base", 512, 0)),
             ("base-1g".to_string(), meta("base", 1024, 2)),
             ("python".to_string(), meta("python", 512, 0)),
+            ("base-kvm".to_string(), meta("base", 512, 0).map(|m| TemplateMeta { accel: "kvm".into(), ..m })),
             ("pre-metadata".to_string(), None),
         ];
         let mut superseded = superseded(&templates);
