@@ -13,7 +13,9 @@ pub mod agent;
 pub mod config;
 pub mod image;
 pub mod net;
+pub mod qcow2;
 pub mod qmp;
+pub mod space;
 pub mod testing;
 pub mod vm;
 

@@ -17,7 +17,7 @@ pub enum Progress {
     Quiet,
 }
 
-fn lock(cache_dir: &Path, kind: &str) -> Result<Flock<File>, ImageError> {
+pub(super) fn lock(cache_dir: &Path, kind: &str) -> Result<Flock<File>, ImageError> {
     std::fs::create_dir_all(cache_dir).map_err(io_err(format!("creating {}", cache_dir.display())))?;
     let path = cache_dir.join(format!(".{kind}.lock"));
     let file = File::create(&path).map_err(io_err(format!("creating {}", path.display())))?;

@@ -15,6 +15,7 @@
 //! interrupted build never leaves a half-made artifact behind.
 
 mod build;
+mod prune;
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -22,6 +23,7 @@ use std::sync::Mutex;
 use sha2::{Digest, Sha256};
 
 pub use build::Progress;
+pub use prune::PrunedImage;
 
 const KERNEL_FRAGMENT: &str = include_str!("../../../../images/kernel/clade.config");
 const KERNEL_BUILD: &str = include_str!("../../../../images/kernel/build.sh");

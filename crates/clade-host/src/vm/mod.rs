@@ -1217,15 +1217,7 @@ async fn create_overlay(base: &Path, base_format: &str, overlay: &Path, size: Op
 
 /// The virtual size recorded in a qcow2 image's header.
 fn qcow2_virtual_size(path: &Path) -> Result<u64, VmError> {
-    use std::io::Read;
-    let mut header = [0u8; 32];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut header))
-        .map_err(io_err("reading the disk layer's header"))?;
-    if &header[..4] != b"QFI\xfb" {
-        return Err(VmError::Config(format!("{} is not a qcow2 image", path.display())));
-    }
-    Ok(u64::from_be_bytes(header[24..32].try_into().expect("8 bytes")))
+    Ok(crate::qcow2::read_header(path).map_err(io_err("reading the disk layer's header"))?.virtual_size)
 }
 
 const CONSOLE_TAIL_LINES: usize = 40;

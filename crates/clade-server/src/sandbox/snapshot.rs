@@ -3,8 +3,6 @@
 //! snapshot in the workspace that took it. A snapshot outlives its sandbox; deleting it
 //! never breaks a sandbox made from it (the host keeps the layers it needs).
 
-use std::path::Path;
-
 use clade_host::VmError;
 use clade_store::{now_ms, SandboxState, SnapshotRow};
 
@@ -31,7 +29,7 @@ impl SandboxService {
         let snapshot_id = vm.snapshot(self.runtime()).await.map_err(|e| vm_error("snapshotting the sandbox", e))?;
         drop(slot);
         let dir = self.snapshots_dir().join(&snapshot_id);
-        let size_bytes = tokio::task::spawn_blocking(move || allocated_bytes(&dir)).await.unwrap_or(0);
+        let size_bytes = tokio::task::spawn_blocking(move || clade_host::space::allocated_bytes(&dir)).await.unwrap_or(0);
         let row = SnapshotRow {
             id: snapshot_id.clone(),
             workspace_id: workspace_id.to_string(),
@@ -74,15 +72,3 @@ impl SandboxService {
     }
 }
 
-/// Bytes a directory's files occupy on disk (sparse RAM files count what they hold).
-fn allocated_bytes(dir: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file())
-        .map(|m| m.blocks() * 512)
-        .sum()
-}
