@@ -330,3 +330,26 @@ fn a_server_keeps_the_standby_vmms_it_is_told_to_and_stops_them_with_itself() {
         assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} outlived the server");
     }
 }
+
+#[test]
+fn images_prune_dry_run_lists_old_images_and_removes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let old = tmp.path().join("cache/images/0123456789abcdef01234567");
+    std::fs::create_dir_all(&old).unwrap();
+    std::fs::write(old.join("rootfs.ext4"), vec![1u8; 4096]).unwrap();
+    let mut prune = Command::new(env!("CARGO_BIN_EXE_clade"));
+    prune
+        .args(["images", "prune", "--dry-run"])
+        .env("CLADE_CACHE_DIR", tmp.path().join("cache"))
+        .env("CLADE_DATA_DIR", tmp.path().join("data"));
+    let (code, stdout, stderr) = output(&mut prune);
+    if stderr.contains("clade-guestd was not found") {
+        assert!(std::env::var_os("CI").is_none(), "{stderr}");
+        eprintln!("skipped: the agent is not built (scripts/build)");
+        return;
+    }
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, format!("{}\t4.0 KiB\n", old.display()));
+    assert!(stderr.contains("would remove 1 image(s)"), "{stderr}");
+    assert!(old.join("rootfs.ext4").is_file());
+}
