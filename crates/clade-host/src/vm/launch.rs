@@ -85,7 +85,7 @@ pub const ROOT_MOUNT_ARGS: [&str; 4] = ["root=/dev/vda", "rw", "rootfstype=ext4"
 /// cache grows with every program it ever ran, up to QEMU's default of
 /// 1 GiB. When the cache is full QEMU empties it and translates anew. A
 /// mixed Python and git workload has a working set of ~65 MiB, 400
-/// different programs run once each filled 129 MiB (docs/benchmarks.md).
+/// different programs run once each filled 129 MiB (ADR 1).
 pub const TCG_CACHE_MB: u32 = 256;
 
 pub fn console_log(dir: &Path) -> PathBuf {
