@@ -446,10 +446,19 @@ fn a_drain_in_the_middle_of_standby_starts_leaves_no_vmm_running() {
         runtime.prestart(&spec).await.unwrap();
         runtime.drain_standby();
         for delay_ms in [0, 5, 15, 40, 80, 160] {
+            let vms = || std::fs::read_dir(runtime.vms_dir()).unwrap().count();
+            assert_eq!(vms(), 0);
             let starting = tokio::spawn({
                 let (runtime, spec) = (runtime.clone(), spec.clone());
                 async move { runtime.prestart(&spec).await }
             });
+            // The delay counts from the first start's directory: on a loaded
+            // host the task may begin late, and a prestart that begins after
+            // the drain rightly fills the pool.
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while vms() == 0 && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
             runtime.drain_standby();
             starting.await.unwrap().unwrap_or_else(|e| panic!("a prestart drained after {delay_ms} ms: {e}"));
