@@ -17,6 +17,20 @@ fn qemu_img_json(subcommand: &str, image: &std::path::Path) -> serde_json::Value
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Polls `done` every `every` until it holds or `limit` has passed; says whether it held.
+async fn wait_until(limit: Duration, every: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 fn host_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
 }
@@ -57,11 +71,8 @@ fn every_create_after_the_first_restores_the_template_and_gets_its_own_entropy_a
             // Its console (the sandbox's logs) says so too.
             let said = format!("restored as sb-{}", vm.id());
             let console = vm.dir().join("console.log");
-            let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while !std::fs::read_to_string(&console).unwrap_or_default().contains(&said) {
-                assert!(std::time::Instant::now() < deadline, "{said:?} not in {}", console.display());
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let logged = || std::fs::read_to_string(&console).unwrap_or_default().contains(&said);
+            assert!(wait_until(Duration::from_secs(5), Duration::from_millis(20), logged).await, "{said:?} not in {}", console.display());
             let guest_time: f64 = lines[4].parse().unwrap();
             assert!((guest_time - host_now()).abs() < 1.0, "guest clock {guest_time} vs host {}", host_now());
         }
@@ -455,10 +466,7 @@ fn a_drain_in_the_middle_of_standby_starts_leaves_no_vmm_running() {
             // The delay counts from the first start's directory: on a loaded
             // host the task may begin late, and a prestart that begins after
             // the drain rightly fills the pool.
-            let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            while vms() == 0 && std::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            wait_until(Duration::from_secs(30), Duration::from_millis(1), || vms() > 0).await;
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
             runtime.drain_standby();
             starting.await.unwrap().unwrap_or_else(|e| panic!("a prestart drained after {delay_ms} ms: {e}"));
@@ -467,10 +475,7 @@ fn a_drain_in_the_middle_of_standby_starts_leaves_no_vmm_running() {
                 "a standby left by a drain {delay_ms} ms into the starts"
             );
             // A stopped VMM may take a moment to exit.
-            let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while !qemus_under(runtime.vms_dir()).is_empty() && std::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            wait_until(Duration::from_secs(5), Duration::from_millis(50), || qemus_under(runtime.vms_dir()).is_empty()).await;
             assert_eq!(qemus_under(runtime.vms_dir()), Vec::<u32>::new(), "a VMM left by a drain {delay_ms} ms into the starts");
         }
     });
@@ -482,8 +487,9 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
     block_on(async {
         let runtime = env.runtime.clone().with_standby(1);
         let spec = VmSpec::new(env.image.clone());
+        let standby_dirs = || dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
         runtime.prestart(&spec).await.unwrap();
-        let standby = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+        let standby = standby_dirs();
         assert_eq!(standby.len(), 1, "{standby:?}");
         assert!(runtime.list().iter().all(|(r, _)| !standby.contains(&r.id)), "a standby VMM is not a VM to list");
 
@@ -505,20 +511,14 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         );
 
         // The pool refills in the background, with a new process.
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let refilled = loop {
-            let now = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
-            if !now.is_empty() || std::time::Instant::now() > deadline {
-                break now;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        wait_until(Duration::from_secs(60), Duration::from_millis(50), || !standby_dirs().is_empty()).await;
+        let refilled = standby_dirs();
         assert_eq!(refilled.len(), 1, "refilled: {refilled:?}");
         let pid = clade_host::VmRecord::load(&runtime.vms_dir().join(&refilled[0])).unwrap().vmm.unwrap();
         assert!(pid.is_alive());
 
         runtime.drain_standby();
-        assert!(dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby).is_empty());
+        assert!(standby_dirs().is_empty());
         assert!(!pid.is_alive(), "a drained standby VMM is stopped");
 
         // A fork child takes one too (of the parent's template and the
@@ -526,7 +526,7 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         // taken, over the fork's copy of the parent's layer.
         let ephemeral = VmSpec { lifetime: Lifetime::Ephemeral, ..spec };
         runtime.prestart(&ephemeral).await.unwrap();
-        let standby = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+        let standby = standby_dirs();
         assert_eq!(standby.len(), 1, "{standby:?}");
         let out = vm.run(sh("echo from-parent > /root/f && sync")).await.unwrap();
         assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
