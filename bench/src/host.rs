@@ -70,6 +70,9 @@ pub struct ForkTimes {
     /// Until every child has answered `true`.
     pub all_answered: Duration,
     pub parent_paused_ms: u64,
+    /// Host memory (PSS) of each child's QEMU once all answered, on average:
+    /// the parent's pages are mapped from one file, not copied into each.
+    pub child_pss_kib: u64,
 }
 
 pub async fn fork(runtime: &VmRuntime, spec: &VmSpec, written_mib: u64, count: usize) -> anyhow::Result<ForkTimes> {
@@ -88,6 +91,11 @@ pub async fn fork(runtime: &VmRuntime, spec: &VmSpec, written_mib: u64, count: u
         child.agent().run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
     }
     let all_answered = start.elapsed();
+    let mut pss_total = 0;
+    for child in &children {
+        pss_total += crate::memory_kib(child.vmm().pid)?.1;
+    }
+    let child_pss_kib = pss_total / children.len() as u64;
     let parent_paused_ms = runtime
         .snapshots_all_records()
         .into_iter()
@@ -97,5 +105,5 @@ pub async fn fork(runtime: &VmRuntime, spec: &VmSpec, written_mib: u64, count: u
         child.stop().await?;
     }
     parent.stop().await?;
-    Ok(ForkTimes { all_created, all_answered, parent_paused_ms })
+    Ok(ForkTimes { all_created, all_answered, parent_paused_ms, child_pss_kib })
 }

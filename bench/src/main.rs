@@ -175,7 +175,8 @@ fn tcg_cache_pss_kib(pid: u32) -> anyhow::Result<u64> {
     Ok(total)
 }
 
-fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
+/// (RSS, PSS) of process `pid`, in KiB.
+pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
     let field = |name: &str| {
         rollup
@@ -349,11 +350,17 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
                 all.sort();
                 all[all.len() / 2]
             };
+            let child_pss_kib = {
+                let mut all: Vec<u64> = runs.iter().map(|t| t.child_pss_kib).collect();
+                all.sort();
+                all[all.len() / 2]
+            };
             println!(
-                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {} ms (medians of {FORK_RUNS})",
+                "fork, parent wrote {written_mib} MiB, {count} child(ren): all created {}, all answered an exec {}, parent paused {} ms, PSS per child {:.1} MiB (medians of {FORK_RUNS})",
                 ms(median(|t| t.all_created)),
                 ms(median(|t| t.all_answered)),
-                median(|t| Duration::from_millis(t.parent_paused_ms)).as_millis()
+                median(|t| Duration::from_millis(t.parent_paused_ms)).as_millis(),
+                child_pss_kib as f64 / 1024.0
             );
         }
     }

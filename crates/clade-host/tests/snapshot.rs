@@ -267,6 +267,82 @@ fn a_snapshot_costs_what_the_guest_wrote_not_its_ram() {
     });
 }
 
+/// Guest memory of a QEMU process in kB, from its smaps: the private copies
+/// (anonymous pages) in the mappings of RAM files, and the resident and
+/// proportional size of the pages mapped from a saved delta (a snapshot's
+/// `memory`, or a fork's memory file).
+#[derive(Debug, Default)]
+struct GuestMemory {
+    private_kb: u64,
+    delta_rss_kb: u64,
+    delta_pss_kb: u64,
+}
+
+fn guest_memory(pid: u32) -> GuestMemory {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut memory = GuestMemory::default();
+    let (mut is_ram, mut is_delta) = (false, false);
+    for line in smaps.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.first().is_some_and(|w| w.contains('-') && !w.ends_with(':')) {
+            let path = words.get(5..).map(|p| p.join(" ")).unwrap_or_default();
+            is_delta = path.starts_with("/memfd:clade-delta") || (path.contains("/snapshots/") && path.contains("/memory"));
+            is_ram = is_delta || path.ends_with("/ram");
+            continue;
+        }
+        let kb = || words.get(1).and_then(|w| w.parse::<u64>().ok()).unwrap_or(0);
+        match words.first().copied() {
+            Some("Anonymous:") if is_ram => memory.private_kb += kb(),
+            Some("Rss:") if is_delta => memory.delta_rss_kb += kb(),
+            Some("Pss:") if is_delta => memory.delta_pss_kb += kb(),
+            _ => {}
+        }
+    }
+    memory
+}
+
+/// Fails unless the blob the test wrote into the guest's memory (tmpfs)
+/// still has its checksum.
+async fn assert_blob_intact(vm: &clade_host::Vm, who: &str) {
+    let out = vm.run(sh("sha256sum -c /root/blob.sum")).await.unwrap();
+    assert_eq!(out.exit_code(), 0, "{who} lost the parent's pages: {}{}", out.stdout_str(), out.stderr_str());
+}
+
+/// A fork's children map the pages their parent wrote from one file instead
+/// of each holding a copy: 64 MB in the parent's memory are read in two
+/// children and cost each only its share. A snapshot of a child that never
+/// touched them, and a hibernated child once woken, still hold them.
+#[test]
+fn fork_children_share_the_pages_their_parent_wrote() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let out = parent.run(sh("head -c 64000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob > /root/blob.sum")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+        let children = parent.fork(&env.runtime, 3, Lifetime::Ephemeral).await.unwrap();
+        let untouched = children[0].snapshot(&env.runtime).await.unwrap();
+        let copy = env.runtime.create_from_snapshot(&untouched, Lifetime::Ephemeral, None).await.unwrap();
+        assert_blob_intact(&copy, "a VM made from a snapshot of an untouched child").await;
+        let sleeper = children[1].id();
+        children[1].hibernate().await.unwrap();
+        let woken = env.runtime.wake(&sleeper, None).await.unwrap();
+        assert_blob_intact(&woken, "a child hibernated untouched, then woken").await;
+
+        assert_blob_intact(&children[0], "child 0").await;
+        assert_blob_intact(&children[2], "child 2").await;
+        for child in [&children[0], &children[2]] {
+            let memory = guest_memory(child.vmm().pid);
+            assert!(memory.delta_rss_kb > 60_000, "the blob is mapped from the fork's delta: {memory:?}");
+            assert!(memory.private_kb < 32_000, "a child copied its parent's pages: {memory:?}");
+            assert!(memory.delta_pss_kb * 10 < memory.delta_rss_kb * 6, "the two children share the delta's pages: {memory:?}");
+        }
+        let out = children[2].run(sh("head -c 8000000 /dev/urandom > /dev/shm/blob && sync")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+        assert_blob_intact(&children[0], "a sibling of a child that overwrote the blob").await;
+        assert_blob_intact(&parent, "the parent").await;
+    });
+}
+
 #[test]
 fn a_fork_of_sixteen_works_on_two_cores() {
     let Some(env) = vm_env() else { return };

@@ -2,37 +2,48 @@
 //! process and written into another.
 //!
 //! A VM maps its template's RAM file copy-on-write, so the pages its guest
-//! has written are exactly the anonymous pages of that mapping, and the
-//! kernel's page map (`/proc/PID/pagemap`) tells them from template pages
-//! without touching guest memory. A capture reads only those pages, plus
-//! QEMU's small RAM blocks outside the template file (the BIOS ROM), so its
-//! cost follows what the guest wrote, not its RAM size. Applying a capture
-//! writes those pages into a new QEMU's copy-on-write mapping of the same
-//! template file before its device state is loaded; together they are the
-//! whole VM. Every VM's memory, however many snapshots and forks it comes
-//! from, is its template plus one such delta.
+//! has written are the anonymous pages of that mapping, and the kernel's
+//! page map (`/proc/PID/pagemap`) tells them from template pages without
+//! touching guest memory. A capture reads only those pages, every page of
+//! the block mapped from another file (a saved delta, below), and QEMU's
+//! small RAM blocks outside the template file (the BIOS ROM), so its cost
+//! follows what the guest wrote, not its RAM size. Together with the device
+//! state they are the whole VM. Every VM's memory, however many snapshots
+//! and forks it comes from, is its template plus one such delta.
+//!
+//! A saved delta goes into a new QEMU before its device state loads. Runs of
+//! at least [`MAP_MIN_PAGES`] pages are mapped from the file copy-on-write
+//! (`remote_map`), so that every VM restored from one delta — a fork's
+//! children, the VMs made from one snapshot — shares its pages until it
+//! writes them; the other pages are written in.
 //!
 //! The file (`memory` in a snapshot or a hibernated VM's directory), all
 //! integers little-endian:
 //!
 //! ```text
-//! "CLADEMEM"  u32 version (1)  u32 block count
+//! "CLADEMEM"  u32 version (2)  u32 block count
 //! per block:  u16 name length, name, u64 block length, u64 page count,
-//!             u32 page index × count, 4096-byte pages × count (index order)
+//!             u32 page index × count, zeros up to a multiple of 4096 bytes
+//!             from the file's start, 4096-byte pages × count (index order)
 //! ```
+//!
+//! Version 1, without the padding, is still read; its pages are written in.
 
 use std::io::{BufReader, BufWriter, IoSlice, IoSliceMut, Read, Write};
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
 use nix::unistd::Pid;
 
+use super::remote_map::{self, Mapping};
 use crate::qmp::{Qmp, QmpError};
 
 const PAGE: usize = 4096;
 const MAGIC: &[u8; 8] = b"CLADEMEM";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// The first format: pages right after the indices, not page-aligned.
+const UNALIGNED_VERSION: u32 = 1;
 /// The kernel takes at most this many iovecs per call (`UIO_MAXIOV`).
 const MAX_IOVECS: usize = 1024;
 /// Pages moved per system call when applying: bounds the buffer.
@@ -106,6 +117,13 @@ struct BlockPages {
     data: std::ops::Range<usize>,
 }
 
+/// The RAM block QEMU maps from a template's RAM file, and that file.
+#[derive(Debug, Clone)]
+pub struct TemplateBlock {
+    pub name: String,
+    pub file: PathBuf,
+}
+
 /// A stopped VM's memory beyond its template.
 #[derive(Debug)]
 pub struct Capture {
@@ -122,8 +140,8 @@ pub struct CaptureBuffer(Vec<u8>);
 impl CaptureBuffer {
     /// Room for what the guest of QEMU process `pid` has written so far
     /// plus an eighth.
-    pub fn sized_for(pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Self, DeltaError> {
-        let pages = Capture::pages_to_read(pid, blocks, template_block)?.iter().map(Vec::len).sum::<usize>();
+    pub fn sized_for(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
+        let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
         let bytes = (pages + pages / 8 + 256) * PAGE;
         // Written, not just allocated (as `vec![0; n]` would be): every
         // page is faulted in now.
@@ -138,11 +156,12 @@ impl CaptureBuffer {
 }
 
 impl Capture {
-    /// Reads the pages of QEMU process `pid` that differ from the template
-    /// file mapped as block `template_block`: the anonymous pages of that
-    /// block, and every other block whole. The guest must be stopped.
-    pub fn read(pid: u32, blocks: &[RamBlock], template_block: &str, buffer: CaptureBuffer) -> Result<Self, DeltaError> {
-        let to_read = Self::pages_to_read(pid, blocks, template_block)?;
+    /// Reads the pages of QEMU process `pid` that differ from the template:
+    /// in the template's block, the anonymous pages and every page mapped
+    /// from another file; every other block whole. The guest must be
+    /// stopped.
+    pub fn read(pid: u32, blocks: &[RamBlock], template: &TemplateBlock, buffer: CaptureBuffer) -> Result<Self, DeltaError> {
+        let to_read = Self::pages_to_read(pid, blocks, template)?;
         let mut data = buffer.0;
         data.resize(to_read.iter().map(Vec::len).sum::<usize>() * PAGE, 0);
         let mut captured = Vec::new();
@@ -157,31 +176,37 @@ impl Capture {
     }
 
     /// Per block, the indices of the pages a capture reads.
-    fn pages_to_read(pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Vec<Vec<u32>>, DeltaError> {
-        if !blocks.iter().any(|b| b.name == template_block) {
-            return Err(DeltaError::Blocks(format!("no block {template_block:?} in {blocks:?}")));
-        }
+    fn pages_to_read(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Vec<Vec<u32>>, DeltaError> {
+        let template_block = blocks
+            .iter()
+            .find(|b| b.name == template.name)
+            .ok_or_else(|| DeltaError::Blocks(format!("no block {:?} in {blocks:?}", template.name)))?;
+        let template_file = FileIdentity::of(&template.file)?;
+        let segments = mapped_segments(pid, template_block)?;
         let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(io_err("opening QEMU's page map"))?;
         blocks
             .iter()
             .map(|block| {
-                let pages = block.length as usize / PAGE;
-                match block.name == template_block {
-                    true => written_pages(&pagemap, block.host_address, pages),
-                    false => Ok((0..pages as u32).collect()),
+                if block.name != template.name {
+                    return Ok((0..(block.length as usize / PAGE) as u32).collect());
                 }
+                let mut indices = Vec::new();
+                for segment in &segments {
+                    let pages = segment.first..segment.first + segment.pages;
+                    match segment.file == Some(template_file) {
+                        true => {
+                            let address = block.host_address + u64::from(segment.first) * PAGE as u64;
+                            let written = written_pages(&pagemap, address, segment.pages as usize)?;
+                            indices.extend(written.into_iter().map(|i| i + segment.first));
+                        }
+                        // A saved delta's pages (or anything else not the
+                        // template's): all of it, present or not.
+                        false => indices.extend(pages),
+                    }
+                }
+                Ok(indices)
             })
             .collect()
-    }
-
-    /// Writes the capture into QEMU process `pid`, whose RAM blocks are
-    /// `blocks` and whose guest has not run yet.
-    pub fn apply(&self, pid: u32, blocks: &[RamBlock]) -> Result<(), DeltaError> {
-        for block in &self.blocks {
-            let target = matching_block(blocks, &block.name, block.length)?;
-            write_pages(pid, target.host_address, &block.indices, &self.data[block.data.clone()])?;
-        }
-        Ok(())
     }
 
     /// Bytes of guest memory the capture holds.
@@ -192,25 +217,132 @@ impl Capture {
     /// Writes the capture to `path` (through a temporary name).
     pub fn save(&self, path: &Path) -> Result<(), DeltaError> {
         let tmp = path.with_extension("tmp");
-        let write = || -> std::io::Result<()> {
-            let mut out = BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
-            out.write_all(MAGIC)?;
-            out.write_all(&VERSION.to_le_bytes())?;
-            out.write_all(&(self.blocks.len() as u32).to_le_bytes())?;
-            for block in &self.blocks {
-                out.write_all(&(block.name.len() as u16).to_le_bytes())?;
-                out.write_all(block.name.as_bytes())?;
-                out.write_all(&block.length.to_le_bytes())?;
-                out.write_all(&(block.indices.len() as u64).to_le_bytes())?;
-                for index in &block.indices {
-                    out.write_all(&index.to_le_bytes())?;
-                }
-                out.write_all(&self.data[block.data.clone()])?;
-            }
-            out.flush()
-        };
+        let write = || self.write_to(std::fs::File::create(&tmp)?);
         write().map_err(io_err(format!("writing {}", tmp.display())))?;
         std::fs::rename(&tmp, path).map_err(io_err(format!("publishing {}", path.display())))
+    }
+
+    /// The capture as a saved delta in memory (a memfd), for VMs made at
+    /// once from it (a fork's children): a file on disk would be throttled
+    /// to the disk's speed while its pages are being written.
+    pub fn save_in_memory(&self) -> Result<InMemoryDelta, DeltaError> {
+        let fd = nix::sys::memfd::memfd_create(c"clade-delta", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+            .map_err(|e| io_err("creating a memory file")(e.into()))?;
+        let file = std::fs::File::from(fd);
+        self.write_to(file.try_clone().map_err(io_err("duplicating a file handle"))?)
+            .map_err(io_err("writing a delta into memory"))?;
+        Ok(InMemoryDelta(file))
+    }
+
+    fn write_to(&self, file: std::fs::File) -> std::io::Result<()> {
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(MAGIC)?;
+        out.write_all(&VERSION.to_le_bytes())?;
+        out.write_all(&(self.blocks.len() as u32).to_le_bytes())?;
+        let mut offset = (MAGIC.len() + 8) as u64;
+        for block in &self.blocks {
+            out.write_all(&(block.name.len() as u16).to_le_bytes())?;
+            out.write_all(block.name.as_bytes())?;
+            out.write_all(&block.length.to_le_bytes())?;
+            out.write_all(&(block.indices.len() as u64).to_le_bytes())?;
+            let indices: Vec<u8> = block.indices.iter().flat_map(|i| i.to_le_bytes()).collect();
+            out.write_all(&indices)?;
+            offset += (2 + block.name.len() + 16 + indices.len()) as u64;
+            // Pages at page-aligned offsets, so that they can be mapped.
+            out.write_all(&vec![0u8; (page_align(offset) - offset) as usize])?;
+            out.write_all(&self.data[block.data.clone()])?;
+            offset = page_align(offset) + block.data.len() as u64;
+        }
+        out.flush()
+    }
+}
+
+/// A saved delta held in a memory file, for as long as this lives.
+#[derive(Debug)]
+pub struct InMemoryDelta(std::fs::File);
+
+impl InMemoryDelta {
+    /// A path that opens it, from this process or any process allowed to
+    /// look at this one's file descriptors (its QEMUs).
+    pub fn path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), self.0.as_raw_fd()))
+    }
+}
+
+fn page_align(offset: u64) -> u64 {
+    offset.div_ceil(PAGE as u64) * PAGE as u64
+}
+
+/// A file as the kernel names it in `/proc/PID/maps`: device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileIdentity {
+    major: u32,
+    minor: u32,
+    inode: u64,
+}
+
+impl FileIdentity {
+    fn of(path: &Path) -> Result<Self, DeltaError> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).map_err(io_err(format!("reading {}", path.display())))?;
+        Ok(Self { major: libc::major(meta.dev()), minor: libc::minor(meta.dev()), inode: meta.ino() })
+    }
+}
+
+/// Pages of a RAM block that one mapping of the QEMU process holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Segment {
+    first: u32,
+    pages: u32,
+    /// The file mapped there; `None` for anonymous memory.
+    file: Option<FileIdentity>,
+}
+
+/// The mappings of process `pid` that make up `block`, in order; an error
+/// unless they cover it.
+fn mapped_segments(pid: u32, block: &RamBlock) -> Result<Vec<Segment>, DeltaError> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(io_err("reading QEMU's mappings"))?;
+    segments_of(&maps, block)
+}
+
+fn segments_of(maps: &str, block: &RamBlock) -> Result<Vec<Segment>, DeltaError> {
+    let (start, end) = (block.host_address, block.host_address + block.length);
+    let bad = |line: &str| DeltaError::Blocks(format!("unexpected mapping line {line:?}"));
+    let mut segments = Vec::new();
+    let mut covered = start;
+    for line in maps.lines() {
+        let mut words = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(_offset), Some(device), Some(inode)) =
+            (words.next(), words.next(), words.next(), words.next(), words.next())
+        else {
+            return Err(bad(line));
+        };
+        let hex = |word: &str| u64::from_str_radix(word, 16).ok();
+        let (from, to) = range.split_once('-').and_then(|(a, b)| hex(a).zip(hex(b))).ok_or_else(|| bad(line))?;
+        if to <= start || from >= end {
+            continue;
+        }
+        let (from, to) = (from.max(start), to.min(end));
+        if from != covered {
+            break;
+        }
+        let inode: u64 = inode.parse().map_err(|_| bad(line))?;
+        let file = match inode {
+            0 => None,
+            inode => {
+                let (major, minor) = device.split_once(':').ok_or_else(|| bad(line))?;
+                let number = |w: &str| u32::from_str_radix(w, 16).map_err(|_| bad(line));
+                Some(FileIdentity { major: number(major)?, minor: number(minor)?, inode })
+            }
+        };
+        let page = |address: u64| ((address - start) / PAGE as u64) as u32;
+        segments.push(Segment { first: page(from), pages: page(to) - page(from), file });
+        covered = to;
+    }
+    match covered == end {
+        true => Ok(segments),
+        false => Err(DeltaError::Blocks(format!("block {} is not mapped whole at {start:#x}", block.name))),
     }
 }
 
@@ -307,72 +439,211 @@ fn matching_block<'a>(blocks: &'a [RamBlock], name: &str, length: u64) -> Result
         .ok_or_else(|| DeltaError::Blocks(format!("the delta has block {name:?} of {length} bytes; QEMU has {blocks:?}")))
 }
 
-/// A delta to write into a new QEMU: saved in a file, or still in memory
-/// (a fork's).
-#[derive(Debug, Clone)]
-pub enum Pages {
-    Saved(std::path::PathBuf),
-    Captured(std::sync::Arc<Capture>),
+/// What applying a saved delta did, in bytes of guest memory.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    pub mapped: u64,
+    pub written: u64,
 }
 
-impl Pages {
-    /// Writes the pages into QEMU process `pid`, whose RAM blocks are
-    /// `blocks` and whose guest has not run yet.
-    pub fn apply(&self, pid: u32, blocks: &[RamBlock]) -> Result<(), DeltaError> {
-        match self {
-            Pages::Saved(path) => apply(path, pid, blocks).map(drop),
-            Pages::Captured(capture) => capture.apply(pid, blocks),
+/// Puts the delta saved at `path` into QEMU process `pid`, whose RAM blocks
+/// are `blocks` and whose guest has not run yet: long runs of block
+/// `template_block` are mapped from the file where the process can be made
+/// to, everything else is written.
+pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Applied, DeltaError> {
+    let delta = SavedDelta::open(path)?;
+    let mut applied = Applied::default();
+    for block in &delta.blocks {
+        let target = matching_block(blocks, &block.name, block.length)?;
+        let mut runs = block.runs();
+        if delta.page_aligned && block.name == template_block {
+            let (to_map, to_write) = split_for_mapping(runs.clone());
+            let mappings: Vec<Mapping> = to_map
+                .iter()
+                .map(|r| Mapping {
+                    address: target.host_address + u64::from(r.first) * PAGE as u64,
+                    len: u64::from(r.pages) * PAGE as u64,
+                    file_offset: r.file_offset,
+                })
+                .collect();
+            // Not canonicalized: a memory file's path is a link to follow.
+            let file = std::path::absolute(path).map_err(io_err(format!("resolving {}", path.display())))?;
+            match mappings.is_empty() {
+                true => {}
+                false => match remote_map::map_private(pid, &file, &mappings) {
+                    Ok(()) => {
+                        applied.mapped += mappings.iter().map(|m| m.len).sum::<u64>();
+                        runs = to_write;
+                    }
+                    // Whatever got mapped holds the same bytes as what is
+                    // written over it now.
+                    Err(e) => tracing::debug!(delta = %path.display(), "writing a delta's pages instead of mapping them: {e}"),
+                },
+            }
         }
+        applied.written += write_runs(&delta.file, pid, target.host_address, &runs)?;
     }
+    Ok(applied)
 }
 
-/// Writes the capture saved at `path` into QEMU process `pid`, whose RAM
-/// blocks are `blocks` and whose guest has not run yet. Returns the bytes
-/// written.
-pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock]) -> Result<u64, DeltaError> {
-    let file = std::fs::File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
-    let mut input = BufReader::with_capacity(1 << 20, file);
-    let bad = || DeltaError::Format(path.display().to_string());
-    let mut u16_ = [0u8; 2];
-    let mut u32_ = [0u8; 4];
-    let mut u64_ = [0u8; 8];
-    let read = |input: &mut BufReader<std::fs::File>, buf: &mut [u8]| input.read_exact(buf).map_err(|_| bad());
-    let mut magic = [0u8; 8];
-    read(&mut input, &mut magic)?;
-    read(&mut input, &mut u32_)?;
-    if &magic != MAGIC || u32::from_le_bytes(u32_) != VERSION {
-        return Err(bad());
-    }
-    read(&mut input, &mut u32_)?;
+/// Runs shorter than this many pages are written into a new VM rather than
+/// mapped: a mapping costs the kernel more than a copy of a few pages.
+pub const MAP_MIN_PAGES: u32 = 16;
+/// At most this many runs are mapped into one VM (a process may have 65530
+/// mappings in all).
+const MAX_MAPPINGS: usize = 4096;
+
+/// Consecutive pages of a saved block, consecutive in its file too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileRun {
+    first: u32,
+    pages: u32,
+    file_offset: u64,
+}
+
+/// The runs to map (the longest, up to [`MAX_MAPPINGS`]) and those to write.
+fn split_for_mapping(mut runs: Vec<FileRun>) -> (Vec<FileRun>, Vec<FileRun>) {
+    runs.sort_by_key(|r| std::cmp::Reverse(r.pages));
+    let mappable = runs.iter().take(MAX_MAPPINGS).take_while(|r| r.pages >= MAP_MIN_PAGES).count();
+    let to_write = runs.split_off(mappable);
+    (runs, to_write)
+}
+
+/// Writes `runs` of the delta file into the block at `base` of process
+/// `pid`, in batches of at most [`APPLY_BATCH_PAGES`] pages. Returns the
+/// bytes written.
+fn write_runs(file: &std::fs::File, pid: u32, base: u64, runs: &[FileRun]) -> Result<u64, DeltaError> {
+    let pieces = runs.iter().flat_map(|run| {
+        (0..run.pages).step_by(APPLY_BATCH_PAGES).map(move |skip| FileRun {
+            first: run.first + skip,
+            pages: (run.pages - skip).min(APPLY_BATCH_PAGES as u32),
+            file_offset: run.file_offset + u64::from(skip) * PAGE as u64,
+        })
+    });
+    let mut buffer = Vec::with_capacity(APPLY_BATCH_PAGES * PAGE);
+    let mut indices = Vec::with_capacity(APPLY_BATCH_PAGES);
     let mut total = 0u64;
-    for _ in 0..u32::from_le_bytes(u32_) {
-        read(&mut input, &mut u16_)?;
-        let mut name = vec![0u8; usize::from(u16::from_le_bytes(u16_))];
-        read(&mut input, &mut name)?;
-        let name = String::from_utf8(name).map_err(|_| bad())?;
-        read(&mut input, &mut u64_)?;
-        let length = u64::from_le_bytes(u64_);
-        read(&mut input, &mut u64_)?;
-        let count = u64::from_le_bytes(u64_);
-        let target = matching_block(blocks, &name, length)?;
-        if count > length / PAGE as u64 {
-            return Err(bad());
+    let mut flush = |buffer: &mut Vec<u8>, indices: &mut Vec<u32>| {
+        write_pages(pid, base, indices, buffer)?;
+        total += buffer.len() as u64;
+        buffer.clear();
+        indices.clear();
+        Ok::<_, DeltaError>(())
+    };
+    for piece in pieces {
+        if indices.len() + piece.pages as usize > APPLY_BATCH_PAGES {
+            flush(&mut buffer, &mut indices)?;
         }
-        let mut indices = vec![0u8; count as usize * 4];
-        read(&mut input, &mut indices)?;
-        let indices: Vec<u32> = indices.chunks_exact(4).map(|i| u32::from_le_bytes(i.try_into().expect("4 bytes"))).collect();
-        if indices.iter().any(|&i| u64::from(i) >= length / PAGE as u64) {
-            return Err(bad());
-        }
-        let mut buffer = vec![0u8; APPLY_BATCH_PAGES.min(indices.len()) * PAGE];
-        for batch in indices.chunks(APPLY_BATCH_PAGES) {
-            let data = &mut buffer[..batch.len() * PAGE];
-            read(&mut input, data)?;
-            write_pages(pid, target.host_address, batch, data)?;
-        }
-        total += count * PAGE as u64;
+        let at = buffer.len();
+        buffer.resize(at + piece.pages as usize * PAGE, 0);
+        file.read_exact_at(&mut buffer[at..], piece.file_offset).map_err(io_err("reading a saved delta"))?;
+        indices.extend(piece.first..piece.first + piece.pages);
+    }
+    if !indices.is_empty() {
+        flush(&mut buffer, &mut indices)?;
     }
     Ok(total)
+}
+
+/// One block of a saved delta: its page indices and where its pages start.
+#[derive(Debug)]
+struct SavedBlock {
+    name: String,
+    length: u64,
+    indices: Vec<u32>,
+    pages_at: u64,
+}
+
+impl SavedBlock {
+    fn runs(&self) -> Vec<FileRun> {
+        let mut runs: Vec<FileRun> = Vec::new();
+        for (position, &index) in self.indices.iter().enumerate() {
+            match runs.last_mut() {
+                Some(run) if run.first + run.pages == index => run.pages += 1,
+                _ => runs.push(FileRun { first: index, pages: 1, file_offset: self.pages_at + (position * PAGE) as u64 }),
+            }
+        }
+        runs
+    }
+}
+
+/// Reads a saved delta's headers, knowing where it is in the file.
+struct Headers {
+    input: BufReader<std::fs::File>,
+    offset: u64,
+}
+
+impl Headers {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        self.input.read_exact(buf)?;
+        self.offset += buf.len() as u64;
+        Ok(())
+    }
+
+    fn skip_to(&mut self, offset: u64) -> std::io::Result<()> {
+        self.input.seek_relative((offset - self.offset) as i64)?;
+        self.offset = offset;
+        Ok(())
+    }
+}
+
+/// A saved delta's headers, and the file to read its pages from.
+#[derive(Debug)]
+struct SavedDelta {
+    file: std::fs::File,
+    page_aligned: bool,
+    blocks: Vec<SavedBlock>,
+}
+
+impl SavedDelta {
+    fn open(path: &Path) -> Result<Self, DeltaError> {
+        let file = std::fs::File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
+        let file_len = file.metadata().map_err(io_err(format!("reading {}", path.display())))?.len();
+        let bad = || DeltaError::Format(path.display().to_string());
+        let mut input = Headers {
+            input: BufReader::with_capacity(1 << 16, file.try_clone().map_err(io_err("duplicating a file handle"))?),
+            offset: 0,
+        };
+        let mut magic = [0u8; 8];
+        let (mut u16_, mut u32_, mut u64_) = ([0u8; 2], [0u8; 4], [0u8; 8]);
+        input.read(&mut magic).map_err(|_| bad())?;
+        input.read(&mut u32_).map_err(|_| bad())?;
+        let page_aligned = match (&magic == MAGIC, u32::from_le_bytes(u32_)) {
+            (true, UNALIGNED_VERSION) => false,
+            (true, VERSION) => true,
+            _ => return Err(bad()),
+        };
+        input.read(&mut u32_).map_err(|_| bad())?;
+        let mut blocks = Vec::new();
+        for _ in 0..u32::from_le_bytes(u32_) {
+            input.read(&mut u16_).map_err(|_| bad())?;
+            let mut name = vec![0u8; usize::from(u16::from_le_bytes(u16_))];
+            input.read(&mut name).map_err(|_| bad())?;
+            let name = String::from_utf8(name).map_err(|_| bad())?;
+            input.read(&mut u64_).map_err(|_| bad())?;
+            let length = u64::from_le_bytes(u64_);
+            input.read(&mut u64_).map_err(|_| bad())?;
+            let count = u64::from_le_bytes(u64_);
+            if count > length / PAGE as u64 {
+                return Err(bad());
+            }
+            let mut indices = vec![0u8; count as usize * 4];
+            input.read(&mut indices).map_err(|_| bad())?;
+            let indices: Vec<u32> = indices.chunks_exact(4).map(|i| u32::from_le_bytes(i.try_into().expect("4 bytes"))).collect();
+            let ordered = indices.windows(2).all(|w| w[0] < w[1]);
+            if !ordered || indices.last().is_some_and(|&i| u64::from(i) >= length / PAGE as u64) {
+                return Err(bad());
+            }
+            let pages_at = if page_aligned { page_align(input.offset) } else { input.offset };
+            let next = pages_at + count * PAGE as u64;
+            if next > file_len {
+                return Err(bad());
+            }
+            input.skip_to(next).map_err(|_| bad())?;
+            blocks.push(SavedBlock { name, length, indices, pages_at });
+        }
+        Ok(Self { file, page_aligned, blocks })
+    }
 }
 
 #[cfg(test)]
@@ -448,23 +719,86 @@ mod tests {
         assert_eq!(target[0], 1, "reading faults in a file page, which is not a written one");
         let pid = std::process::id();
         let block = |address: &[u8]| vec![RamBlock { name: "mem".into(), length: PAGES as u64 * PAGE as u64, host_address: address.as_ptr() as u64 }];
-        let buffer = CaptureBuffer::sized_for(pid, &block(source), "mem").unwrap();
-        let capture = Capture::read(pid, &block(source), "mem", buffer).unwrap();
+        let template = TemplateBlock { name: "mem".into(), file: file_path.clone() };
+        let buffer = CaptureBuffer::sized_for(pid, &block(source), &template).unwrap();
+        let capture = Capture::read(pid, &block(source), &template, buffer).unwrap();
         let expected: Vec<u32> = [3, 9].into_iter().chain(100..5100).collect();
         assert_eq!(capture.blocks[0].indices, expected);
         assert_eq!(capture.bytes(), 5002 * PAGE as u64);
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();
-        assert_eq!(apply(&saved, pid, &block(target)).unwrap(), 5002 * PAGE as u64);
+        // A process cannot trace its own threads: every page is written.
+        let applied = apply(&saved, pid, &block(target), "mem").unwrap();
+        assert_eq!(applied, Applied { mapped: 0, written: 5002 * PAGE as u64 });
         assert!(source == target, "the second mapping reads like the first");
+        assert_eq!(target[3 * PAGE], 0xaa);
+        assert_eq!(target[4 * PAGE], 5, "an unwritten page is the template's");
+
+        // The same delta in the first format, pages right after the indices.
+        let mut unaligned = std::fs::read(&saved).unwrap();
+        unaligned[8..12].copy_from_slice(&UNALIGNED_VERSION.to_le_bytes());
+        let indices_end = 16 + 2 + 3 + 16 + 5002 * 4;
+        unaligned.drain(indices_end..page_align(indices_end as u64) as usize);
+        let old = dir.path().join("old-memory");
+        std::fs::write(&old, &unaligned).unwrap();
         let third = map();
         // SAFETY: as above.
         let third = unsafe { std::slice::from_raw_parts_mut(third, PAGES * PAGE) };
-        capture.apply(pid, &block(third)).unwrap();
-        assert!(source == third, "so does one the capture was applied to from memory");
-        assert_eq!(target[3 * PAGE], 0xaa);
-        assert_eq!(target[4 * PAGE], 5, "an unwritten page is the template's");
+        assert_eq!(apply(&old, pid, &block(third), "mem").unwrap().written, 5002 * PAGE as u64);
+        assert!(source == third, "a first-format delta applies alike");
+
         std::fs::write(&saved, b"CLADEMEM\x09\0\0\0").unwrap();
-        assert!(matches!(apply(&saved, pid, &block(target)), Err(DeltaError::Format(_))));
+        assert!(matches!(apply(&saved, pid, &block(target), "mem"), Err(DeltaError::Format(_))));
+        unaligned.truncate(unaligned.len() - 1);
+        std::fs::write(&old, &unaligned).unwrap();
+        assert!(matches!(apply(&old, pid, &block(target), "mem"), Err(DeltaError::Format(_))), "a short file is refused before any write");
+    }
+
+    #[test]
+    fn mappings_of_a_block_are_read_from_the_process_map() {
+        let block = RamBlock { name: "mem".into(), length: 16 * PAGE as u64, host_address: 0x7f00_0000_0000 };
+        let maps = "55d0c0000000-55d0c0001000 r--p 00000000 fe:00 10199046  /usr/bin/qemu-system-x86_64
+7f00_0000_0000-7f00_0000_4000 rw-p 00000000 fe:00 828284  /t/ram
+7f00_0000_4000-7f00_0000_6000 rw-p 00010000 fe:01 99  /s/memory (deleted)
+7f00_0000_6000-7f00_0001_0000 rw-p 00006000 fe:00 828284  /t/ram
+7f00_0001_0000-7f00_0002_0000 rw-p 00000000 00:00 0
+"
+        .replace('_', "");
+        let template = FileIdentity { major: 0xfe, minor: 0, inode: 828284 };
+        let other = FileIdentity { major: 0xfe, minor: 1, inode: 99 };
+        assert_eq!(
+            segments_of(&maps, &block).unwrap(),
+            vec![
+                Segment { first: 0, pages: 4, file: Some(template) },
+                Segment { first: 4, pages: 2, file: Some(other) },
+                Segment { first: 6, pages: 10, file: Some(template) },
+            ]
+        );
+        let longer = RamBlock { length: 32 * PAGE as u64, ..block.clone() };
+        let segments = segments_of(&maps, &longer).unwrap();
+        assert_eq!(segments.last(), Some(&Segment { first: 16, pages: 16, file: None }), "anonymous memory has no file");
+        let hole = maps.replace("7f0000004000-7f0000006000", "7f0000004000-7f0000005000");
+        assert!(matches!(segments_of(&hole, &block), Err(DeltaError::Blocks(_))), "a block not mapped whole");
+    }
+
+    #[test]
+    fn the_longest_runs_are_mapped_and_the_short_ones_written() {
+        let block = SavedBlock { name: "mem".into(), length: 1 << 30, indices: [0, 1, 2].into_iter().chain(10..30).chain(40..80).collect(), pages_at: 8192 };
+        let runs = block.runs();
+        assert_eq!(
+            runs,
+            vec![
+                FileRun { first: 0, pages: 3, file_offset: 8192 },
+                FileRun { first: 10, pages: 20, file_offset: 8192 + 3 * PAGE as u64 },
+                FileRun { first: 40, pages: 40, file_offset: 8192 + 23 * PAGE as u64 },
+            ]
+        );
+        let (to_map, to_write) = split_for_mapping(runs.clone());
+        assert_eq!(to_map, vec![runs[2], runs[1]]);
+        assert_eq!(to_write, vec![runs[0]]);
+        let many: Vec<FileRun> = (0..MAX_MAPPINGS as u32 + 5).map(|i| FileRun { first: i * 100, pages: 16 + i % 7, file_offset: 0 }).collect();
+        let (to_map, to_write) = split_for_mapping(many);
+        assert_eq!((to_map.len(), to_write.len()), (MAX_MAPPINGS, 5));
+        assert!(to_write.iter().all(|w| to_map.iter().all(|m| m.pages >= w.pages)), "the longest are mapped");
     }
 }

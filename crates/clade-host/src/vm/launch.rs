@@ -94,6 +94,21 @@ pub fn console_log(dir: &Path) -> PathBuf {
 pub fn agent_socket(dir: &Path) -> PathBuf {
     dir.join("agent.sock")
 }
+/// The file QEMU process `pid` maps its RAM from (`mem-path` of its
+/// memory backend), if any.
+pub fn mapped_ram_file(pid: u32) -> Option<PathBuf> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    ram_file_in(&cmdline)
+}
+
+fn ram_file_in(cmdline: &[u8]) -> Option<PathBuf> {
+    let backend = format!("memory-backend-file,id={RAM_ID},");
+    cmdline.split(|&b| b == 0).map(String::from_utf8_lossy).find_map(|arg| {
+        let options = arg.strip_prefix(&backend)?.to_string();
+        options.split(',').find_map(|o| o.strip_prefix("mem-path=")).map(PathBuf::from)
+    })
+}
+
 pub fn qmp_socket(dir: &Path) -> PathBuf {
     dir.join("qmp.sock")
 }
@@ -365,6 +380,9 @@ mod tests {
         assert!(joined.contains("mem-path=/t/ram,share=off,readonly=on,rom=off"), "{joined}");
         assert!(joined.contains("-global migration.announce-rounds=0"), "no announce requests after the load: {joined}");
         assert!(joined.ends_with("-incoming defer"), "{joined}");
+        let cmdline: Vec<u8> = qemu_args(&restore).into_iter().flat_map(|a| a.into_encoded_bytes().into_iter().chain([0])).collect();
+        assert_eq!(ram_file_in(&cmdline), Some(PathBuf::from("/t/ram")), "the RAM file is read back from the command line");
+        assert_eq!(ram_file_in(b"qemu\0-m\0-smp\0"), None);
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod delta;
 mod launch;
 mod migrate;
 mod process;
+mod remote_map;
 mod record;
 mod snapshot;
 mod standby;
@@ -529,7 +530,7 @@ impl VmRuntime {
         let state = dir.join(HIBERNATED_STATE);
         let memory_file = dir.join(HIBERNATED_MEMORY);
         let memory = match memory_file.exists() {
-            true => RestoredMemory::Delta { pages: delta::Pages::Saved(memory_file.clone()), vmm },
+            true => RestoredMemory::Delta { file: memory_file.clone(), vmm },
             false => RestoredMemory::InState,
         };
         let woken = async {
@@ -750,9 +751,9 @@ enum RestoredMemory {
     /// None: the mapped file is all of it (a template or an older snapshot),
     /// left out of the stream with `x-ignore-shared`.
     Shared,
-    /// What the guest wrote on top of its template, written into QEMU
-    /// process `vmm` before the device state loads.
-    Delta { pages: delta::Pages, vmm: ProcessId },
+    /// What the guest wrote on top of its template, saved in `file`: mapped
+    /// or written into QEMU process `vmm` before the device state loads.
+    Delta { file: PathBuf, vmm: ProcessId },
 }
 
 /// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
@@ -775,10 +776,11 @@ async fn restore_into(
         let ignore_shared = match memory {
             RestoredMemory::InState => false,
             RestoredMemory::Shared => true,
-            RestoredMemory::Delta { pages, vmm } => {
+            RestoredMemory::Delta { file, vmm } => {
                 // Before the device state: loading virtio queues reads guest memory.
                 let blocks = delta::ram_blocks(&qmp).await?;
-                memory_task(move || pages.apply(vmm.pid, &blocks)).await?;
+                let applied = memory_task(move || delta::apply(&file, vmm.pid, &blocks, launch::RAM_ID)).await?;
+                tracing::debug!(mapped = applied.mapped, written = applied.written, "memory delta applied");
                 false
             }
         };
@@ -1053,11 +1055,13 @@ impl Vm {
     async fn stop_and_capture(&self, state: &Path) -> Result<(std::time::Instant, delta::Capture), VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
-        let sizing = blocks.clone();
-        let buffer = memory_task(move || delta::CaptureBuffer::sized_for(pid, &sizing, launch::RAM_ID)).await?;
+        let file = launch::mapped_ram_file(pid).ok_or_else(|| VmError::Config(format!("QEMU process {pid} maps no RAM file")))?;
+        let template = delta::TemplateBlock { name: launch::RAM_ID.to_string(), file };
+        let (sizing, sizing_template) = (blocks.clone(), template.clone());
+        let buffer = memory_task(move || delta::CaptureBuffer::sized_for(pid, &sizing, &sizing_template)).await?;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
-        let capture = memory_task(move || delta::Capture::read(pid, &blocks, launch::RAM_ID, buffer)).await?;
+        let capture = memory_task(move || delta::Capture::read(pid, &blocks, &template, buffer)).await?;
         let read = stopped_at.elapsed();
         migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
         tracing::debug!(?read, devices = ?stopped_at.elapsed(), bytes = capture.bytes(), "captured a stopped VM");

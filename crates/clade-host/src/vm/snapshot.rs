@@ -18,12 +18,15 @@
 //! written since its restore (the anonymous pages of its copy-on-write
 //! mapping of the template's RAM file), its device state and its disk layer;
 //! the pages are written out after the VM runs again. A VM made from a
-//! snapshot maps the template's RAM file copy-on-write, like any VM, and has
-//! the snapshot's pages written over it before its devices load: what a
-//! snapshot, a fork child and its memory cost follows what the source guest
-//! wrote, never its RAM size, and the template's memory is never copied.
-//! Chains do not grow: a VM made from a snapshot is again its template plus
-//! the pages it differs in.
+//! snapshot maps the template's RAM file copy-on-write, like any VM, and
+//! over it, before its devices load, the snapshot's pages: the long runs of
+//! them mapped copy-on-write from `memory` (a fork's children: from a
+//! memory file with the same content), so that the VMs made from one
+//! snapshot share those pages until each writes its own; the rest are
+//! written in. What a snapshot, a fork child and
+//! its memory cost follows what the source guest wrote, never its RAM size,
+//! and the template's memory is never copied. Chains do not grow: a VM made
+//! from a snapshot is again its template plus the pages it differs in.
 //!
 //! Deleting a snapshot removes its state and memory at once and its disk
 //! layer only when no VM and no other snapshot is backed by it, so a
@@ -33,7 +36,6 @@
 //! mapped by the VMs made from them; or RAM inside `state`) still restore.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -51,6 +53,7 @@ use super::{
 
 const RECORD: &str = "snapshot.json";
 const CHILD_LAYER: &str = "child.qcow2";
+const MEMORY: &str = "memory";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotRecord {
@@ -159,7 +162,7 @@ impl VmRuntime {
     }
 
     /// Makes a VM from the snapshot in `snap_dir`, its memory from `memory`
-    /// when given (a fork's, not written out) or else from the snapshot.
+    /// when given (a fork's, held in memory) or else from the snapshot.
     async fn restore_snapshot(
         &self,
         snap_dir: &Path,
@@ -167,7 +170,7 @@ impl VmRuntime {
         lifetime: Lifetime,
         watchdog: Option<Watchdog>,
         network: Option<EgressPolicy>,
-        memory: Option<&Arc<delta::Capture>>,
+        memory: Option<&Path>,
     ) -> Result<Vm, VmError> {
         let snapshot_id = &snap.id;
         let image = self
@@ -222,11 +225,10 @@ impl VmRuntime {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let vmm = record.vmm.ok_or_else(|| VmError::Config("a VM without a VMM process".into()))?;
             let prepared = preparing.elapsed();
-            let memory = match (memory, snap.memory_delta, snap.own_memory) {
-                (Some(capture), _, _) => RestoredMemory::Delta { pages: delta::Pages::Captured(Arc::clone(capture)), vmm },
-                (None, true, _) => RestoredMemory::Delta { pages: delta::Pages::Saved(snap_dir.join("memory")), vmm },
-                (None, false, true) => RestoredMemory::Shared,
-                (None, false, false) => RestoredMemory::InState,
+            let memory = match (snap.memory_delta, snap.own_memory) {
+                (true, _) => RestoredMemory::Delta { file: memory.map_or_else(|| snap_dir.join(MEMORY), Path::to_path_buf), vmm },
+                (false, true) => RestoredMemory::Shared,
+                (false, false) => RestoredMemory::InState,
             };
             let state = snap_dir.join("state");
             let restoring = std::time::Instant::now();
@@ -255,7 +257,7 @@ impl VmRuntime {
         // VMs made from it keep their mappings of its RAM file.
         let _ = std::fs::remove_file(dir.join("state"));
         let _ = std::fs::remove_file(dir.join("ram"));
-        let _ = std::fs::remove_file(dir.join("memory"));
+        let _ = std::fs::remove_file(dir.join(MEMORY));
         let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
         self.collect_snapshot_layers();
         self.collect_templates();
@@ -300,7 +302,7 @@ impl Vm {
         let outcome = async {
             let (paused, capture) = saved?;
             resumed?;
-            let memory = dir.join("memory");
+            let memory = dir.join(MEMORY);
             super::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
             record.save(&dir).map_err(io_err("writing the snapshot record"))
@@ -396,8 +398,9 @@ impl Vm {
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
     /// memory and running processes as of now, and writes only to itself.
     ///
-    /// A snapshot whose memory never leaves this process: the children get
-    /// the captured pages straight from it, while this VM resumes.
+    /// A snapshot that is never listed: its pages go into a memory file
+    /// while this VM resumes, and the children share them (see the
+    /// module's description).
     pub async fn fork(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Vm>, VmError> {
         if !(1..=16).contains(&count) {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
@@ -413,7 +416,7 @@ impl Vm {
             let (paused, capture) = saved?;
             snapshot.source_paused_ms = paused.as_millis() as u64;
             snapshot.save(&dir).map_err(io_err("writing the snapshot record"))?;
-            Ok::<_, VmError>(Arc::new(capture))
+            Ok::<_, VmError>(capture)
         }
         .await;
         let capture = match saved {
@@ -426,23 +429,36 @@ impl Vm {
         };
         let captured = started.elapsed();
         let children = async {
+            let memory = super::memory_task(move || capture.save_in_memory()).await?;
+            let memory_path = memory.path();
             let children = futures::future::join_all(
-                (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&capture))),
+                (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&memory_path))),
             )
             .await;
-            (children, started.elapsed())
+            Ok::<_, VmError>((children, started.elapsed()))
         };
         let resumed = async {
             let resumed = self.resume_after_snapshot().await;
             (resumed, started.elapsed())
         };
-        let ((resumed, parent_resumed), (children, children_ready)) = futures::future::join(resumed, children).await;
-        tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
-        // The children have what they need from these.
-        let _ = std::fs::remove_file(dir.join("state"));
-        let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
-        let mut made = Vec::new();
+        let ((resumed, parent_resumed), made) = futures::future::join(resumed, children).await;
+        // The children have what they need from these; the memory file
+        // stays while they map it.
+        for file in ["state", CHILD_LAYER] {
+            let _ = std::fs::remove_file(dir.join(file));
+        }
         let mut failure = resumed.err();
+        let children = match made {
+            Ok((children, children_ready)) => {
+                tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
+                children
+            }
+            Err(e) => {
+                failure = Some(e);
+                Vec::new()
+            }
+        };
+        let mut made = Vec::new();
         for child in children {
             match child {
                 Ok(vm) => made.push(vm),
