@@ -88,6 +88,9 @@ struct Borrowed {
     saved: libc::user_regs_struct,
     /// A `syscall` instruction: the one the thread stopped after.
     syscall_at: u64,
+    /// A signal that stopped the thread instead of a step: it is delivered
+    /// when the thread is let go.
+    pending: std::cell::Cell<Option<Signal>>,
 }
 
 impl Borrowed {
@@ -132,7 +135,7 @@ impl Borrowed {
         if !in_syscall || !readable || before != SYSCALL_INSTRUCTION {
             return fail(None, RemoteMapError::Trace { tid: tid.as_raw(), what: "not waiting in a system call".into() });
         }
-        Ok(Self { tid, saved, syscall_at })
+        Ok(Self { tid, saved, syscall_at, pending: std::cell::Cell::new(None) })
     }
 
     fn map_private(self, pid: u32, file: &Path, mappings: &[Mapping]) -> Result<(), RemoteMapError> {
@@ -172,6 +175,10 @@ impl Borrowed {
         ptrace::step(self.tid, None).map_err(|e| failed("stepping", e))?;
         match waitpid(self.tid, Some(WaitPidFlag::__WALL)).map_err(|e| failed("waiting", e))? {
             WaitStatus::Stopped(_, Signal::SIGTRAP) => {}
+            WaitStatus::Stopped(_, signal) => {
+                self.pending.set(Some(signal));
+                return Err(std::io::Error::other(format!("{signal} arrived")));
+            }
             other => return Err(std::io::Error::other(format!("unexpected stop {other:?}"))),
         }
         let result = ptrace::getregs(self.tid).map_err(|e| failed("reading registers", e))?.rax as i64;
@@ -187,7 +194,7 @@ impl Drop for Borrowed {
         // With the registers of its interrupted wait back, the kernel
         // restarts that wait as it would after any signal.
         let _ = ptrace::setregs(self.tid, self.saved);
-        let _ = ptrace::detach(self.tid, None);
+        let _ = ptrace::detach(self.tid, self.pending.get());
     }
 }
 
