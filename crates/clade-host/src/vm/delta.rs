@@ -23,11 +23,13 @@
 //! ```text
 //! "CLADEMEM"  u32 version (2)  u32 block count
 //! per block:  u16 name length, name, u64 block length, u64 page count,
-//!             u32 page index × count, zeros up to a multiple of 4096 bytes
-//!             from the file's start, 4096-byte pages × count (index order)
+//!             u64 file offset of its pages (a multiple of 4096),
+//!             u32 page index × count
+//! then, at those offsets: 4096-byte pages × count per block (index order)
 //! ```
 //!
-//! Version 1, without the padding, is still read; its pages are written in.
+//! Version 1 (each block's pages right after its indices, not page-aligned)
+//! is still read; its pages are written in.
 
 use std::io::{BufReader, BufWriter, IoSlice, IoSliceMut, Read, Write};
 use std::os::unix::fs::FileExt;
@@ -128,30 +130,29 @@ pub struct TemplateBlock {
 #[derive(Debug)]
 pub struct Capture {
     blocks: Vec<BlockPages>,
-    data: Vec<u8>,
+    memory: CaptureMemory,
+    /// Bytes of pages in `memory`.
+    used: usize,
 }
 
 /// Memory faulted in, while the guest still runs, for a capture of the
 /// pages its guest has written so far and some more: faulting it in while
 /// the guest is stopped would cost more than the copy itself.
 #[derive(Debug)]
-pub struct CaptureBuffer(Vec<u8>);
+pub struct CaptureBuffer(CaptureMemory);
 
 impl CaptureBuffer {
     /// Room for what the guest of QEMU process `pid` has written so far
     /// plus an eighth.
     pub fn sized_for(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
         let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
-        let bytes = (pages + pages / 8 + 256) * PAGE;
-        // Written, not just allocated (as `vec![0; n]` would be): every
-        // page is faulted in now.
-        #[allow(clippy::slow_vector_initialization)]
-        let data = {
-            let mut data = Vec::with_capacity(bytes);
-            data.resize(bytes, 0u8);
-            data
-        };
-        Ok(Self(data))
+        let room = pages + pages / 8 + 256;
+        let mut memory = CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?;
+        // Written, not just mapped: every page is faulted in now.
+        for page in memory.pages_mut().chunks_exact_mut(PAGE) {
+            page[0] = 0;
+        }
+        Ok(Self(memory))
     }
 }
 
@@ -162,17 +163,22 @@ impl Capture {
     /// stopped.
     pub fn read(pid: u32, blocks: &[RamBlock], template: &TemplateBlock, buffer: CaptureBuffer) -> Result<Self, DeltaError> {
         let to_read = Self::pages_to_read(pid, blocks, template)?;
-        let mut data = buffer.0;
-        data.resize(to_read.iter().map(Vec::len).sum::<usize>() * PAGE, 0);
+        let pages: usize = to_read.iter().map(Vec::len).sum();
+        let mut memory = buffer.0;
+        if pages * PAGE > memory.pages().len() {
+            // The guest wrote more since the buffer was sized.
+            let headers = headers_len(blocks.iter().zip(&to_read).map(|(b, i)| (b.name.as_str(), i.len())));
+            memory = CaptureMemory::new(headers, pages)?;
+        }
         let mut captured = Vec::new();
         let mut offset = 0;
         for (block, indices) in blocks.iter().zip(to_read) {
             let range = offset..offset + indices.len() * PAGE;
-            read_pages_in_parallel(pid, block.host_address, &indices, &mut data[range.clone()])?;
+            read_pages_in_parallel(pid, block.host_address, &indices, &mut memory.pages_mut()[range.clone()])?;
             offset = range.end;
             captured.push(BlockPages { name: block.name.clone(), length: block.length, indices, data: range });
         }
-        Ok(Self { blocks: captured, data })
+        Ok(Self { blocks: captured, memory, used: offset })
     }
 
     /// Per block, the indices of the pages a capture reads.
@@ -211,49 +217,126 @@ impl Capture {
 
     /// Bytes of guest memory the capture holds.
     pub fn bytes(&self) -> u64 {
-        self.data.len() as u64
+        self.used as u64
     }
 
     /// Writes the capture to `path` (through a temporary name).
     pub fn save(&self, path: &Path) -> Result<(), DeltaError> {
         let tmp = path.with_extension("tmp");
-        let write = || self.write_to(std::fs::File::create(&tmp)?);
+        let write = || -> std::io::Result<()> {
+            let pages_at = page_align(self.headers_len() as u64);
+            let mut out = BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+            let headers = self.headers(pages_at);
+            out.write_all(&headers)?;
+            out.write_all(&vec![0u8; pages_at as usize - headers.len()])?;
+            out.write_all(&self.memory.pages()[..self.used])?;
+            out.flush()
+        };
         write().map_err(io_err(format!("writing {}", tmp.display())))?;
         std::fs::rename(&tmp, path).map_err(io_err(format!("publishing {}", path.display())))
     }
 
-    /// The capture as a saved delta in memory (a memfd), for VMs made at
-    /// once from it (a fork's children): a file on disk would be throttled
-    /// to the disk's speed while its pages are being written.
-    pub fn save_in_memory(&self) -> Result<InMemoryDelta, DeltaError> {
-        let fd = nix::sys::memfd::memfd_create(c"clade-delta", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
-            .map_err(|e| io_err("creating a memory file")(e.into()))?;
-        let file = std::fs::File::from(fd);
-        self.write_to(file.try_clone().map_err(io_err("duplicating a file handle"))?)
-            .map_err(io_err("writing a delta into memory"))?;
+    /// The capture as a saved delta in memory, for VMs made at once from it
+    /// (a fork's children): its memory is already a memory file with room
+    /// for the headers before the pages, so only they are written. (A file
+    /// on disk would be throttled to the disk's speed while written.)
+    pub fn into_memory_delta(self) -> Result<InMemoryDelta, DeltaError> {
+        let pages_at = self.memory.pages_at;
+        let headers = self.headers(pages_at as u64);
+        assert!(headers.len() <= pages_at, "a capture's memory has room for its headers");
+        let file = self.memory.file.try_clone().map_err(io_err("duplicating a file handle"))?;
+        file.write_all_at(&headers, 0).map_err(io_err("writing a delta's headers"))?;
+        // The room left for pages the guest did not write goes.
+        file.set_len((pages_at + self.used) as u64).map_err(io_err("trimming a memory file"))?;
         Ok(InMemoryDelta(file))
     }
 
-    fn write_to(&self, file: std::fs::File) -> std::io::Result<()> {
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(MAGIC)?;
-        out.write_all(&VERSION.to_le_bytes())?;
-        out.write_all(&(self.blocks.len() as u32).to_le_bytes())?;
-        let mut offset = (MAGIC.len() + 8) as u64;
+    fn headers_len(&self) -> usize {
+        headers_len(self.blocks.iter().map(|b| (b.name.as_str(), b.indices.len())))
+    }
+
+    /// The file's headers, its pages starting at file offset `pages_at`.
+    fn headers(&self, pages_at: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.headers_len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(self.blocks.len() as u32).to_le_bytes());
         for block in &self.blocks {
-            out.write_all(&(block.name.len() as u16).to_le_bytes())?;
-            out.write_all(block.name.as_bytes())?;
-            out.write_all(&block.length.to_le_bytes())?;
-            out.write_all(&(block.indices.len() as u64).to_le_bytes())?;
-            let indices: Vec<u8> = block.indices.iter().flat_map(|i| i.to_le_bytes()).collect();
-            out.write_all(&indices)?;
-            offset += (2 + block.name.len() + 16 + indices.len()) as u64;
-            // Pages at page-aligned offsets, so that they can be mapped.
-            out.write_all(&vec![0u8; (page_align(offset) - offset) as usize])?;
-            out.write_all(&self.data[block.data.clone()])?;
-            offset = page_align(offset) + block.data.len() as u64;
+            out.extend_from_slice(&(block.name.len() as u16).to_le_bytes());
+            out.extend_from_slice(block.name.as_bytes());
+            out.extend_from_slice(&block.length.to_le_bytes());
+            out.extend_from_slice(&(block.indices.len() as u64).to_le_bytes());
+            out.extend_from_slice(&(pages_at + block.data.start as u64).to_le_bytes());
+            out.extend(block.indices.iter().flat_map(|i| i.to_le_bytes()));
         }
-        out.flush()
+        out
+    }
+}
+
+/// Bytes of a delta file's headers for blocks of these names and page counts.
+fn headers_len<'a>(blocks: impl Iterator<Item = (&'a str, usize)>) -> usize {
+    MAGIC.len() + 8 + blocks.map(|(name, pages)| 2 + name.len() + 24 + 4 * pages).sum::<usize>()
+}
+
+/// A capture's memory: a memory file (memfd) mapped here, pages after room
+/// for a delta file's headers, so that once they are written the capture is
+/// a saved delta that new VMs map without a copy.
+#[derive(Debug)]
+struct CaptureMemory {
+    file: std::fs::File,
+    map: std::ptr::NonNull<std::ffi::c_void>,
+    len: usize,
+    /// Where the pages start: a page boundary.
+    pages_at: usize,
+}
+
+// SAFETY: the mapping belongs to this value alone and is reached only
+// through `&self`/`&mut self`, as a `Vec`'s buffer would be.
+#[allow(unsafe_code)]
+unsafe impl Send for CaptureMemory {}
+
+impl CaptureMemory {
+    fn new(headers: usize, pages: usize) -> Result<Self, DeltaError> {
+        use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+        let pages_at = page_align(headers as u64) as usize;
+        let len = pages_at + pages * PAGE;
+        let fd = memfd_create(c"clade-delta", MemFdCreateFlag::MFD_CLOEXEC).map_err(|e| io_err("creating a memory file")(e.into()))?;
+        let file = std::fs::File::from(fd);
+        file.set_len(len as u64).map_err(io_err("sizing a memory file"))?;
+        let length = std::num::NonZeroUsize::new(len).expect("room for headers");
+        // SAFETY: a new shared mapping of a memory file only this value
+        // holds, unmapped when it drops; nothing else changes the file's
+        // size meanwhile (`into_memory_delta` trims it after the last use).
+        #[allow(unsafe_code)]
+        let map = unsafe { mmap(None, length, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &file, 0) }
+            .map_err(|e| io_err("mapping a memory file")(e.into()))?;
+        Ok(Self { file, map, len, pages_at })
+    }
+
+    fn pages(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` bytes, readable, and lives as long as `self`.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().cast::<u8>().add(self.pages_at), self.len - self.pages_at)
+        }
+    }
+
+    fn pages_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `pages`, and `&mut self` makes this the only reference.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts_mut(self.map.as_ptr().cast::<u8>().add(self.pages_at), self.len - self.pages_at)
+        }
+    }
+}
+
+impl Drop for CaptureMemory {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, with its length; no slice of it
+        // outlives `self`.
+        #[allow(unsafe_code)]
+        let _ = unsafe { nix::sys::mman::munmap(self.map, self.len) };
     }
 }
 
@@ -627,6 +710,13 @@ impl SavedDelta {
             if count > length / PAGE as u64 {
                 return Err(bad());
             }
+            let stated_pages_at = match page_aligned {
+                true => {
+                    input.read(&mut u64_).map_err(|_| bad())?;
+                    Some(u64::from_le_bytes(u64_))
+                }
+                false => None,
+            };
             let mut indices = vec![0u8; count as usize * 4];
             input.read(&mut indices).map_err(|_| bad())?;
             let indices: Vec<u32> = indices.chunks_exact(4).map(|i| u32::from_le_bytes(i.try_into().expect("4 bytes"))).collect();
@@ -634,12 +724,15 @@ impl SavedDelta {
             if !ordered || indices.last().is_some_and(|&i| u64::from(i) >= length / PAGE as u64) {
                 return Err(bad());
             }
-            let pages_at = if page_aligned { page_align(input.offset) } else { input.offset };
-            let next = pages_at + count * PAGE as u64;
-            if next > file_len {
+            // Version 1: the pages follow; version 2: they are where it says.
+            let pages_at = stated_pages_at.unwrap_or(input.offset);
+            let pages_end = pages_at.checked_add(count * PAGE as u64).ok_or_else(bad)?;
+            if pages_end > file_len || (page_aligned && pages_at % PAGE as u64 != 0) {
                 return Err(bad());
             }
-            input.skip_to(next).map_err(|_| bad())?;
+            if !page_aligned {
+                input.skip_to(pages_end).map_err(|_| bad())?;
+            }
             blocks.push(SavedBlock { name, length, indices, pages_at });
         }
         Ok(Self { file, page_aligned, blocks })
@@ -735,10 +828,11 @@ mod tests {
         assert_eq!(target[4 * PAGE], 5, "an unwritten page is the template's");
 
         // The same delta in the first format, pages right after the indices.
-        let mut unaligned = std::fs::read(&saved).unwrap();
-        unaligned[8..12].copy_from_slice(&UNALIGNED_VERSION.to_le_bytes());
-        let indices_end = 16 + 2 + 3 + 16 + 5002 * 4;
-        unaligned.drain(indices_end..page_align(indices_end as u64) as usize);
+        let mut unaligned = [&MAGIC[..], &UNALIGNED_VERSION.to_le_bytes(), &1u32.to_le_bytes(), &3u16.to_le_bytes(), b"mem"].concat();
+        unaligned.extend_from_slice(&(PAGES as u64 * PAGE as u64).to_le_bytes());
+        unaligned.extend_from_slice(&5002u64.to_le_bytes());
+        unaligned.extend(expected.iter().flat_map(|i| i.to_le_bytes()));
+        unaligned.extend_from_slice(&capture.memory.pages()[..capture.used]);
         let old = dir.path().join("old-memory");
         std::fs::write(&old, &unaligned).unwrap();
         let third = map();
@@ -746,6 +840,19 @@ mod tests {
         let third = unsafe { std::slice::from_raw_parts_mut(third, PAGES * PAGE) };
         assert_eq!(apply(&old, pid, &block(third), "mem").unwrap().written, 5002 * PAGE as u64);
         assert!(source == third, "a first-format delta applies alike");
+
+        // Held in memory (a fork's): the same file, trimmed to its pages.
+        let in_memory = capture.into_memory_delta().unwrap();
+        let held = std::fs::read(in_memory.path()).unwrap();
+        let on_disk = std::fs::read(&saved).unwrap();
+        assert_eq!(held.len() % PAGE, 0, "trimmed to its pages, which start at a page boundary");
+        let pages = |file: &[u8]| file[file.len() - 5002 * PAGE..].to_vec();
+        assert!(pages(&held) == pages(&on_disk), "the memory file holds the saved file's pages");
+        let fourth = map();
+        // SAFETY: as above.
+        let fourth = unsafe { std::slice::from_raw_parts_mut(fourth, PAGES * PAGE) };
+        apply(&in_memory.path(), pid, &block(fourth), "mem").unwrap();
+        assert!(source == fourth, "a delta held in memory applies alike");
 
         std::fs::write(&saved, b"CLADEMEM\x09\0\0\0").unwrap();
         assert!(matches!(apply(&saved, pid, &block(target), "mem"), Err(DeltaError::Format(_))));

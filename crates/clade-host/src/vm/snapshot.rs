@@ -429,7 +429,7 @@ impl Vm {
         };
         let captured = started.elapsed();
         let children = async {
-            let memory = super::memory_task(move || capture.save_in_memory()).await?;
+            let memory = super::memory_task(move || capture.into_memory_delta()).await?;
             let memory_path = memory.path();
             let children = futures::future::join_all(
                 (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&memory_path))),
