@@ -15,6 +15,9 @@
 //! Every failure leaves the process as it was except for mappings already
 //! made, and those hold the same bytes: the caller then writes the pages
 //! instead, which is correct whatever was mapped.
+//!
+//! x86-64 Linux only (the registers and the `syscall` instruction), the one
+//! host target Clade builds for.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::ffi::OsStrExt;
