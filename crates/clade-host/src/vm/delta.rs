@@ -560,13 +560,27 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -
                     }
                     // Whatever got mapped holds the same bytes as what is
                     // written over it now.
-                    Err(e) => tracing::debug!(delta = %path.display(), "writing a delta's pages instead of mapping them: {e}"),
+                    Err(e) => warn_once_unmapped(path, &e),
                 },
             }
         }
         applied.written += write_runs(&delta.file, pid, target.host_address, &runs)?;
     }
     Ok(applied)
+}
+
+/// Logs why a delta's pages were written instead of mapped: a warning the
+/// first time (VMs made from one delta then each hold a copy, which an
+/// operator should know about, e.g. when ptrace is not allowed), debug after.
+fn warn_once_unmapped(path: &Path, error: &remote_map::RemoteMapError) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    match WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        false => tracing::warn!(
+            delta = %path.display(),
+            "saved guest memory is written into each new VM instead of shared, as it could not be mapped: {error}"
+        ),
+        true => tracing::debug!(delta = %path.display(), "writing a delta's pages instead of mapping them: {error}"),
+    }
 }
 
 /// Runs shorter than this many pages are written into a new VM rather than
