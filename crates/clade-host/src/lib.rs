@@ -11,6 +11,7 @@
 pub mod accel;
 pub mod agent;
 pub mod config;
+pub mod durable;
 pub mod image;
 pub mod net;
 pub mod qcow2;

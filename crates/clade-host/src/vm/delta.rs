@@ -220,7 +220,10 @@ impl Capture {
         self.used as u64
     }
 
-    /// Writes the capture to `path` (through a temporary name).
+    /// Writes the capture to `path` through a temporary name, its data on
+    /// disk before the rename (`durable`: snapshots and hibernated VMs must
+    /// outlive a power loss); the caller flushes the directory once it has
+    /// written the rest.
     pub fn save(&self, path: &Path) -> Result<(), DeltaError> {
         let tmp = path.with_extension("tmp");
         let write = || -> std::io::Result<()> {
@@ -230,7 +233,7 @@ impl Capture {
             out.write_all(&headers)?;
             out.write_all(&vec![0u8; pages_at as usize - headers.len()])?;
             out.write_all(&self.memory.pages()[..self.used])?;
-            out.flush()
+            out.into_inner().map_err(std::io::IntoInnerError::into_error)?.sync_all()
         };
         write().map_err(io_err(format!("writing {}", tmp.display())))?;
         std::fs::rename(&tmp, path).map_err(io_err(format!("publishing {}", path.display())))

@@ -954,7 +954,12 @@ impl Vm {
         if vmm_gone {
             record.vmm = None;
         }
-        record.save(&self.inner.dir).map_err(io_err("writing the VM record"))
+        match phase {
+            // The record that says where the VM is must outlive a power loss.
+            Phase::Hibernated => record.save_durably(&self.inner.dir),
+            _ => record.save(&self.inner.dir),
+        }
+        .map_err(io_err("writing the VM record"))
     }
 
     /// Moves from `from` to `to`, or says why not.
@@ -1029,6 +1034,10 @@ impl Vm {
             *self.inner.state.lock().expect("vm state lock") = was;
             return Err(VmError::Config(format!("hibernating: {e}")));
         }
+        // On disk before the record says hibernated (see `durable`): the
+        // state, and the disk layer as the quiesced guest left it.
+        crate::durable::sync_file(&tmp).map_err(io_err("flushing the hibernated state"))?;
+        crate::durable::sync_file(&self.inner.dir.join("disk.qcow2")).map_err(io_err("flushing the disk layer"))?;
         std::fs::rename(&tmp, self.inner.dir.join(HIBERNATED_STATE)).map_err(io_err("publishing the hibernated state"))?;
         self.set_phase(Phase::Hibernated, true)?;
         self.end_process().await;

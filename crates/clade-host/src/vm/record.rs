@@ -80,9 +80,13 @@ const RECORD: &str = "vm.json";
 impl VmRecord {
     /// Writes the record atomically (temporary file, then rename).
     pub fn save(&self, dir: &Path) -> std::io::Result<()> {
-        let tmp = dir.join(format!(".{RECORD}.tmp"));
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
-        std::fs::rename(&tmp, dir.join(RECORD))
+        crate::durable::replace(&dir.join(RECORD), &serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?, false)
+    }
+
+    /// [`Self::save`], on disk when it returns (see `durable`): for a record
+    /// that must outlive a power loss, a hibernated VM's.
+    pub fn save_durably(&self, dir: &Path) -> std::io::Result<()> {
+        crate::durable::replace(&dir.join(RECORD), &serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?, true)
     }
 
     pub fn load(dir: &Path) -> Option<Self> {

@@ -90,9 +90,21 @@ pub struct SnapshotRecord {
 
 impl SnapshotRecord {
     fn save(&self, dir: &Path) -> std::io::Result<()> {
-        let tmp = dir.join(format!(".{RECORD}.tmp"));
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
-        std::fs::rename(&tmp, dir.join(RECORD))
+        crate::durable::replace(&dir.join(RECORD), &serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?, false)
+    }
+
+    /// Completes a snapshot that must outlive a power loss: its files on
+    /// disk, then the record that makes it complete, then the directories
+    /// that name them.
+    fn save_durably(&self, dir: &Path) -> std::io::Result<()> {
+        for file in ["state", "disk.qcow2", CHILD_LAYER] {
+            match crate::durable::sync_file(&dir.join(file)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        crate::durable::replace(&dir.join(RECORD), &serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?, true)?;
+        dir.parent().map_or(Ok(()), crate::durable::sync_dir)
     }
 
     pub fn load(dir: &Path) -> Option<Self> {
@@ -305,7 +317,11 @@ impl Vm {
             let memory = dir.join(MEMORY);
             super::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
-            record.save(&dir).map_err(io_err("writing the snapshot record"))
+            let (record, dir) = (record.clone(), dir.clone());
+            tokio::task::spawn_blocking(move || record.save_durably(&dir))
+                .await
+                .map_err(|e| VmError::Config(format!("record task: {e}")))?
+                .map_err(io_err("writing the snapshot record"))
         }
         .await;
         match outcome {
