@@ -456,14 +456,21 @@ fn written_pages(pagemap: &std::fs::File, address: u64, pages: usize) -> Result<
 
 /// Runs of consecutive page indices as remote iovecs at `base`.
 fn runs(base: u64, indices: &[u32]) -> Vec<RemoteIoVec> {
-    let mut runs: Vec<RemoteIoVec> = Vec::new();
-    let mut previous: Option<u32> = None;
-    for &index in indices {
-        match (runs.last_mut(), previous) {
-            (Some(run), Some(p)) if p + 1 == index => run.len += PAGE,
-            _ => runs.push(RemoteIoVec { base: (base + u64::from(index) * PAGE as u64) as usize, len: PAGE }),
+    file_runs(indices, 0)
+        .into_iter()
+        .map(|r| RemoteIoVec { base: (base + u64::from(r.first) * PAGE as u64) as usize, len: r.pages as usize * PAGE })
+        .collect()
+}
+
+/// Runs of consecutive page indices, their pages stored one after another
+/// from file offset `pages_at`.
+fn file_runs(indices: &[u32], pages_at: u64) -> Vec<FileRun> {
+    let mut runs: Vec<FileRun> = Vec::new();
+    for (position, &index) in indices.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if run.first + run.pages == index => run.pages += 1,
+            _ => runs.push(FileRun { first: index, pages: 1, file_offset: pages_at + (position * PAGE) as u64 }),
         }
-        previous = Some(index);
     }
     runs
 }
@@ -541,7 +548,7 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -
     let mut applied = Applied::default();
     for block in &delta.blocks {
         let target = matching_block(blocks, &block.name, block.length)?;
-        let mut runs = block.runs();
+        let mut runs = file_runs(&block.indices, block.pages_at);
         if delta.page_aligned && block.name == template_block {
             let (to_map, to_write) = split_for_mapping(runs.clone());
             let mappings: Vec<Mapping> = to_map
@@ -552,11 +559,10 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -
                     file_offset: r.file_offset,
                 })
                 .collect();
-            // Not canonicalized: a memory file's path is a link to follow.
-            let file = std::path::absolute(path).map_err(io_err(format!("resolving {}", path.display())))?;
-            match mappings.is_empty() {
-                true => {}
-                false => match remote_map::map_private(pid, &file, &mappings) {
+            if !mappings.is_empty() {
+                // Not canonicalized: a memory file's path is a link to follow.
+                let file = std::path::absolute(path).map_err(io_err(format!("resolving {}", path.display())))?;
+                match remote_map::map_private(pid, &file, &mappings) {
                     Ok(()) => {
                         applied.mapped += mappings.iter().map(|m| m.len).sum::<u64>();
                         runs = to_write;
@@ -564,7 +570,7 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -
                     // Whatever got mapped holds the same bytes as what is
                     // written over it now.
                     Err(e) => warn_once_unmapped(path, &e),
-                },
+                }
             }
         }
         applied.written += write_runs(&delta.file, pid, target.host_address, &runs)?;
@@ -652,19 +658,6 @@ struct SavedBlock {
     length: u64,
     indices: Vec<u32>,
     pages_at: u64,
-}
-
-impl SavedBlock {
-    fn runs(&self) -> Vec<FileRun> {
-        let mut runs: Vec<FileRun> = Vec::new();
-        for (position, &index) in self.indices.iter().enumerate() {
-            match runs.last_mut() {
-                Some(run) if run.first + run.pages == index => run.pages += 1,
-                _ => runs.push(FileRun { first: index, pages: 1, file_offset: self.pages_at + (position * PAGE) as u64 }),
-            }
-        }
-        runs
-    }
 }
 
 /// Reads a saved delta's headers, knowing where it is in the file.
@@ -908,7 +901,7 @@ mod tests {
     #[test]
     fn the_longest_runs_are_mapped_and_the_short_ones_written() {
         let block = SavedBlock { name: "mem".into(), length: 1 << 30, indices: [0, 1, 2].into_iter().chain(10..30).chain(40..80).collect(), pages_at: 8192 };
-        let runs = block.runs();
+        let runs = file_runs(&block.indices, block.pages_at);
         assert_eq!(
             runs,
             vec![
