@@ -11,7 +11,8 @@ pub struct HostConfig {
     /// Built artifacts keyed by content hash: kernels, root filesystems, images.
     pub cache_dir: PathBuf,
     pub accel: AccelChoice,
-    pub qemu_binary: PathBuf,
+    /// The QEMU to run; `None` picks one (see [`HostConfig::qemu`]).
+    pub qemu_binary: Option<PathBuf>,
     /// Where `clade-guestd` is; found next to the running binary when absent.
     pub guestd: Option<PathBuf>,
 }
@@ -22,7 +23,7 @@ impl Default for HostConfig {
             data_dir: PathBuf::from("/var/lib/clade"),
             cache_dir: PathBuf::from("/var/cache/clade"),
             accel: AccelChoice::Auto,
-            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            qemu_binary: None,
             guestd: None,
         }
     }
@@ -43,11 +44,50 @@ impl HostConfig {
             config.accel = accel.parse()?;
         }
         if let Some(qemu) = std::env::var_os("CLADE_QEMU") {
-            config.qemu_binary = qemu.into();
+            config.qemu_binary = Some(qemu.into());
         }
         if let Some(guestd) = std::env::var_os("CLADE_GUESTD") {
             config.guestd = Some(guestd.into());
         }
         Ok(config)
+    }
+
+    /// The QEMU binary to run: `qemu_binary` when set; else Clade's own
+    /// build under the cache directory ([`OWN_QEMU`], made by
+    /// `scripts/build-qemu` with only the devices a sandbox has, ADR 13),
+    /// its link resolved so that a rebuild never swaps the binary under a
+    /// running host; else `qemu-system-x86_64` from `PATH`.
+    pub fn qemu(&self) -> PathBuf {
+        if let Some(qemu) = &self.qemu_binary {
+            return qemu.clone();
+        }
+        std::fs::canonicalize(self.cache_dir.join(OWN_QEMU)).unwrap_or_else(|_| PathBuf::from(DISTRIBUTION_QEMU))
+    }
+}
+
+/// Where `scripts/build-qemu` links Clade's own QEMU, under the cache directory.
+pub const OWN_QEMU: &str = "qemu/qemu-system-x86_64";
+
+/// The distribution's QEMU, used when Clade's own build is absent.
+pub const DISTRIBUTION_QEMU: &str = "qemu-system-x86_64";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_the_set_qemu_then_the_own_build_then_the_distributions() {
+        let cache = tempfile::tempdir().unwrap();
+        let config = HostConfig { cache_dir: cache.path().to_path_buf(), ..HostConfig::default() };
+        assert_eq!(config.qemu(), PathBuf::from(DISTRIBUTION_QEMU), "no own build yet");
+
+        let build = cache.path().join("qemu/abc");
+        std::fs::create_dir_all(&build).unwrap();
+        std::fs::write(build.join("qemu-system-x86_64"), "").unwrap();
+        std::os::unix::fs::symlink("abc/qemu-system-x86_64", cache.path().join(OWN_QEMU)).unwrap();
+        assert_eq!(config.qemu(), build.join("qemu-system-x86_64"), "the link is resolved");
+
+        let set = HostConfig { qemu_binary: Some("/opt/qemu".into()), ..config };
+        assert_eq!(set.qemu(), PathBuf::from("/opt/qemu"));
     }
 }

@@ -145,3 +145,41 @@ fn a_vm_the_host_cannot_hold_is_refused_and_nothing_is_left() {
         assert_eq!(std::fs::read_dir(env.runtime.vms_dir()).unwrap().count(), 0, "nothing half-made");
     });
 }
+
+/// Sandboxes run Clade's own QEMU (scripts/build-qemu, ADR 13): the
+/// microvm machine and the devices a sandbox has, nothing else for a
+/// guest to reach.
+#[test]
+fn vms_run_clades_own_qemu_with_only_a_sandboxs_devices() {
+    let Some(env) = vm_env() else { return };
+    let own = env.config.cache_dir.join(clade_host::config::OWN_QEMU);
+    if env.config.qemu_binary.is_some() || !own.exists() {
+        let _ = clade_host::testing::skip::<()>("CLADE_QEMU is set or scripts/build-qemu has not run");
+        return;
+    }
+    let qemu = std::fs::canonicalize(&own).unwrap();
+    let help = |args: &[&str]| {
+        let out = std::process::Command::new(&qemu).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(help(&["--version"]).contains("(clade-"), "the version names the build");
+    let machines = help(&["-machine", "help"]);
+    assert!(machines.lines().any(|l| l.starts_with("microvm ")), "{machines}");
+    for absent in ["pc ", "q35 ", "isapc "] {
+        assert!(!machines.lines().any(|l| l.starts_with(absent)), "{absent}in {machines}");
+    }
+    let devices = help(&["-device", "help"]);
+    for present in ["virtio-blk-device", "virtio-net-device", "virtio-rng-device", "virtio-serial-device", "virtserialport"] {
+        assert!(devices.contains(&format!("\"{present}\"")), "{present} missing: {devices}");
+    }
+    for absent in ["e1000", "usb-", "VGA", "ide-hd", "virtio-gpu", "ivshmem", "vfio-pci", "virtio-blk-pci"] {
+        assert!(!devices.contains(&format!("\"{absent}")), "{absent} built in: {devices}");
+    }
+    block_on(async {
+        let vm = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let exe = std::fs::read_link(format!("/proc/{}/exe", vm.vmm().pid)).unwrap();
+        assert_eq!(exe, qemu, "the VM runs the own build");
+        vm.stop().await.unwrap();
+    });
+}

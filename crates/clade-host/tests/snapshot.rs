@@ -416,11 +416,12 @@ fn an_upgrade_bakes_a_new_template_and_the_old_one_goes_with_the_last_vm_and_sna
 
         // The host's QEMU is upgraded: its version is part of the template key.
         let qemu = env.data_dir().join("qemu-upgraded");
-        let real = env.config.qemu_binary.display();
+        let real = env.config.qemu();
+        let real = real.display();
         let script = format!("#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'QEMU emulator version 99 (a test upgrade)'; exit 0; }}\nexec {real} \"$@\"\n");
         std::fs::write(&qemu, script).unwrap();
         std::fs::set_permissions(&qemu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        let upgraded = VmRuntime::new(HostConfig { qemu_binary: qemu, ..env.config.clone() }).unwrap();
+        let upgraded = VmRuntime::new(HostConfig { qemu_binary: Some(qemu), ..env.config.clone() }).unwrap();
         let new = upgraded.create(spec.clone()).await.unwrap();
         let new_template = template_of(&new);
         assert_ne!(new_template, old_template, "an upgraded QEMU bakes a new template");

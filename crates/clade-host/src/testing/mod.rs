@@ -69,8 +69,9 @@ pub fn vm_env() -> Option<VmTestEnv> {
         Ok(image) => image,
         Err(reason) => return skip(&reason),
     };
-    if std::process::Command::new(&base.qemu_binary).arg("--version").output().is_err() {
-        return skip(&format!("{} is not installed (scripts/install-host-deps)", base.qemu_binary.display()));
+    let qemu = base.qemu();
+    if std::process::Command::new(&qemu).arg("--version").output().is_err() {
+        return skip(&format!("{} is not installed (scripts/install-host-deps)", qemu.display()));
     }
     static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

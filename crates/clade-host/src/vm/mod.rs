@@ -178,6 +178,9 @@ pub struct VmRuntime {
     config: HostConfig,
     accel: Accel,
     tsc_khz: Option<u64>,
+    /// The QEMU binary every VM of this runtime runs (resolved once).
+    qemu: PathBuf,
+    /// Its `--version` line: part of the template key.
     qemu_version: String,
     vms_dir: PathBuf,
     templates_dir: PathBuf,
@@ -199,17 +202,20 @@ impl VmRuntime {
         for id in sweep(&vms_dir) {
             tracing::info!(vm = %id, "removed a VM whose owner is gone");
         }
-        let qemu_version = std::process::Command::new(&config.qemu_binary)
+        let qemu = config.qemu();
+        let qemu_version = std::process::Command::new(&qemu)
             .arg("--version")
             .output()
             .ok()
             .and_then(|o| String::from_utf8(o.stdout).ok())
             .and_then(|v| v.lines().next().map(str::to_string))
             .unwrap_or_default();
+        tracing::debug!(qemu = %qemu.display(), version = %qemu_version, "VMM");
         let images = ImageStore::new(&config.cache_dir, config.guestd.clone());
         let runtime = Self {
             accel,
             tsc_khz: accel::host_tsc_khz(),
+            qemu,
             qemu_version,
             vms_dir,
             templates_dir,
@@ -676,14 +682,14 @@ fn spawn_qemu(
 ) -> Result<(ProcessId, watch::Receiver<Option<String>>), VmError> {
     let dir = &launch.dir;
     let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
-    let mut command = Command::new(&runtime.config.qemu_binary);
+    let mut command = Command::new(&runtime.qemu);
     command.args(qemu_args(launch)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
     // Under KVM, huge pages back guest RAM well; under TCG they only slowed
     // the translation buffer's growth: create to first exec p99 ~15–20 ms
     // better without, p50 and memory unchanged (clade-bench, A/B).
     let huge_pages = launch.accel == Accel::Kvm;
     let mut child = launch::spawn(command, die_with_owner, netns, huge_pages)
-        .map_err(io_err(format!("starting {}", runtime.config.qemu_binary.display())))?;
+        .map_err(io_err(format!("starting {}", runtime.qemu.display())))?;
     let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
     std::thread::Builder::new()
