@@ -147,6 +147,36 @@ fn creates_and_forks_reach_the_restored_agent_without_a_retry() {
     assert_eq!(code, 0, "{stderr}");
 }
 
+/// CPU time (user + system) of a process, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // utime and stime are fields 14 and 15, counted after the command's closing parenthesis.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    let ticks_per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap() as f64;
+    (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / ticks_per_second
+}
+
+/// `clade vm create` leaves its VM running with no host connected: its
+/// agent must wait for one, not spin through session attempts (it did, at
+/// a whole core per VM, because the port reads as readable with no host).
+#[test]
+fn a_vm_left_with_no_host_stays_idle_and_answers_the_next_one() {
+    let Some(env) = vm_env() else { return };
+    let id = succeed(clade(&env).args(["vm", "create"]));
+    let vmm = VmRecord::load(&env.data_dir().join("vms").join(&id)).and_then(|r| r.vmm).expect("a running VM's QEMU");
+    // Past the guest's first steps after the restore (writeback, journal).
+    std::thread::sleep(Duration::from_secs(3));
+    let (before, since) = (cpu_seconds(vmm.pid), Instant::now());
+    std::thread::sleep(Duration::from_secs(4));
+    let share = (cpu_seconds(vmm.pid) - before) / since.elapsed().as_secs_f64();
+    // An idle guest costs ~1 % of a core here; a spinning one took all it got.
+    assert!(share < 0.25, "a VM with no host used {:.0} % of a core", share * 100.0);
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "cat", "/etc/hostname"]));
+    assert_eq!((code, stdout.trim()), (0, format!("sb-{id}").as_str()), "{stderr}");
+    let (code, _, stderr) = output(clade(&env).args(["vm", "rm", &id]));
+    assert_eq!(code, 0, "{stderr}");
+}
+
 #[test]
 fn create_exec_hibernate_wake_rm_through_the_cli() {
     let Some(env) = vm_env() else { return };

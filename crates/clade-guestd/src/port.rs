@@ -328,9 +328,13 @@ impl SessionChannel for Port {
         let fd = self.fd()?.get_ref();
         set_sigio(fd, true)?;
         // Armed first, looked second: a host that comes after the look is
-        // signalled, one that came before is seen here.
-        let revents = look(fd)?;
-        Ok(revents & libc::POLLIN != 0 || revents & libc::POLLHUP == 0)
+        // signalled, one that came before is seen here. Only the host's
+        // connection counts. With no host the driver reports the port
+        // readable too (a read returns EOF at once), so POLLIN says nothing:
+        // taking it for a hello kept a guest with no host spinning through
+        // session attempts at a whole core. A hello that arrives before the
+        // driver has seen its host's open is read once the open's SIGIO comes.
+        Ok(look(fd)? & libc::POLLHUP == 0)
     }
 }
 

@@ -1018,16 +1018,24 @@ impl Vm {
             self.inner.qmp.execute("cont", None).await?;
             self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
         }
-        if let Err(e) = self.inner.agent.quiesce().await {
+        let template_based = self.memory_is_template_based();
+        let prepare = async {
+            match template_based {
+                true => Some(self.prepare_capture().await),
+                false => None,
+            }
+        };
+        let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), prepare);
+        if let Err(e) = quiesced {
             tracing::warn!(vm = %self.id(), "hibernating without a quiesced guest: {e}");
         }
         let memory = self.inner.dir.join(HIBERNATED_MEMORY);
         let saved = async {
-            if !self.memory_is_template_based() {
+            let Some(prep) = prep else {
                 // Made from an older snapshot whose RAM file it maps: all of it in the state.
                 return migrate::save(&self.inner.qmp, &tmp, false).await.map_err(VmError::from);
-            }
-            let (_, capture) = self.stop_and_capture(&tmp).await?;
+            };
+            let (_, capture) = self.stop_and_capture(&tmp, prep?).await?;
             let file = memory.clone();
             memory_task(move || capture.save(&file)).await
         };
@@ -1064,16 +1072,27 @@ impl Vm {
         String::from_utf8_lossy(&cmdline).contains(&format!("/templates/{template}/ram,share=off"))
     }
 
-    /// Stops the vCPUs, reads what the guest wrote since its restore (see
-    /// `delta`) and writes the device state to `state`. The VM stays
-    /// stopped; returns when it stopped, with the capture.
-    async fn stop_and_capture(&self, state: &Path) -> Result<(std::time::Instant, delta::Capture), VmError> {
+    /// Gets ready to capture what the guest wrote (see `delta`): its RAM
+    /// blocks, and a buffer faulted in for the pages, sized while the guest
+    /// still runs. Callers overlap it with the agent's quiesce: on a VM that
+    /// wrote 200 MiB, faulting in the buffer is most of a fork's time before
+    /// the pause.
+    async fn prepare_capture(&self) -> Result<CapturePrep, VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
         let file = launch::mapped_ram_file(pid).ok_or_else(|| VmError::Config(format!("QEMU process {pid} maps no RAM file")))?;
         let template = delta::TemplateBlock { name: launch::RAM_ID.to_string(), file };
         let (sizing, sizing_template) = (blocks.clone(), template.clone());
         let buffer = memory_task(move || delta::CaptureBuffer::sized_for(pid, &sizing, &sizing_template)).await?;
+        Ok(CapturePrep { blocks, template, buffer })
+    }
+
+    /// Stops the vCPUs, reads what the guest wrote since its restore into
+    /// the prepared buffer and writes the device state to `state`. The VM
+    /// stays stopped; returns when it stopped, with the capture.
+    async fn stop_and_capture(&self, state: &Path, prep: CapturePrep) -> Result<(std::time::Instant, delta::Capture), VmError> {
+        let CapturePrep { blocks, template, buffer } = prep;
+        let pid = self.inner.vmm.pid;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
         let capture = memory_task(move || delta::Capture::read(pid, &blocks, &template, buffer)).await?;
@@ -1120,6 +1139,13 @@ impl Drop for Inner {
             record::stop_leftover(&self.dir);
         }
     }
+}
+
+/// What [`Vm::stop_and_capture`] needs, made while the guest still runs.
+struct CapturePrep {
+    blocks: Vec<delta::RamBlock>,
+    template: delta::TemplateBlock,
+    buffer: delta::CaptureBuffer,
 }
 
 struct Monitor {

@@ -372,8 +372,9 @@ impl Vm {
     /// its disk layer and runs it again. Returns how long its vCPUs were
     /// stopped; [`Self::resume_after_snapshot`] follows in any case.
     async fn save_stopped(&self, dir: &Path) -> Result<(Duration, delta::Capture), VmError> {
-        self.inner.agent.quiesce().await?;
-        let (stopped_at, capture) = self.stop_and_capture(&dir.join("state")).await?;
+        let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture());
+        quiesced?;
+        let (stopped_at, capture) = self.stop_and_capture(&dir.join("state"), prep?).await?;
         let captured = stopped_at.elapsed();
         // Stopped and flushed: the disk layer matches the memory now.
         copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
