@@ -235,6 +235,75 @@ fn fork_children_inherit_files_and_running_processes_and_write_only_to_themselve
     });
 }
 
+/// Writes a counter into the pages of 128 MiB in turn, slowly (a round
+/// takes over 4 s under TCG: a millisecond's rest every 8 pages, which also
+/// leaves the agent its share of the vCPU), until the hostname changes (a
+/// fork child's new identity, within a second of its restore); then checks
+/// that every page holds the value of its latest write, as in memory taken
+/// at one instant. A page a child got from before its parent's last write
+/// to it stays wrong until the child's writer comes round to it again,
+/// after the check. Writes "<stale pages> <writes>" to /tmp/check.
+const PAGE_WRITER: &str = "
+import mmap, socket, struct, time
+N = 32768
+buf = mmap.mmap(-1, N * 4096)
+host = socket.gethostname()
+c = 0
+while True:
+    for _ in range(8):
+        for _ in range(8):
+            struct.pack_into('Q', buf, (c % N) * 4096, c + 1)
+            c += 1
+        time.sleep(0.001)
+    if c == 4096:
+        open('/tmp/writing', 'w').close()
+    if socket.gethostname() != host:
+        break
+stale = sum(1 for p in range(N) if struct.unpack_from('Q', buf, p * 4096)[0] != max(0, c - (c - 1 - p) % N))
+with open('/tmp/check', 'w') as f:
+    f.write(f'{stale} {c}\\n')
+";
+
+/// A fork reads its parent's pages while the parent still runs, then,
+/// stopped, only those written since (`write_tracker`, where the kernel
+/// can track writes): a child must see the parent's memory as of one
+/// instant even when a process writes it all through the fork.
+#[test]
+fn a_fork_of_a_parent_writing_all_the_time_sees_its_memory_as_of_one_instant() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        parent.agent().write_file("/root/writer.py", PAGE_WRITER.as_bytes()).await.unwrap();
+        parent.run(sh("setsid python3 /root/writer.py </dev/null >/tmp/writer.log 2>&1 &")).await.unwrap();
+        let mut writing = false;
+        for _ in 0..600 {
+            if parent.run(sh("test -e /tmp/writing")).await.unwrap().exit_code() == 0 {
+                writing = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(writing, "the writer never got going");
+        let children = parent.fork(&env.runtime, 2, Lifetime::Ephemeral).await.unwrap();
+        for child in &children {
+            let mut check = String::new();
+            for _ in 0..600 {
+                let out = child.run(sh("cat /tmp/check 2>/dev/null")).await.unwrap();
+                if out.exit_code() == 0 && !out.stdout_str().is_empty() {
+                    check = out.stdout_str().trim().to_string();
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let log = child.run(sh("cat /tmp/writer.log")).await.unwrap().stdout_str().to_string();
+            let (stale, writes) = check.split_once(' ').unwrap_or_else(|| panic!("no check from the child's writer: {check:?} {log}"));
+            assert_eq!(stale, "0", "pages of the child older than its parent's at the fork ({writes} writes)");
+        }
+        let out = parent.run(sh("pgrep -c -f 'python3 /root/writer[.]py'; test -e /tmp/check && echo checked || echo writing")).await.unwrap();
+        assert_eq!(out.stdout_str(), "1\nwriting\n", "the parent's writer runs on");
+    });
+}
+
 /// A snapshot holds what the guest wrote since its restore, not its RAM:
 /// 40 MB written into tmpfs grow it by about that much, a VM made from it
 /// has those bytes, and a snapshot of that VM is again only its own delta

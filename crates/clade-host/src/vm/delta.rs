@@ -9,7 +9,10 @@
 //! small RAM blocks outside the template file (the BIOS ROM), so its cost
 //! follows what the guest wrote, not its RAM size. Together with the device
 //! state they are the whole VM. Every VM's memory, however many snapshots
-//! and forks it comes from, is its template plus one such delta.
+//! and forks it comes from, is its template plus one such delta. Where the
+//! kernel tracks writes (`write_tracker`), the pages are read while the
+//! guest runs ([`Capture::read_running`]) and, once it is stopped, only
+//! those written since again ([`Precopy::finish`]).
 //!
 //! A saved delta goes into a new QEMU before its device state loads. Runs of
 //! at least [`MAP_MIN_PAGES`] pages are mapped from the file copy-on-write
@@ -24,8 +27,11 @@
 //! "CLADEMEM"  u32 version (2)  u32 block count
 //! per block:  u16 name length, name, u64 block length, u64 page count,
 //!             u64 file offset of its pages (a multiple of 4096),
-//!             u32 page index × count
-//! then, at those offsets: 4096-byte pages × count per block (index order)
+//!             u32 page index × count (distinct; ascending, except that a
+//!             capture read while its guest ran lists the pages first
+//!             written meanwhile after the others)
+//! then, at those offsets: 4096-byte pages × count per block, in the
+//!             order of the indices
 //! ```
 //!
 //! Version 1 (each block's pages right after its indices, not page-aligned)
@@ -39,6 +45,7 @@ use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
 use nix::unistd::Pid;
 
 use super::remote_map::{self, Mapping};
+use super::write_tracker::WriteTracker;
 use crate::qmp::{Qmp, QmpError};
 
 const PAGE: usize = 4096;
@@ -145,14 +152,20 @@ impl CaptureBuffer {
     /// Room for what the guest of QEMU process `pid` has written so far
     /// plus an eighth.
     pub fn sized_for(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
-        let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
-        let room = pages + pages / 8 + 256;
-        let mut memory = CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?;
+        let mut buffer = Self::unfaulted(pid, blocks, template)?;
         // Written, not just mapped: every page is faulted in now.
-        for page in memory.pages_mut().chunks_exact_mut(PAGE) {
+        for page in buffer.0.pages_mut().chunks_exact_mut(PAGE) {
             page[0] = 0;
         }
-        Ok(Self(memory))
+        Ok(buffer)
+    }
+
+    /// The same room, its pages not faulted in: for a capture read while
+    /// the guest runs ([`Capture::read_running`]), whose copy faults them in.
+    pub fn unfaulted(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
+        let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
+        let room = pages + pages / 8 + 256;
+        Ok(Self(CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?))
     }
 }
 
@@ -179,6 +192,60 @@ impl Capture {
             captured.push(BlockPages { name: block.name.clone(), length: block.length, indices, data: range });
         }
         Ok(Self { blocks: captured, memory, used: offset })
+    }
+
+    /// Reads what [`Capture::read`] would while the guest still runs,
+    /// `tracker` (registered on the template's block) protecting the
+    /// template block's pages before they are read: [`Precopy::finish`]
+    /// then reads again only what the guest writes meanwhile. The
+    /// template's block goes first in the buffer, so that the pages its
+    /// guest writes for the first time meanwhile can follow its pages.
+    pub fn read_running(
+        pid: u32,
+        blocks: &[RamBlock],
+        template: &TemplateBlock,
+        buffer: CaptureBuffer,
+        tracker: &WriteTracker,
+    ) -> Result<Precopy, DeltaError> {
+        let to_read = Self::pages_to_read(pid, blocks, template)?;
+        let t = blocks.iter().position(|b| b.name == template.name).expect("pages_to_read found the template's block");
+        if let Err(e) = tracker.protect(&to_read[t]) {
+            tracing::debug!("no write tracking, the VM's memory is read while it is stopped: {e}");
+            return Ok(Precopy { capture: Self { blocks: Vec::new(), memory: buffer.0, used: 0 }, tracked: false });
+        }
+        Ok(Precopy { capture: Self::read_template_first(pid, blocks, template, &to_read, buffer)?, tracked: true })
+    }
+
+    /// Reads the pages `to_read` of each block, the template's block first.
+    fn read_template_first(
+        pid: u32,
+        blocks: &[RamBlock],
+        template: &TemplateBlock,
+        to_read: &[Vec<u32>],
+        buffer: CaptureBuffer,
+    ) -> Result<Self, DeltaError> {
+        let pages: usize = to_read.iter().map(Vec::len).sum();
+        let mut memory = buffer.0;
+        if pages * PAGE > memory.pages().len() {
+            let room = pages + pages / 8 + 256;
+            memory = CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?;
+        }
+        let template_first = {
+            let mut order: Vec<usize> = (0..blocks.len()).collect();
+            order.sort_by_key(|&i| blocks[i].name != template.name);
+            order
+        };
+        let mut captured: Vec<Option<BlockPages>> = (0..blocks.len()).map(|_| None).collect();
+        let mut offset = 0;
+        for i in template_first {
+            let (block, indices) = (&blocks[i], &to_read[i]);
+            let range = offset..offset + indices.len() * PAGE;
+            read_pages_in_parallel(pid, block.host_address, indices, &mut memory.pages_mut()[range.clone()])?;
+            offset = range.end;
+            captured[i] = Some(BlockPages { name: block.name.clone(), length: block.length, indices: indices.clone(), data: range });
+        }
+        let blocks = captured.into_iter().map(|b| b.expect("every block read")).collect();
+        Ok(Self { blocks, memory, used: offset })
     }
 
     /// Per block, the indices of the pages a capture reads.
@@ -273,6 +340,64 @@ impl Capture {
             out.extend(block.indices.iter().flat_map(|i| i.to_le_bytes()));
         }
         out
+    }
+}
+
+/// A capture read while its guest still ran ([`Capture::read_running`]).
+#[derive(Debug)]
+pub struct Precopy {
+    capture: Capture,
+    /// Whether its pages were protected before they were read; if not,
+    /// nothing was read.
+    tracked: bool,
+}
+
+impl Precopy {
+    /// Completes the capture once the guest is stopped. `written` are the
+    /// pages of the template's block written since the tracker started
+    /// (indices from the block's start, ascending): those the first read
+    /// had are read again in place, the pages the block holds now that it
+    /// did not have are read after its others, and the other blocks (QEMU's
+    /// small ones) are read whole. Without `written` (the tracker failed),
+    /// or on anything unexpected (a page gone from the block, no room
+    /// left), it is all read again, as [`Capture::read`] does.
+    pub fn finish(self, pid: u32, blocks: &[RamBlock], template: &TemplateBlock, written: Option<&[u32]>) -> Result<Capture, DeltaError> {
+        let to_read = Capture::pages_to_read(pid, blocks, template)?;
+        let Capture { blocks: mut captured, mut memory, .. } = self.capture;
+        let Some(written) = written.filter(|_| self.tracked) else {
+            return Capture::read(pid, blocks, template, CaptureBuffer(memory));
+        };
+        let t = blocks.iter().position(|b| b.name == template.name).expect("pages_to_read found the template's block");
+        let same_blocks = captured.len() == blocks.len()
+            && captured.iter().zip(blocks).all(|(c, b)| c.name == b.name && c.length == b.length);
+        let first = &captured[t];
+        let new = missing_from(&to_read[t], &first.indices);
+        let gone = first.indices.len() + new.len() != to_read[t].len();
+        let others: usize = to_read.iter().enumerate().filter(|&(i, _)| i != t).map(|(_, indices)| indices.len()).sum();
+        let pages = to_read[t].len() + others;
+        let headers = headers_len(blocks.iter().zip(&to_read).map(|(b, i)| (b.name.as_str(), i.len())));
+        if !same_blocks || gone || first.data.start != 0 || pages * PAGE > memory.pages().len() || headers > memory.pages_at {
+            tracing::debug!(same_blocks, gone, pages, room = memory.pages().len() / PAGE, "the first read does not fit; reading it all");
+            return Capture::read(pid, blocks, template, CaptureBuffer(memory));
+        }
+        tracing::debug!(written = written.len(), new = new.len(), "reading what the guest wrote since the first read");
+        let base = blocks[t].host_address;
+        let again: Vec<(u32, usize)> =
+            written.iter().filter_map(|w| first.indices.binary_search(w).ok().map(|position| (*w, position))).collect();
+        read_pages_to_positions(pid, base, &again, memory.pages_mut())?;
+        let mut offset = first.data.end;
+        let range = offset..offset + new.len() * PAGE;
+        read_pages_in_parallel(pid, base, &new, &mut memory.pages_mut()[range.clone()])?;
+        offset = range.end;
+        captured[t].indices.extend_from_slice(&new);
+        captured[t].data.end = offset;
+        for (i, (block, indices)) in blocks.iter().zip(to_read).enumerate().filter(|&(i, _)| i != t) {
+            let range = offset..offset + indices.len() * PAGE;
+            read_pages(pid, block.host_address, &indices, &mut memory.pages_mut()[range.clone()])?;
+            offset = range.end;
+            captured[i] = BlockPages { name: block.name.clone(), length: block.length, indices, data: range };
+        }
+        Ok(Capture { blocks: captured, memory, used: offset })
     }
 }
 
@@ -473,6 +598,66 @@ fn file_runs(indices: &[u32], pages_at: u64) -> Vec<FileRun> {
         }
     }
     runs
+}
+
+/// Whether `indices` holds no page twice and none at or past `pages`.
+fn distinct_and_below(indices: &[u32], pages: u64) -> bool {
+    let mut seen = vec![0u64; pages.div_ceil(64) as usize];
+    indices.iter().all(|&i| {
+        let (word, bit) = (i as usize / 64, 1u64 << (i % 64));
+        let fresh = u64::from(i) < pages && seen[word] & bit == 0;
+        if fresh {
+            seen[word] |= bit;
+        }
+        fresh
+    })
+}
+
+/// The elements of ascending `a` that ascending `b` lacks, ascending.
+fn missing_from(a: &[u32], b: &[u32]) -> Vec<u32> {
+    let mut missing = Vec::new();
+    let mut rest = b.iter().peekable();
+    for &x in a {
+        while rest.next_if(|&&y| y < x).is_some() {}
+        if rest.peek() != Some(&&x) {
+            missing.push(x);
+        }
+    }
+    missing
+}
+
+/// Reads page `index` of the block at `base` into page `position` of
+/// `into`, for each pair; both ascending.
+fn read_pages_to_positions(pid: u32, base: u64, pairs: &[(u32, usize)], into: &mut [u8]) -> Result<(), DeltaError> {
+    let what = "reading guest memory out of QEMU";
+    // Runs consecutive in the block and in `into`: (index, position, pages).
+    let mut runs: Vec<(u32, usize, usize)> = Vec::new();
+    for &(index, position) in pairs {
+        match runs.last_mut() {
+            Some((i, p, n)) if *i + *n as u32 == index && *p + *n == position => *n += 1,
+            _ => runs.push((index, position, 1)),
+        }
+    }
+    for batch in runs.chunks(MAX_IOVECS) {
+        let remote: Vec<RemoteIoVec> = batch
+            .iter()
+            .map(|&(index, _, pages)| RemoteIoVec { base: (base + u64::from(index) * PAGE as u64) as usize, len: pages * PAGE })
+            .collect();
+        let mut local = Vec::with_capacity(batch.len());
+        let (mut rest, mut rest_at) = (&mut *into, 0);
+        for &(_, position, pages) in batch {
+            let (_, from) = std::mem::take(&mut rest).split_at_mut(position * PAGE - rest_at);
+            let (run, after) = from.split_at_mut(pages * PAGE);
+            local.push(IoSliceMut::new(run));
+            (rest, rest_at) = (after, (position + pages) * PAGE);
+        }
+        let len: usize = remote.iter().map(|r| r.len).sum();
+        let moved = process_vm_readv(Pid::from_raw(pid as i32), &mut local, &remote).map_err(|e| io_err(what)(e.into()))?;
+        if moved != len {
+            return Err(io_err(what)(std::io::Error::other(format!("{moved} of {len} bytes"))));
+        }
+    }
+    Ok(())
 }
 
 /// [`read_pages`] on two threads when there is enough to read: the guest is
@@ -730,8 +915,7 @@ impl SavedDelta {
             let mut indices = vec![0u8; count as usize * 4];
             input.read(&mut indices).map_err(|_| bad())?;
             let indices: Vec<u32> = indices.chunks_exact(4).map(|i| u32::from_le_bytes(i.try_into().expect("4 bytes"))).collect();
-            let ordered = indices.windows(2).all(|w| w[0] < w[1]);
-            if !ordered || indices.last().is_some_and(|&i| u64::from(i) >= length / PAGE as u64) {
+            if !distinct_and_below(&indices, length / PAGE as u64) {
                 return Err(bad());
             }
             // Version 1: the pages follow; version 2: they are where it says.
@@ -779,40 +963,40 @@ mod tests {
         assert_eq!(as_pairs, vec![(0x1000_0000, 3 * PAGE), (0x1000_5000, PAGE), (0x1000_7000, 2 * PAGE)]);
     }
 
+    /// A new private, writable mapping of the first `pages` pages of `file`,
+    /// kept until the test process ends.
+    #[allow(unsafe_code)]
+    fn private_mapping(file: &std::fs::File, pages: usize) -> &'static mut [u8] {
+        use std::os::fd::AsFd;
+        // SAFETY: a fresh private mapping of a file the test owns and never
+        // changes; never unmapped, so the slice stays valid.
+        unsafe {
+            let at = nix::sys::mman::mmap(
+                None,
+                std::num::NonZeroUsize::new(pages * PAGE).unwrap(),
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_PRIVATE,
+                file.as_fd(),
+                0,
+            )
+            .unwrap();
+            std::slice::from_raw_parts_mut(at.as_ptr().cast::<u8>(), pages * PAGE)
+        }
+    }
+
     /// A capture of this very process: its private copy-on-write mapping of
     /// a file, 5002 pages of it written, goes into a second mapping of the
     /// same file, which then reads like the first.
     #[test]
-    #[allow(unsafe_code)]
     fn written_pages_of_a_private_file_mapping_are_captured_and_applied() {
-        use std::os::fd::AsFd;
         const PAGES: usize = 8192;
         let dir = tempfile::tempdir().unwrap();
         let file_path = dir.path().join("template");
         let template: Vec<u8> = (0..PAGES * PAGE).map(|i| (i / PAGE) as u8 | 1).collect();
         std::fs::write(&file_path, &template).unwrap();
         let file = std::fs::File::open(&file_path).unwrap();
-        let map = || {
-            // SAFETY: a fresh private mapping of a file this test owns and
-            // never changes; unmapped only at process exit.
-            unsafe {
-                nix::sys::mman::mmap(
-                    None,
-                    std::num::NonZeroUsize::new(PAGES * PAGE).unwrap(),
-                    nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                    nix::sys::mman::MapFlags::MAP_PRIVATE,
-                    file.as_fd(),
-                    0,
-                )
-                .unwrap()
-                .as_ptr() as *mut u8
-            }
-        };
-        let (source, target): (*mut u8, *mut u8) = (map(), map());
-        // SAFETY: both mappings are PAGES pages long and private to this test.
-        let (source, target) = unsafe {
-            (std::slice::from_raw_parts_mut(source, PAGES * PAGE), std::slice::from_raw_parts_mut(target, PAGES * PAGE))
-        };
+        let map = || private_mapping(&file, PAGES);
+        let (source, target) = (map(), map());
         source[3 * PAGE] = 0xaa;
         source[9 * PAGE..10 * PAGE].fill(0);
         // Enough written pages that two threads read them.
@@ -846,8 +1030,6 @@ mod tests {
         let old = dir.path().join("old-memory");
         std::fs::write(&old, &unaligned).unwrap();
         let third = map();
-        // SAFETY: as above.
-        let third = unsafe { std::slice::from_raw_parts_mut(third, PAGES * PAGE) };
         assert_eq!(apply(&old, pid, &block(third), "mem").unwrap().written, 5002 * PAGE as u64);
         assert!(source == third, "a first-format delta applies alike");
 
@@ -859,8 +1041,6 @@ mod tests {
         let pages = |file: &[u8]| file[file.len() - 5002 * PAGE..].to_vec();
         assert!(pages(&held) == pages(&on_disk), "the memory file holds the saved file's pages");
         let fourth = map();
-        // SAFETY: as above.
-        let fourth = unsafe { std::slice::from_raw_parts_mut(fourth, PAGES * PAGE) };
         apply(&in_memory.path(), pid, &block(fourth), "mem").unwrap();
         assert!(source == fourth, "a delta held in memory applies alike");
 
@@ -869,6 +1049,62 @@ mod tests {
         unaligned.truncate(unaligned.len() - 1);
         std::fs::write(&old, &unaligned).unwrap();
         assert!(matches!(apply(&old, pid, &block(target), "mem"), Err(DeltaError::Format(_))), "a short file is refused before any write");
+    }
+
+    /// A capture read while the guest ran, finished once it stopped: the
+    /// pages written since are read again (those the tracker reports) or
+    /// added after the others (written for the first time), and the delta
+    /// applies like a capture of the stopped process. A page gone back to
+    /// the template's meanwhile makes it read everything again.
+    #[test]
+    #[allow(unsafe_code)]
+    fn a_capture_read_while_running_takes_what_was_written_since_when_finished() {
+        const PAGES: usize = 8192;
+        let dir = tempfile::tempdir().unwrap();
+        let file_path = dir.path().join("template");
+        std::fs::write(&file_path, (0..PAGES * PAGE).map(|i| (i / PAGE) as u8 | 1).collect::<Vec<u8>>()).unwrap();
+        let file = std::fs::File::open(&file_path).unwrap();
+        let map = || private_mapping(&file, PAGES);
+        let pid = std::process::id();
+        let template = TemplateBlock { name: "mem".into(), file: file_path.clone() };
+        let block = |memory: &[u8]| vec![RamBlock { name: "mem".into(), length: (PAGES * PAGE) as u64, host_address: memory.as_ptr() as u64 }];
+        let first_read = |memory: &[u8]| {
+            let to_read = Capture::pages_to_read(pid, &block(memory), &template).unwrap();
+            let buffer = CaptureBuffer::sized_for(pid, &block(memory), &template).unwrap();
+            Precopy { capture: Capture::read_template_first(pid, &block(memory), &template, &to_read, buffer).unwrap(), tracked: true }
+        };
+
+        let source = map();
+        for page in 100..5100 {
+            source[page * PAGE + 7] = 0x55;
+        }
+        let precopy = first_read(source);
+        source[200 * PAGE + 9] = 0x77; // written again
+        source[6000 * PAGE..6003 * PAGE].fill(0x66); // written for the first time
+        // The tracker reports page 200, and pages it never protected (here 7000, unwritten).
+        let capture = precopy.finish(pid, &block(source), &template, Some(&[200, 7000])).unwrap();
+        let expected: Vec<u32> = (100..5100).chain(6000..6003).collect();
+        assert_eq!(capture.blocks[0].indices, expected, "the new pages follow the first read's");
+        let saved = dir.path().join("memory");
+        capture.save(&saved).unwrap();
+        let target = map();
+        apply(&saved, pid, &block(target), "mem").unwrap();
+        assert!(source == target, "the delta holds the memory as it was when finished");
+
+        // A page of the first read back to the template's: all read again.
+        let precopy = first_read(source);
+        // SAFETY: page 150 of the private mapping, which nothing else refers to now.
+        unsafe { nix::sys::mman::madvise(std::ptr::NonNull::new(source[150 * PAGE..].as_mut_ptr().cast()).unwrap(), PAGE, nix::sys::mman::MmapAdvise::MADV_DONTNEED).unwrap() };
+        let capture = precopy.finish(pid, &block(source), &template, Some(&[])).unwrap();
+        assert!(!capture.blocks[0].indices.contains(&150));
+        capture.save(&saved).unwrap();
+        let target = map();
+        apply(&saved, pid, &block(target), "mem").unwrap();
+        assert!(source == target, "read again whole, the delta is right");
+        assert_eq!(target[150 * PAGE], 150 | 1, "the dropped page is the template's");
+
+        assert!(distinct_and_below(&[5, 1, 3], 6) && !distinct_and_below(&[1, 5, 1], 6) && !distinct_and_below(&[6], 6));
+        assert_eq!(missing_from(&[1, 2, 4, 7, 9], &[2, 3, 7]), vec![1, 4, 9]);
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod record;
 mod snapshot;
 mod standby;
 pub mod template;
+mod write_tracker;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1072,30 +1073,60 @@ impl Vm {
         String::from_utf8_lossy(&cmdline).contains(&format!("/templates/{template}/ram,share=off"))
     }
 
-    /// Gets ready to capture what the guest wrote (see `delta`): its RAM
-    /// blocks, and a buffer faulted in for the pages, sized while the guest
-    /// still runs. Callers overlap it with the agent's quiesce: on a VM that
-    /// wrote 200 MiB, faulting in the buffer is most of a fork's time before
-    /// the pause.
+    /// Gets ready to capture what the guest wrote (see `delta`) while it
+    /// still runs: its RAM blocks, a buffer faulted in for the pages, and,
+    /// where the kernel can track writes (`write_tracker`), a first read of
+    /// the pages, so that the pause reads again only those written since.
+    /// Callers overlap it with the agent's quiesce.
     async fn prepare_capture(&self) -> Result<CapturePrep, VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
         let file = launch::mapped_ram_file(pid).ok_or_else(|| VmError::Config(format!("QEMU process {pid} maps no RAM file")))?;
         let template = delta::TemplateBlock { name: launch::RAM_ID.to_string(), file };
-        let (sizing, sizing_template) = (blocks.clone(), template.clone());
-        let buffer = memory_task(move || delta::CaptureBuffer::sized_for(pid, &sizing, &sizing_template)).await?;
-        Ok(CapturePrep { blocks, template, buffer })
+        let (b, t, id) = (blocks.clone(), template.clone(), self.id());
+        let start = memory_task(move || {
+            let Some(ram) = b.iter().find(|block| block.name == t.name) else {
+                return Ok(CaptureStart::Stopped(delta::CaptureBuffer::sized_for(pid, &b, &t)?));
+            };
+            let started = std::time::Instant::now();
+            match write_tracker::WriteTracker::start(pid, ram.host_address, ram.length) {
+                Ok(tracker) => {
+                    let tracking = started.elapsed();
+                    let buffer = delta::CaptureBuffer::unfaulted(pid, &b, &t)?;
+                    let precopy = delta::Capture::read_running(pid, &b, &t, buffer, &tracker)?;
+                    tracing::debug!(vm = %id, ?tracking, read = ?started.elapsed(), "read the VM's memory while it runs");
+                    Ok(CaptureStart::Precopy(tracker, precopy))
+                }
+                Err(e) => {
+                    tracing::debug!(vm = %id, "no write tracking, the VM's memory is read while it is stopped: {e}");
+                    Ok(CaptureStart::Stopped(delta::CaptureBuffer::sized_for(pid, &b, &t)?))
+                }
+            }
+        })
+        .await?;
+        Ok(CapturePrep { blocks, template, start })
     }
 
-    /// Stops the vCPUs, reads what the guest wrote since its restore into
-    /// the prepared buffer and writes the device state to `state`. The VM
-    /// stays stopped; returns when it stopped, with the capture.
+    /// Stops the vCPUs, reads what the guest wrote since its restore (all
+    /// of it, or what it wrote since the first read) and writes the device
+    /// state to `state`. The VM stays stopped; returns when it stopped,
+    /// with the capture.
     async fn stop_and_capture(&self, state: &Path, prep: CapturePrep) -> Result<(std::time::Instant, delta::Capture), VmError> {
-        let CapturePrep { blocks, template, buffer } = prep;
+        let CapturePrep { blocks, template, start } = prep;
         let pid = self.inner.vmm.pid;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
-        let capture = memory_task(move || delta::Capture::read(pid, &blocks, &template, buffer)).await?;
+        let id = self.id();
+        let capture = memory_task(move || match start {
+            CaptureStart::Stopped(buffer) => delta::Capture::read(pid, &blocks, &template, buffer),
+            CaptureStart::Precopy(tracker, precopy) => {
+                let written = tracker.written().map_err(|e| {
+                    tracing::warn!(vm = %id, "write tracking failed, the VM's memory is read again: {}", e);
+                });
+                precopy.finish(pid, &blocks, &template, written.as_deref().ok())
+            }
+        })
+        .await?;
         let read = stopped_at.elapsed();
         migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
         tracing::debug!(?read, devices = ?stopped_at.elapsed(), bytes = capture.bytes(), "captured a stopped VM");
@@ -1145,7 +1176,15 @@ impl Drop for Inner {
 struct CapturePrep {
     blocks: Vec<delta::RamBlock>,
     template: delta::TemplateBlock,
-    buffer: delta::CaptureBuffer,
+    start: CaptureStart,
+}
+
+enum CaptureStart {
+    /// Everything is read once the guest is stopped, into this buffer.
+    Stopped(delta::CaptureBuffer),
+    /// Read once already; the pause reads what the tracker says was written
+    /// since. The tracker drops (stops tracking) with the capture's end.
+    Precopy(write_tracker::WriteTracker, delta::Precopy),
 }
 
 struct Monitor {

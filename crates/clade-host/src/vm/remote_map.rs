@@ -16,10 +16,16 @@
 //! made, and those hold the same bytes: the caller then writes the pages
 //! instead, which is correct whatever was mapped.
 //!
+//! The same borrowing opens a userfaultfd in a running QEMU
+//! ([`open_userfaultfd`]) for `write_tracker`: a userfaultfd acts on the
+//! memory of the process that made it, so it must be made inside QEMU; the
+//! host then takes it over with `pidfd_getfd`.
+//!
 //! x86-64 Linux only (the registers and the `syscall` instruction), the one
 //! host target Clade builds for.
 
 use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -63,6 +69,54 @@ pub fn map_private(pid: u32, file: &Path, mappings: &[Mapping]) -> Result<(), Re
         }
     }
     Err(last)
+}
+
+/// Makes a userfaultfd in process `pid` and returns a duplicate of it
+/// here; the process keeps no descriptor of it. (Its flags: close-on-exec,
+/// non-blocking, and user-mode faults only, which needs no privilege.)
+pub fn open_userfaultfd(pid: u32) -> Result<OwnedFd, RemoteMapError> {
+    const UFFD_USER_MODE_ONLY: u64 = 1;
+    let mut last = RemoteMapError::NoThread(pid);
+    for tid in borrowable_threads(pid) {
+        let thread = match Borrowed::interrupt(tid) {
+            Ok(thread) => thread,
+            Err(e) => {
+                last = e;
+                continue;
+            }
+        };
+        let call = |call: &'static str| move |source: std::io::Error| RemoteMapError::Call { pid, call, source };
+        let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | UFFD_USER_MODE_ONLY;
+        let remote_fd = thread.syscall(libc::SYS_userfaultfd as u64, [flags, 0, 0, 0, 0, 0]).map_err(call("userfaultfd"))?;
+        let taken = take_fd(pid, remote_fd as i32).map_err(call("pidfd_getfd"));
+        let _ = thread.syscall(SYS_CLOSE, [remote_fd, 0, 0, 0, 0, 0]);
+        return taken;
+    }
+    Err(last)
+}
+
+/// A duplicate, here, of descriptor `fd` of process `pid`.
+fn take_fd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags by value and returns a new
+    // descriptor or -1; the descriptor is owned by the OwnedFd below.
+    #[allow(unsafe_code)]
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `pidfd` was just returned open and is owned by nothing else.
+    #[allow(unsafe_code)]
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: as above, with the pidfd open for the call; the result is a
+    // new descriptor of this process, owned by the OwnedFd below.
+    #[allow(unsafe_code)]
+    let taken = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if taken < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `taken` was just returned open and is owned by nothing else.
+    #[allow(unsafe_code)]
+    Ok(unsafe { OwnedFd::from_raw_fd(taken as i32) })
 }
 
 /// QEMU's threads other than its main one: the main thread's stops would be
