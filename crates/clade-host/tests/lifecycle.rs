@@ -8,7 +8,7 @@ use std::time::Duration;
 use clade_host::agent::ExecEvent;
 use clade_host::testing::{vm_env, VmTestEnv};
 use clade_proto::{Command, ExecRequest};
-use clade_host::vm::{FailureKind, Watchdog};
+use clade_host::vm::{Admission, FailureKind, Watchdog};
 use clade_host::{VmError, VmSpec};
 use common::{block_on, sh};
 
@@ -144,6 +144,43 @@ fn a_vm_the_host_cannot_hold_is_refused_and_nothing_is_left() {
         }
         assert_eq!(std::fs::read_dir(env.runtime.vms_dir()).unwrap().count(), 0, "nothing half-made");
     });
+}
+
+/// Creates racing on a host with room for one more VM: one is made and the
+/// other refused before anything of it exists (each create's admission
+/// counts what the other was promised, which the host's free memory does
+/// not show yet); once the first is made, its promise is given back.
+#[test]
+fn racing_creates_on_a_host_with_room_for_one_make_one_and_refuse_the_other() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let spec = VmSpec::new(env.image.clone());
+        env.runtime.template(&spec).await.unwrap();
+        // One VM counts as 60 % of the host's free memory: one fits, two do not.
+        let available_mb = mem_available_mb();
+        let tight = env.runtime.clone().with_admission(Admission {
+            overcommit: f64::from(spec.memory_mb) / (available_mb as f64 * 0.6),
+            host_reserve_mb: 0,
+            disk_reserve_mb: 0,
+        });
+        let (first, second) = tokio::join!(tight.create(spec.clone()), tight.create(spec.clone()));
+        let made = first.expect("the first create is admitted");
+        let err = second.unwrap_err();
+        assert!(matches!(err, VmError::Admission(_)), "{err:?}");
+        assert!(err.to_string().contains("promised to VMs being made"), "{err}");
+        let vms: Vec<_> = std::fs::read_dir(env.runtime.vms_dir()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(vms, [std::ffi::OsString::from(made.id())], "nothing of the refused create is left");
+        assert_eq!(made.run(sh("echo made")).await.unwrap().stdout_str(), "made\n");
+        let next = tight.create(spec.clone()).await.expect("a made VM's promise is given back");
+        next.stop().await.unwrap();
+        made.stop().await.unwrap();
+    });
+}
+
+fn mem_available_mb() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
 }
 
 /// Sandboxes run Clade's own QEMU (scripts/build-qemu, ADR 13): the

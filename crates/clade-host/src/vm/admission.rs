@@ -1,12 +1,20 @@
-//! Admission: a create, boot or wake that would exhaust the host's memory or
-//! disk is refused before anything is made.
+//! Admission: a create, boot, wake or fork that would exhaust the host's
+//! memory or disk is refused before anything is made.
 //!
 //! Guest RAM is reserved at `memory_mb / overcommit` (restored VMs share
 //! their template's pages and touch a fraction of their RAM), on top of a
 //! floor the host keeps for itself. Disk must keep a floor free as well, plus
 //! room for the VM's own writes.
+//!
+//! The host's free memory and disk show a VM only once its QEMU has taken
+//! them, so an admission is also a promise ([`Admitted`]) that later checks
+//! count until the VMs it admitted are made or given up: creates racing on a
+//! nearly full host would otherwise each pass before any of them took
+//! anything. Promises are per [`Promises`] (one per runtime, so per host
+//! process); other processes on the host see each other's VMs only once made.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Admission {
@@ -26,35 +34,80 @@ impl Default for Admission {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmissionError {
-    #[error("not enough host memory: this VM needs {needed_mb} MiB, {available_mb} MiB are available")]
-    Memory { needed_mb: u64, available_mb: u64 },
-    #[error("not enough disk space in {dir}: {needed_mb} MiB needed, {available_mb} MiB free")]
-    Disk { dir: String, needed_mb: u64, available_mb: u64 },
+    #[error("not enough host memory: this VM needs {needed_mb} MiB, {available_mb} MiB are available ({promised_mb} MiB more are promised to VMs being made)")]
+    Memory { needed_mb: u64, available_mb: u64, promised_mb: u64 },
+    #[error("not enough disk space in {dir}: {needed_mb} MiB needed, {available_mb} MiB free ({promised_mb} MiB more are promised to VMs being made)")]
+    Disk { dir: String, needed_mb: u64, available_mb: u64, promised_mb: u64 },
+}
+
+/// Memory and disk promised to VMs still being made.
+#[derive(Debug, Default)]
+pub struct Promises {
+    promised: Mutex<Amounts>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Amounts {
+    memory_mb: u64,
+    disk_mb: u64,
+}
+
+impl Promises {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Amounts> {
+        // The amounts stay consistent whatever panicked while holding them.
+        self.promised.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// What an admission promised; given back when dropped, once the VMs it
+/// admitted are made (the host's own figures show them then) or given up.
+#[derive(Debug)]
+#[must_use = "the promise ends when this is dropped"]
+pub struct Admitted {
+    promises: Arc<Promises>,
+    amounts: Amounts,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut promised = self.promises.lock();
+        promised.memory_mb -= self.amounts.memory_mb;
+        promised.disk_mb -= self.amounts.disk_mb;
+    }
 }
 
 impl Admission {
-    /// Checks the host as it is now for a VM of `memory_mb`.
-    pub fn check(&self, memory_mb: u32, data_dir: &Path) -> Result<(), AdmissionError> {
-        self.check_many(1, memory_mb, data_dir)
-    }
-
-    /// Checks the host as it is now for `count` VMs of `memory_mb` made at
-    /// once (a fork): each one's check alone would pass before any of them
-    /// takes memory.
-    pub fn check_many(&self, count: u32, memory_mb: u32, data_dir: &Path) -> Result<(), AdmissionError> {
+    /// Admits `count` VMs of `memory_mb` made at once (a fork's children
+    /// together: each one's check alone would pass before any of them takes
+    /// memory) against the host as it is now, less what earlier admissions
+    /// still promise; the promise lasts as long as the returned value.
+    pub fn admit(&self, promises: &Arc<Promises>, count: u32, memory_mb: u32, data_dir: &Path) -> Result<Admitted, AdmissionError> {
         let count = u64::from(count);
-        let needed_mb = count * (f64::from(memory_mb) / self.overcommit).ceil() as u64 + self.host_reserve_mb;
-        let available_mb = mem_available_mb().unwrap_or(u64::MAX);
+        // Held across the check and the promise: two admissions never both
+        // count what is left for one.
+        let mut promised = promises.lock();
+        let memory = count * (f64::from(memory_mb) / self.overcommit).ceil() as u64;
+        let needed_mb = memory + self.host_reserve_mb;
+        let available_mb = mem_available_mb().unwrap_or(u64::MAX).saturating_sub(promised.memory_mb);
         if needed_mb > available_mb {
-            return Err(AdmissionError::Memory { needed_mb, available_mb });
+            return Err(AdmissionError::Memory { needed_mb, available_mb, promised_mb: promised.memory_mb });
         }
         // Room for the VM's own writes and, if it hibernates, its memory.
-        let needed_mb = count * u64::from(memory_mb) + self.disk_reserve_mb;
-        let available_mb = disk_free_mb(data_dir).unwrap_or(u64::MAX);
+        let disk = count * u64::from(memory_mb);
+        let needed_mb = disk + self.disk_reserve_mb;
+        let available_mb = disk_free_mb(data_dir).unwrap_or(u64::MAX).saturating_sub(promised.disk_mb);
         if needed_mb > available_mb {
-            return Err(AdmissionError::Disk { dir: data_dir.display().to_string(), needed_mb, available_mb });
+            return Err(AdmissionError::Disk {
+                dir: data_dir.display().to_string(),
+                needed_mb,
+                available_mb,
+                promised_mb: promised.disk_mb,
+            });
         }
-        Ok(())
+        let amounts = Amounts { memory_mb: memory, disk_mb: disk };
+        promised.memory_mb += amounts.memory_mb;
+        promised.disk_mb += amounts.disk_mb;
+        Ok(Admitted { promises: promises.clone(), amounts })
     }
 }
 
@@ -75,16 +128,50 @@ mod tests {
 
     #[test]
     fn a_vm_larger_than_the_host_is_refused_and_a_small_one_admitted() {
+        let promises = Arc::new(Promises::default());
         let admission = Admission::default();
-        assert!(admission.check(512, Path::new("/tmp")).is_ok());
-        let err = admission.check(u32::MAX, Path::new("/tmp")).unwrap_err();
+        let tmp = Path::new("/tmp");
+        assert!(admission.admit(&promises, 1, 512, tmp).is_ok());
+        let err = admission.admit(&promises, 1, u32::MAX, tmp).unwrap_err();
         assert!(matches!(err, AdmissionError::Memory { .. }), "{err}");
         assert!(err.to_string().contains("not enough host memory"));
         let greedy_disk = Admission { disk_reserve_mb: u64::MAX / 2, ..admission };
-        assert!(matches!(greedy_disk.check(512, Path::new("/tmp")), Err(AdmissionError::Disk { .. })));
+        assert!(matches!(greedy_disk.admit(&promises, 1, 512, tmp), Err(AdmissionError::Disk { .. })));
         let host_mb = mem_available_mb().unwrap();
         let many = (host_mb / 256 + 1) as u32;
-        assert!(admission.check(512, Path::new("/tmp")).is_ok(), "one of them fits");
-        assert!(matches!(admission.check_many(many, 512, Path::new("/tmp")), Err(AdmissionError::Memory { .. })), "all {many} at once do not");
+        assert!(admission.admit(&promises, 1, 512, tmp).is_ok(), "one of them fits");
+        assert!(matches!(admission.admit(&promises, many, 512, tmp), Err(AdmissionError::Memory { .. })), "all {many} at once do not");
+        assert_eq!(promises.lock().memory_mb, 0, "every promise was given back");
+    }
+
+    /// Admissions racing on a host with room for two: two pass, whatever
+    /// the interleaving, and a promise counts until it is dropped.
+    #[test]
+    fn racing_admissions_count_each_others_promises_until_given_back() {
+        let promises = Arc::new(Promises::default());
+        let host_mb = mem_available_mb().unwrap();
+        // Each VM counts as 40 % of the host's free memory (its disk share,
+        // 1 GiB, is small).
+        let admission = Admission { overcommit: 1024.0 / (host_mb as f64 * 0.4), host_reserve_mb: 0, disk_reserve_mb: 0 };
+        let tmp = Path::new("/tmp");
+        let racers: Vec<_> = (0..8)
+            .map(|_| {
+                let promises = promises.clone();
+                std::thread::spawn(move || admission.admit(&promises, 1, 1024, tmp))
+            })
+            .collect();
+        let (admitted, refused): (Vec<_>, Vec<_>) = racers.into_iter().map(|r| r.join().unwrap()).partition(Result::is_ok);
+        assert_eq!(admitted.len(), 2, "{refused:?}");
+        let err = refused[0].as_ref().unwrap_err();
+        assert!(matches!(err, AdmissionError::Memory { promised_mb, .. } if *promised_mb >= host_mb * 8 / 10 - 1), "{err}");
+        assert!(err.to_string().contains("promised to VMs being made"), "{err}");
+        assert!(matches!(admission.admit(&promises, 1, 1024, tmp), Err(AdmissionError::Memory { .. })));
+        let mut admitted = admitted.into_iter().map(Result::unwrap);
+        drop(admitted.next());
+        let again = admission.admit(&promises, 1, 1024, tmp).expect("a promise given back is room again");
+        drop((again, admitted));
+        assert_eq!(promises.lock().memory_mb, 0);
+        assert!(admission.admit(&promises, 3, 1024, tmp).is_err(), "three at once (a fork) never fit");
+        assert!(admission.admit(&promises, 2, 1024, tmp).is_ok());
     }
 }

@@ -187,6 +187,8 @@ pub struct VmRuntime {
     templates_dir: PathBuf,
     images: ImageStore,
     admission: Admission,
+    /// What admissions promised to VMs still being made (shared by clones).
+    promises: Arc<admission::Promises>,
     standby: standby::SharedPool,
     network: Option<NetPool>,
 }
@@ -222,6 +224,7 @@ impl VmRuntime {
             templates_dir,
             images,
             admission: Admission::default(),
+            promises: Arc::default(),
             standby: Default::default(),
             network: None,
             config,
@@ -327,6 +330,13 @@ impl VmRuntime {
         vms
     }
 
+    /// Admits `count` VMs of `memory_mb` made together; the promise lasts as
+    /// long as the returned value (see [`admission`]): hold it until they
+    /// are made or given up.
+    fn admit(&self, count: u32, memory_mb: u32) -> Result<admission::Admitted, VmError> {
+        Ok(self.admission.admit(&self.promises, count, memory_mb, &self.config.data_dir)?)
+    }
+
     /// Whether the template for this VM shape is baked already.
     pub fn has_template(&self, spec: &VmSpec) -> bool {
         let key = template::key(self, &spec.image, spec.memory_mb, spec.vcpus);
@@ -342,7 +352,6 @@ impl VmRuntime {
         if spec.memory_mb < 128 || spec.vcpus == 0 {
             return Err(VmError::Config("a VM needs at least 128 MiB and one vCPU".into()));
         }
-        self.admission.check(spec.memory_mb, &self.config.data_dir)?;
         let id = hex_id();
         let dir = self.vms_dir.join(&id);
         std::fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
@@ -393,6 +402,7 @@ impl VmRuntime {
 
     /// Cold-boots a VM and waits until its agent answers.
     pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
+        let _admitted = self.admit(1, spec.memory_mb)?;
         let (id, dir, mut record) = self.new_vm(&spec, None).await?;
         let booted = async {
             create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2"), None).await?;
@@ -424,7 +434,7 @@ impl VmRuntime {
     /// guest resumes where the template was saved, then gets fresh entropy,
     /// the current time and its own identity before anything else runs.
     pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
-        self.admission.check(spec.memory_mb, &self.config.data_dir)?;
+        let _admitted = self.admit(1, spec.memory_mb)?;
         let (template, baked_now) = self.template(&spec).await?;
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
@@ -512,7 +522,7 @@ impl VmRuntime {
         if record.phase != Phase::Hibernated {
             return Err(VmError::Config(format!("VM {id} is not hibernated")));
         }
-        self.admission.check(record.memory_mb, &self.config.data_dir)?;
+        let _admitted = self.admit(1, record.memory_mb)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
         let template = Template { dir: self.templates_dir.join(&key), key };
         let image = self

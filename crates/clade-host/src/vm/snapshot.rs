@@ -170,6 +170,7 @@ impl VmRuntime {
         network: Option<EgressPolicy>,
     ) -> Result<Vm, VmError> {
         let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
+        let _admitted = self.admit(1, snap.memory_mb)?;
         self.restore_snapshot(&snap_dir, &snap, lifetime, watchdog, network, None).await
     }
 
@@ -423,7 +424,7 @@ impl Vm {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
         let memory_mb = self.inner.record.lock().expect("record lock").memory_mb;
-        runtime.admission.check_many(count as u32, memory_mb, &runtime.config.data_dir)?;
+        let _admitted = runtime.admit(count as u32, memory_mb)?;
         let started = std::time::Instant::now();
         let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
         // Never listed; its disk layer stays while a child needs it.

@@ -181,6 +181,9 @@ impl VmRuntime {
     /// Starts a standby VMM for a pool of `generation`; none once a drain
     /// has raised it.
     async fn start_standby(&self, template: &Template, spec: &VmSpec, generation: u64) -> Result<Option<Standby>, VmError> {
+        // A standby holds no guest memory, but the create that takes it will:
+        // none is started on a host that could not admit that create.
+        let _admitted = self.admit(1, spec.memory_mb)?;
         let (id, dir, mut record) = self.new_vm(spec, Some(template)).await?;
         let started = async {
             let bytes = super::qcow2_virtual_size(&template.overlay())?;
