@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
+use anyhow::Context;
 use clade_proto::{Command, ExecRequest};
 
 /// Sequential creates, each timed to the agent answering (restore + hook)
@@ -31,6 +32,71 @@ pub async fn create_to_first_exec(
     to_hook.sort();
     to_exec.sort();
     Ok((to_hook, to_exec))
+}
+
+/// Guest code blocks QEMU translated (TCG; `None` under KVM, which runs
+/// guest code natively): a new QEMU process starts with no translations, so
+/// each VM translates the code it runs first anew.
+#[derive(Debug, Clone, Copy)]
+pub struct Translated {
+    /// A cold-booted VM, boot and first exec together.
+    pub cold_to_first_exec: u64,
+    /// A created (restored) VM: restore and post-restore hook.
+    pub create_to_hook: u64,
+    /// Its first exec.
+    pub first_exec: u64,
+    /// The same exec again.
+    pub repeated_exec: u64,
+}
+
+pub async fn translated_blocks(runtime: &VmRuntime, spec: &VmSpec, cmd: &Command) -> anyhow::Result<Option<Translated>> {
+    let run = |vm: &Vm| {
+        let request = ExecRequest::new(cmd.clone());
+        let vm = vm.clone();
+        async move {
+            let out = vm.agent().run(request).await?;
+            anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
+            Ok(())
+        }
+    };
+    let cold = runtime.boot(spec.clone()).await?;
+    run(&cold).await?;
+    let Some(cold_to_first_exec) = tcg_blocks(&cold).await? else {
+        cold.stop().await?;
+        return Ok(None);
+    };
+    cold.stop().await?;
+    runtime.prestart(spec).await?;
+    let vm = runtime.create(spec.clone()).await?;
+    let mut counts = Vec::new();
+    for step in 0..3 {
+        if step > 0 {
+            run(&vm).await?;
+        }
+        counts.push(tcg_blocks(&vm).await?.unwrap_or_default());
+    }
+    vm.stop().await?;
+    Ok(Some(Translated {
+        cold_to_first_exec,
+        create_to_hook: counts[0],
+        first_exec: counts[1] - counts[0],
+        repeated_exec: counts[2] - counts[1],
+    }))
+}
+
+/// The "TB count" of QEMU's `x-query-jit`: blocks translated so far (the
+/// cache is never flushed below its cap); `None` without TCG.
+async fn tcg_blocks(vm: &Vm) -> anyhow::Result<Option<u64>> {
+    let Ok(info) = vm.qmp().execute("x-query-jit", None).await else {
+        return Ok(None);
+    };
+    let text = info.get("human-readable-text").and_then(|t| t.as_str()).unwrap_or_default();
+    let count = text
+        .lines()
+        .find_map(|l| l.strip_prefix("TB count"))
+        .and_then(|n| n.trim().parse().ok())
+        .with_context(|| format!("no TB count in x-query-jit's answer: {text}"))?;
+    Ok(Some(count))
 }
 
 /// One run of `cmd` in `vm`, to its exit status.

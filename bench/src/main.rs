@@ -249,6 +249,22 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
         println!("ratio cold boot / create p50 (standby ready): {:.1}x", cold_median.as_secs_f64() / p50.as_secs_f64());
     }
 
+    // Why a create costs what it does under TCG: the blocks each new QEMU
+    // translates (a cold boot's for comparison).
+    if want("create") {
+        match host::translated_blocks(&runtime, &spec, &Command::Argv(vec!["true".into()])).await? {
+            Some(t) => println!(
+                "TCG blocks translated: create to hook {}, its first exec {}, the same exec again {}; cold boot to first exec {} ({:.1}x a create's to first exec)",
+                t.create_to_hook,
+                t.first_exec,
+                t.repeated_exec,
+                t.cold_to_first_exec,
+                t.cold_to_first_exec as f64 / (t.create_to_hook + t.first_exec) as f64
+            ),
+            None => println!("TCG blocks translated: none (accel {})", runtime.accel()),
+        }
+    }
+
     // Concurrent creates: time until all answer.
     for n in if want("concurrent") { vec![10usize, 50] } else { Vec::new() } {
         let start = Instant::now();
