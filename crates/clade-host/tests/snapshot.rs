@@ -683,6 +683,15 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         assert_eq!(out.stdout_str(), format!("from-parent\nchild\nsb-{}\n", standby[0]), "{}", out.stderr_str());
         let out = vm.run(sh("cat /root/g")).await.unwrap();
         assert_ne!(out.exit_code(), 0, "the child's write stays in the child");
+        // The child's layer was swapped in for the standby's own and given
+        // the VM's disk name: a snapshot of the child, which copies that
+        // file, holds the child's write and the parent's.
+        let snap = children[0].snapshot(&runtime).await.unwrap();
+        let copy = runtime.create_from_snapshot(&snap, Lifetime::Ephemeral, None).await.unwrap();
+        let out = copy.run(sh("echo 3 > /proc/sys/vm/drop_caches; cat /root/g /root/f")).await.unwrap();
+        assert_eq!(out.stdout_str(), "child\nfrom-parent\n", "{}", out.stderr_str());
+        let leftovers = std::fs::read_dir(runtime.vms_dir().join(children[0].id())).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".taken")).count();
+        assert_eq!(leftovers, 0, "the swapped-in layer has the disk's name");
         runtime.drain_standby();
         vm.stop().await.unwrap();
     });

@@ -443,7 +443,7 @@ impl VmRuntime {
         let created = async {
             let (exit_rx, qmp) = match standby {
                 Some(s) => {
-                    self.claim_standby(&s, &mut record, &spec, &template.overlay()).await?;
+                    self.claim_standby(&s, &mut record, &spec, standby::TakenDisk::Template).await?;
                     (s.exited, Some(s.qmp))
                 }
                 None => {

@@ -213,7 +213,7 @@ impl VmRuntime {
             let preparing = std::time::Instant::now();
             let (exit_rx, qmp) = match standby {
                 Some(s) => {
-                    self.claim_standby(&s, &mut record, &spec, &child_layer).await?;
+                    self.claim_standby(&s, &mut record, &spec, super::standby::TakenDisk::Layer(&child_layer)).await?;
                     (s.exited, Some(s.qmp))
                 }
                 None => {
