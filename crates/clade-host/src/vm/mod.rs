@@ -434,6 +434,7 @@ impl VmRuntime {
     /// guest resumes where the template was saved, then gets fresh entropy,
     /// the current time and its own identity before anything else runs.
     pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
+        let create_started = std::time::Instant::now();
         let _admitted = self.admit(1, spec.memory_mb)?;
         let (template, baked_now) = self.template(&spec).await?;
         let standby = self.standby.take(&template, spec.lifetime);
@@ -459,11 +460,13 @@ impl VmRuntime {
                 }
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            // Everything before the state loads is the host's own work.
+            let prepared = create_started.elapsed();
             let started = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), RestoredMemory::Shared, self.boot_timeout()).await?;
             let restored = started.elapsed();
             run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
-            tracing::debug!(vm = %id, from_standby, ?restored, total = ?started.elapsed(), "restore timings");
+            tracing::debug!(vm = %id, from_standby, ?prepared, ?restored, total = ?create_started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, "created by restoring the template");
