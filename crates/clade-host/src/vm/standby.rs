@@ -283,8 +283,9 @@ impl VmRuntime {
 
 /// Puts a disk layer under a standby VMM's guest before its state loads:
 /// `layer` opened as `node` and made the file of the `raw` node `root` the
-/// guest's virtio-blk device uses, in place of the node there before (the
-/// launch's placeholder, which goes away with it).
+/// guest's virtio-blk device uses, in place of the node there before. The
+/// launch's placeholder goes away with that; a node added here stays until
+/// it is deleted ([`swap_disk`]).
 async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path) -> Result<(), VmError> {
     let options = json!({
         "driver": "qcow2",
