@@ -164,8 +164,7 @@ impl CaptureBuffer {
     /// the guest runs ([`Capture::read_running`]), whose copy faults them in.
     pub fn unfaulted(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
         let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
-        let room = pages + pages / 8 + 256;
-        Ok(Self(CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?))
+        Ok(Self(CaptureMemory::with_room(blocks, pages)?))
     }
 }
 
@@ -227,8 +226,7 @@ impl Capture {
         let pages: usize = to_read.iter().map(Vec::len).sum();
         let mut memory = buffer.0;
         if pages * PAGE > memory.pages().len() {
-            let room = pages + pages / 8 + 256;
-            memory = CaptureMemory::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)?;
+            memory = CaptureMemory::with_room(blocks, pages)?;
         }
         let template_first = {
             let mut order: Vec<usize> = (0..blocks.len()).collect();
@@ -424,6 +422,13 @@ struct CaptureMemory {
 unsafe impl Send for CaptureMemory {}
 
 impl CaptureMemory {
+    /// Room for `pages` pages of `blocks` and as many again as the guest
+    /// may write meanwhile: an eighth more, and 256 pages.
+    fn with_room(blocks: &[RamBlock], pages: usize) -> Result<Self, DeltaError> {
+        let room = pages + pages / 8 + 256;
+        Self::new(headers_len(blocks.iter().map(|b| (b.name.as_str(), room))), room)
+    }
+
     fn new(headers: usize, pages: usize) -> Result<Self, DeltaError> {
         use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
         use nix::sys::mman::{mmap, MapFlags, ProtFlags};

@@ -1034,9 +1034,10 @@ impl Vm {
         }
         let template_based = self.memory_is_template_based();
         let prepare = async {
-            match template_based {
-                true => Some(self.prepare_capture().await),
-                false => None,
+            if template_based {
+                Some(self.prepare_capture().await)
+            } else {
+                None
             }
         };
         let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), prepare);
@@ -1098,20 +1099,20 @@ impl Vm {
         let template = delta::TemplateBlock { name: launch::RAM_ID.to_string(), file };
         let (b, t, id) = (blocks.clone(), template.clone(), self.id());
         let start = memory_task(move || {
-            let Some(ram) = b.iter().find(|block| block.name == t.name) else {
-                return Ok(CaptureStart::Stopped(delta::CaptureBuffer::sized_for(pid, &b, &t)?));
-            };
             let started = std::time::Instant::now();
-            match write_tracker::WriteTracker::start(pid, ram.host_address, ram.length) {
-                Ok(tracker) => {
+            let tracked = b.iter().find(|block| block.name == t.name).map(|ram| write_tracker::WriteTracker::start(pid, ram.host_address, ram.length));
+            match tracked {
+                Some(Ok(tracker)) => {
                     let tracking = started.elapsed();
                     let buffer = delta::CaptureBuffer::unfaulted(pid, &b, &t)?;
                     let precopy = delta::Capture::read_running(pid, &b, &t, buffer, &tracker)?;
                     tracing::debug!(vm = %id, ?tracking, read = ?started.elapsed(), "read the VM's memory while it runs");
                     Ok(CaptureStart::Precopy(tracker, precopy))
                 }
-                Err(e) => {
-                    tracing::debug!(vm = %id, "no write tracking, the VM's memory is read while it is stopped: {e}");
+                failed => {
+                    if let Some(Err(e)) = failed {
+                        tracing::debug!(vm = %id, "no write tracking, the VM's memory is read while it is stopped: {e}");
+                    }
                     Ok(CaptureStart::Stopped(delta::CaptureBuffer::sized_for(pid, &b, &t)?))
                 }
             }
