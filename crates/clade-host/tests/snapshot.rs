@@ -336,6 +336,42 @@ fn a_snapshot_costs_what_the_guest_wrote_not_its_ram() {
     });
 }
 
+/// Whether user `nobody` can read `path`.
+fn nobody_reads(path: &std::path::Path) -> bool {
+    use std::os::unix::process::CommandExt;
+    let status = std::process::Command::new("cat")
+        .arg(path)
+        .uid(65534)
+        .gid(65534)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    status.success()
+}
+
+/// Sandboxes' disks, memory and records are the host's alone even in a
+/// data directory every user may enter (as /var/lib/clade is): another
+/// host user reads neither a VM's files nor a snapshot's.
+#[test]
+fn other_host_users_cannot_read_sandbox_disks_memory_or_snapshots() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(env) = vm_env() else { return };
+    std::fs::set_permissions(env.data_dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    block_on(async {
+        let vm = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let snapshot = vm.snapshot(&env.runtime).await.unwrap();
+        let snapshot_dir = env.data_dir().join("snapshots").join(&snapshot);
+        let template = std::fs::read_dir(env.data_dir().join("templates")).unwrap().flatten().find(|e| e.path().is_dir()).unwrap();
+        assert!(nobody_reads(&template.path().join("disk.qcow2")), "templates hold image content only and stay readable");
+        for secret in [vm.dir().join("disk.qcow2"), vm.dir().join("vm.json"), snapshot_dir.join("memory"), snapshot_dir.join("disk.qcow2")] {
+            assert!(secret.exists(), "{}", secret.display());
+            assert!(!nobody_reads(&secret), "another user read {}", secret.display());
+        }
+        vm.stop().await.unwrap();
+    });
+}
+
 /// Guest memory of a QEMU process in kB, from its smaps: the private copies
 /// (anonymous pages) in the mappings of RAM files, and the resident and
 /// proportional size of the pages mapped from a saved delta (a snapshot's

@@ -43,6 +43,12 @@ pub enum StoreError {
     UnsupportedUrl(String),
     #[error("opening the database")]
     Connect(#[source] sqlx::Error),
+    #[error("making the database file {path} private (mode 0600)")]
+    Private {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("migrating the database to schema version {version}")]
     Migrate {
         version: i64,
@@ -82,6 +88,9 @@ impl Store {
     pub async fn open(url: &str) -> Result<Self, StoreError> {
         sqlx::any::install_default_drivers();
         let (backend, url) = if url.starts_with("sqlite:") {
+            if let Some(path) = sqlite_file(url) {
+                private_database_file(&path).map_err(|source| StoreError::Private { path, source })?;
+            }
             let url = if url.contains('?') { url.to_string() } else { format!("{url}?mode=rwc") };
             (Backend::Sqlite, url)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -111,6 +120,35 @@ impl Store {
     /// Closes every connection (waits for those in use).
     pub async fn close(&self) {
         self.pool.close().await;
+    }
+}
+
+/// The file a `sqlite:` URL names; `None` for an in-memory database.
+fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    let rest = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:"))?;
+    let path = rest.split('?').next().unwrap_or_default();
+    (!path.is_empty() && !path.starts_with(":memory:")).then(|| path.into())
+}
+
+/// Creates the database file readable and writable by its owner only, or
+/// tightens an existing one (and its WAL files): it holds every workspace's
+/// sandboxes, their environment variables and the API keys' hashes. SQLite
+/// gives the `-wal` and `-shm` files it creates the database file's mode.
+fn private_database_file(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            for suffix in ["", "-wal", "-shm"] {
+                let file = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+                match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && !suffix.is_empty() => {}
+                    other => other?,
+                }
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -84,6 +84,29 @@ async fn the_secret_is_never_stored() {
     }
 }
 
+#[tokio::test]
+async fn the_sqlite_file_and_its_wal_are_private_even_in_an_open_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    // A data directory other users may search, as /var/lib/clade is.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let db = dir.path().join("clade.db");
+    let store = Store::open(&Store::default_url(dir.path())).await.unwrap();
+    store.create_workspace("default").await.unwrap();
+    for file in [db.clone(), dir.path().join("clade.db-wal"), dir.path().join("clade.db-shm")] {
+        assert_eq!(mode(&file), 0o600, "{} while open", file.display());
+    }
+    store.close().await;
+
+    // A database an older version left readable by all is tightened.
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let store = Store::open(&Store::default_url(dir.path())).await.unwrap();
+    assert_eq!(mode(&db), 0o600);
+    assert_eq!(store.list_workspaces().await.unwrap().len(), 1, "the data is kept");
+    store.close().await;
+}
+
 fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
     NewSandbox {
         id: id.into(),

@@ -80,6 +80,14 @@ pub enum VmError {
     Memory(#[from] delta::DeltaError),
 }
 
+/// Creates `dir` if needed and makes it (again) searchable by its owner
+/// only: an existing directory of an older version is tightened too.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
     let context = context.into();
     move |source| VmError::Io { context, source }
@@ -199,8 +207,11 @@ impl VmRuntime {
         let accel = accel::resolve(config.accel, &HostVirt::probe()).map_err(VmError::Config)?;
         let vms_dir = config.data_dir.join("vms");
         let templates_dir = config.data_dir.join("templates");
-        for dir in [&vms_dir, &templates_dir] {
-            std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        std::fs::create_dir_all(&templates_dir).map_err(io_err(format!("creating {}", templates_dir.display())))?;
+        // Sandboxes' disks, memory and records: the host's alone, whatever
+        // the data directory's mode (templates hold only image content).
+        for dir in [&vms_dir, &config.data_dir.join(snapshot::SNAPSHOTS_DIR)] {
+            private_dir(dir).map_err(io_err(format!("creating {} (mode 0700)", dir.display())))?;
         }
         for id in sweep(&vms_dir) {
             tracing::info!(vm = %id, "removed a VM whose owner is gone");

@@ -51,6 +51,8 @@ use super::{
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
+/// Under the data directory: one directory per snapshot.
+pub(super) const SNAPSHOTS_DIR: &str = "snapshots";
 const RECORD: &str = "snapshot.json";
 const CHILD_LAYER: &str = "child.qcow2";
 const MEMORY: &str = "memory";
@@ -114,7 +116,7 @@ impl SnapshotRecord {
 
 impl VmRuntime {
     fn snapshots_dir(&self) -> PathBuf {
-        self.config.data_dir.join("snapshots")
+        self.config.data_dir.join(SNAPSHOTS_DIR)
     }
 
     /// The snapshots that are not deleted.
