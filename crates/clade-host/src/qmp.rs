@@ -1,6 +1,9 @@
-//! A QEMU Machine Protocol client: commands with ids, and events.
+//! A QEMU Machine Protocol client: commands with ids, events, and
+//! descriptors handed to QEMU (`add-fd`).
 
 use std::collections::HashMap;
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,10 +44,35 @@ pub const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, (String, String)>>>>>;
 
+/// A descriptor QEMU holds in a descriptor set of its own (`add-fd`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldFd {
+    pub fdset_id: u64,
+    /// Its number inside QEMU.
+    pub fd: i32,
+}
+
+impl HeldFd {
+    /// The name under which QEMU opens (a duplicate of) it wherever it
+    /// would open a file by path through `qemu_open`: block nodes,
+    /// migration files, `xen-save-devices-state`. The access mode asked for
+    /// must be the descriptor's.
+    pub fn path(&self) -> String {
+        format!("/dev/fdset/{}", self.fdset_id)
+    }
+}
+
+/// How long a command may take unless the caller says otherwise.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// One QMP connection. Commands may be issued concurrently.
 #[derive(Debug)]
 pub struct Qmp {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// Held across a whole `add-fd`: QEMU keeps only the last descriptor it
+    /// received and hands it to the next command that takes one, so two
+    /// in flight could swap theirs.
+    handing_fd: tokio::sync::Mutex<()>,
     pending: Pending,
     next_id: AtomicU64,
     events: broadcast::Sender<Value>,
@@ -70,6 +98,7 @@ impl Qmp {
         let (events, _) = broadcast::channel(256);
         let qmp = Self {
             writer: tokio::sync::Mutex::new(write),
+            handing_fd: tokio::sync::Mutex::new(()),
             pending: pending.clone(),
             next_id: AtomicU64::new(1),
             events: events.clone(),
@@ -101,7 +130,7 @@ impl Qmp {
 
     /// Runs a command and returns its `return` value.
     pub async fn execute(&self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
-        self.execute_timeout(command, arguments, Duration::from_secs(30)).await
+        self.execute_timeout(command, arguments, COMMAND_TIMEOUT).await
     }
 
     pub async fn execute_timeout(
@@ -110,6 +139,28 @@ impl Qmp {
         arguments: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
+        self.send(command, arguments, None, timeout).await
+    }
+
+    /// Hands QEMU a duplicate of `fd` (sent with the command, `SCM_RIGHTS`)
+    /// in a new descriptor set. QEMU keeps it until [`Qmp::remove_fdset`];
+    /// the copies it opens from the set stay open until it closes them.
+    pub async fn add_fd(&self, fd: BorrowedFd<'_>) -> Result<HeldFd, QmpError> {
+        let _one_at_a_time = self.handing_fd.lock().await;
+        let value = self.send("add-fd", None, Some(fd), COMMAND_TIMEOUT).await?;
+        let field = |name: &str| value.get(name).and_then(Value::as_u64);
+        match (field("fdset-id"), field("fd")) {
+            (Some(fdset_id), Some(fd)) => Ok(HeldFd { fdset_id, fd: fd as i32 }),
+            _ => Err(QmpError::Command { command: "add-fd".into(), class: "unexpected reply".into(), desc: value.to_string() }),
+        }
+    }
+
+    /// Gives up QEMU's descriptors of set `fdset_id`.
+    pub async fn remove_fdset(&self, fdset_id: u64) -> Result<(), QmpError> {
+        self.execute("remove-fd", Some(json!({ "fdset-id": fdset_id }))).await.map(drop)
+    }
+
+    async fn send(&self, command: &str, arguments: Option<Value>, fd: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<Value, QmpError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().expect("qmp pending lock").insert(id, tx);
@@ -121,7 +172,11 @@ impl Qmp {
         line.push('\n');
         {
             let mut writer = self.writer.lock().await;
-            writer.write_all(line.as_bytes()).await?;
+            let sent = match fd {
+                None => 0,
+                Some(fd) => send_with_fd(&writer, line.as_bytes(), fd).await?,
+            };
+            writer.write_all(&line.as_bytes()[sent..]).await?;
         }
         match tokio::time::timeout(timeout, rx).await {
             Err(_) => {
@@ -137,5 +192,24 @@ impl Qmp {
     /// Events from now on (`{"event": NAME, "data": …}`).
     pub fn events(&self) -> broadcast::Receiver<Value> {
         self.events.subscribe()
+    }
+}
+
+/// Sends the first part of `bytes` with `fd` attached; returns how much
+/// went (at least one byte, which carries the descriptor).
+async fn send_with_fd(writer: &OwnedWriteHalf, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let stream: &UnixStream = writer.as_ref();
+    let fds = [fd.as_raw_fd()];
+    loop {
+        stream.writable().await?;
+        let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(bytes)], &[ControlMessage::ScmRights(&fds)], MsgFlags::MSG_NOSIGNAL, None)
+                .map_err(std::io::Error::from)
+        });
+        match sent {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            other => return other,
+        }
     }
 }

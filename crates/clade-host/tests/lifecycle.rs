@@ -220,3 +220,42 @@ fn vms_run_clades_own_qemu_with_only_a_sandboxs_devices() {
         vm.stop().await.unwrap();
     });
 }
+
+/// Descriptors handed to QEMU over QMP (`add-fd`, how it gets state files
+/// without opening them by path, ADR 14) land in QEMU as the same files,
+/// each in its own set even when handed concurrently, and leave QEMU when
+/// their set is given up.
+#[test]
+fn descriptors_handed_to_qemu_arrive_each_in_its_own_set_and_leave_with_it() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let vm = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let pid = vm.vmm().pid;
+        let dir = tempfile::tempdir().unwrap();
+        let files: Vec<_> = (0..8)
+            .map(|i| {
+                let path = dir.path().join(format!("file-{i}"));
+                (std::fs::File::create(&path).unwrap(), path)
+            })
+            .collect();
+        let qmp = vm.qmp();
+        let handed = futures::future::join_all(files.iter().map(|(file, _)| {
+            use std::os::fd::AsFd;
+            qmp.add_fd(file.as_fd())
+        }))
+        .await;
+        let in_qemu = |fd: i32| std::fs::read_link(format!("/proc/{pid}/fd/{fd}"));
+        let mut sets = std::collections::HashSet::new();
+        for (held, (_, path)) in handed.iter().zip(&files) {
+            let held = held.as_ref().unwrap();
+            assert!(sets.insert(held.fdset_id), "set {} handed out twice", held.fdset_id);
+            assert_eq!(&in_qemu(held.fd).unwrap(), path, "{held:?} is not QEMU's copy of {}", path.display());
+        }
+        for held in handed.iter().map(|h| h.as_ref().unwrap()) {
+            qmp.remove_fdset(held.fdset_id).await.unwrap();
+            assert!(in_qemu(held.fd).map_or(true, |link| !link.starts_with(dir.path())), "{held:?} still open in QEMU");
+        }
+        vm.agent().ping().await.unwrap();
+        vm.stop().await.unwrap();
+    });
+}

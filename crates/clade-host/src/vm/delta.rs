@@ -732,14 +732,16 @@ pub struct Applied {
 /// Puts the delta saved at `path` into QEMU process `pid`, whose RAM blocks
 /// are `blocks` and whose guest has not run yet: long runs of block
 /// `template_block` are mapped from the file where the process can be made
-/// to, everything else is written.
-pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -> Result<Applied, DeltaError> {
+/// to, everything else is written. `held` is the file's descriptor number
+/// inside the process (handed to it by the caller); without one, every page
+/// is written.
+pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str, held: Option<i32>) -> Result<Applied, DeltaError> {
     let delta = SavedDelta::open(path)?;
     let mut applied = Applied::default();
     for block in &delta.blocks {
         let target = matching_block(blocks, &block.name, block.length)?;
         let mut runs = file_runs(&block.indices, block.pages_at);
-        if delta.page_aligned && block.name == template_block {
+        if let (true, true, Some(held)) = (delta.page_aligned, block.name == template_block, held) {
             let (to_map, to_write) = split_for_mapping(runs.clone());
             let mappings: Vec<Mapping> = to_map
                 .iter()
@@ -750,9 +752,7 @@ pub fn apply(path: &Path, pid: u32, blocks: &[RamBlock], template_block: &str) -
                 })
                 .collect();
             if !mappings.is_empty() {
-                // Not canonicalized: a memory file's path is a link to follow.
-                let file = std::path::absolute(path).map_err(io_err(format!("resolving {}", path.display())))?;
-                match remote_map::map_private(pid, &file, &mappings) {
+                match remote_map::map_private(pid, held, &mappings) {
                     Ok(()) => {
                         applied.mapped += mappings.iter().map(|m| m.len).sum::<u64>();
                         runs = to_write;
@@ -1019,8 +1019,9 @@ mod tests {
         assert_eq!(capture.bytes(), 5002 * PAGE as u64);
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();
-        // A process cannot trace its own threads: every page is written.
-        let applied = apply(&saved, pid, &block(target), "mem").unwrap();
+        // No descriptor in the target (and a process cannot trace its own
+        // threads anyway): every page is written.
+        let applied = apply(&saved, pid, &block(target), "mem", None).unwrap();
         assert_eq!(applied, Applied { mapped: 0, written: 5002 * PAGE as u64 });
         assert!(source == target, "the second mapping reads like the first");
         assert_eq!(target[3 * PAGE], 0xaa);
@@ -1035,7 +1036,7 @@ mod tests {
         let old = dir.path().join("old-memory");
         std::fs::write(&old, &unaligned).unwrap();
         let third = map();
-        assert_eq!(apply(&old, pid, &block(third), "mem").unwrap().written, 5002 * PAGE as u64);
+        assert_eq!(apply(&old, pid, &block(third), "mem", None).unwrap().written, 5002 * PAGE as u64);
         assert!(source == third, "a first-format delta applies alike");
 
         // Held in memory (a fork's): the same file, trimmed to its pages.
@@ -1046,14 +1047,14 @@ mod tests {
         let pages = |file: &[u8]| file[file.len() - 5002 * PAGE..].to_vec();
         assert!(pages(&held) == pages(&on_disk), "the memory file holds the saved file's pages");
         let fourth = map();
-        apply(&in_memory.path(), pid, &block(fourth), "mem").unwrap();
+        apply(&in_memory.path(), pid, &block(fourth), "mem", None).unwrap();
         assert!(source == fourth, "a delta held in memory applies alike");
 
         std::fs::write(&saved, b"CLADEMEM\x09\0\0\0").unwrap();
-        assert!(matches!(apply(&saved, pid, &block(target), "mem"), Err(DeltaError::Format(_))));
+        assert!(matches!(apply(&saved, pid, &block(target), "mem", None), Err(DeltaError::Format(_))));
         unaligned.truncate(unaligned.len() - 1);
         std::fs::write(&old, &unaligned).unwrap();
-        assert!(matches!(apply(&old, pid, &block(target), "mem"), Err(DeltaError::Format(_))), "a short file is refused before any write");
+        assert!(matches!(apply(&old, pid, &block(target), "mem", None), Err(DeltaError::Format(_))), "a short file is refused before any write");
     }
 
     /// A capture read while the guest ran, finished once it stopped: the
@@ -1093,7 +1094,7 @@ mod tests {
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();
         let target = map();
-        apply(&saved, pid, &block(target), "mem").unwrap();
+        apply(&saved, pid, &block(target), "mem", None).unwrap();
         assert!(source == target, "the delta holds the memory as it was when finished");
 
         // A page of the first read back to the template's: all read again.
@@ -1104,7 +1105,7 @@ mod tests {
         assert!(!capture.blocks[0].indices.contains(&150));
         capture.save(&saved).unwrap();
         let target = map();
-        apply(&saved, pid, &block(target), "mem").unwrap();
+        apply(&saved, pid, &block(target), "mem", None).unwrap();
         assert!(source == target, "read again whole, the delta is right");
         assert_eq!(target[150 * PAGE], 150 | 1, "the dropped page is the template's");
 

@@ -35,8 +35,15 @@ pub struct LaunchSpec {
     /// The NIC's backend: `tap0` of the network namespace QEMU is started
     /// in, or nothing (a hub port with no other port: packets go nowhere).
     /// Every VM has the NIC either way, so any VM's state restores into any.
+    /// The tap is QEMU's descriptor [`TapFd`] (opened by [`spawn`]).
     pub tap: bool,
 }
+
+/// The descriptor number under which QEMU finds its tap: one the host
+/// holds open (on `/dev/null`) while it starts QEMU, so that no other
+/// descriptor of the child has it, replaced in the child by the tap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TapFd(pub i32);
 
 /// The root disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,7 +144,8 @@ pub fn kernel_cmdline(spec: &LaunchSpec) -> String {
     args.join(" ")
 }
 
-pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
+/// QEMU's command line; `tap` is where its tap will be when `spec.tap`.
+pub fn qemu_args(spec: &LaunchSpec, tap: Option<TapFd>) -> Vec<OsString> {
     let dir = &spec.dir;
     let path = |p: PathBuf| p.display().to_string();
     let mut args: Vec<String> = vec![
@@ -201,12 +209,13 @@ pub fn qemu_args(spec: &LaunchSpec) -> Vec<OsString> {
         "-device".into(),
         format!("virtserialport,chardev=agent,name={}", clade_proto::AGENT_PORT_NAME),
         "-netdev".into(),
-        if spec.tap {
-            // No vnet header: the tap was made without one, and offloads
-            // would have to match across restores on every host.
-            "tap,id=net0,ifname=tap0,script=no,downscript=no,vnet_hdr=off".into()
-        } else {
-            "hubport,id=net0,hubid=0".into()
+        match (spec.tap, tap) {
+            // No vnet header: the descriptor is attached without one
+            // (QEMU reads that from it), as offloads would have to match
+            // across restores on every host.
+            (true, Some(TapFd(fd))) => format!("tap,id=net0,fd={fd}"),
+            (true, None) => panic!("a VM with a tap needs the tap's descriptor number"),
+            (false, _) => "hubport,id=net0,hubid=0".into(),
         },
         "-device".into(),
         format!("virtio-net-device,netdev=net0,mac={}", clade_proto::guest_net::GUEST_MAC),
@@ -252,6 +261,7 @@ struct SpawnRequest {
     command: Command,
     die_with_owner: bool,
     netns: Option<std::fs::File>,
+    tap: Option<TapFd>,
     huge_pages: bool,
     reply: mpsc::Sender<std::io::Result<Child>>,
 }
@@ -264,14 +274,19 @@ struct SpawnRequest {
 /// spawn happens on one launcher thread that lives as long as the process.
 ///
 /// With `netns` (a `/run/netns/NAME` file), the process starts inside that
-/// network namespace and has no other network.
+/// network namespace and has no other network. With `tap` too, the child
+/// attaches that namespace's `tap0` before it runs QEMU, and QEMU gets the
+/// descriptor: it needs no privilege over network devices (ADR 14).
 ///
 /// Without `huge_pages`, the process gets no transparent huge pages, even
 /// where it asks for them (`PR_SET_THP_DISABLE`). Under TCG, QEMU asks for
 /// them for its translation buffer: the vCPU thread then zeroes, and the
 /// kernel may compact memory for, 2 MiB at once whenever generated code
 /// first reaches a new part of it, in the middle of a create's first steps.
-pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, huge_pages: bool) -> std::io::Result<Child> {
+pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, tap: Option<TapFd>, huge_pages: bool) -> std::io::Result<Child> {
+    if tap.is_some() && netns.is_none() {
+        return Err(std::io::Error::other("a tap is attached only inside a sandbox's network namespace"));
+    }
     let netns = netns.map(std::fs::File::open).transpose()?;
     static LAUNCHER: OnceLock<std::sync::Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let launcher = LAUNCHER.get_or_init(|| {
@@ -280,7 +295,7 @@ pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, huge_
             .name("clade-vmm-launcher".into())
             .spawn(move || {
                 for request in rx {
-                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner, request.netns, request.huge_pages));
+                    let _ = request.reply.send(spawn_here(request.command, request.die_with_owner, request.netns, request.tap, request.huge_pages));
                 }
             })
             .expect("starting the VMM launcher thread");
@@ -290,25 +305,51 @@ pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, huge_
     launcher
         .lock()
         .expect("launcher lock")
-        .send(SpawnRequest { command, die_with_owner, netns, huge_pages, reply })
+        .send(SpawnRequest { command, die_with_owner, netns, tap, huge_pages, reply })
         .map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?;
     outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
 }
 
-fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>, huge_pages: bool) -> std::io::Result<Child> {
+/// `ioctl(TUNSETIFF)`'s argument (`struct ifreq`, 40 bytes on x86-64).
+#[repr(C)]
+struct TapRequest {
+    name: [u8; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _rest: [u8; 22],
+}
+
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+
+fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>, tap: Option<TapFd>, huge_pages: bool) -> std::io::Result<Child> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let owner = std::process::id() as libc::pid_t;
     let netns_fd = netns.as_ref().map(|file| file.as_raw_fd());
+    // As `ip tuntap add … mode tap` made it: no packet information header;
+    // and no vnet header, which QEMU then does not use.
+    let mut request = TapRequest { name: [0; libc::IFNAMSIZ], flags: (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short, _rest: [0; 22] };
+    request.name[..4].copy_from_slice(b"tap0");
     // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (setns, setsid, prctl, getppid, _exit); it
-    // touches no locks and allocates nothing. `netns` outlives the spawn.
+    // async-signal-safe functions (setns, open, ioctl, dup2, close, setsid,
+    // prctl, getppid, _exit); it touches no locks and allocates nothing.
+    // `netns` outlives the spawn; `request` is the closure's own.
     unsafe {
         command.pre_exec(move || {
             if let Some(fd) = netns_fd {
                 if libc::setns(fd, libc::CLONE_NEWNET) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            if let Some(TapFd(target)) = tap {
+                let fd = libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // dup2 leaves the copy without close-on-exec: QEMU keeps it.
+                if libc::ioctl(fd, TUNSETIFF, &request) < 0 || libc::dup2(fd, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(fd);
             }
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
@@ -362,7 +403,7 @@ mod tests {
         let kvm = kernel_cmdline(&spec(Accel::Kvm));
         assert!(!kvm.contains("tsc"), "{kvm}");
         let accel = |accel| {
-            let args = qemu_args(&spec(accel));
+            let args = qemu_args(&spec(accel), None);
             args.iter().position(|a| a == "-accel").map(|i| args[i + 1].clone()).unwrap()
         };
         assert_eq!(accel(Accel::Tcg), "tcg,tb-size=256", "TCG's translation cache is capped");
@@ -374,20 +415,20 @@ mod tests {
         let mut restore = spec(Accel::Tcg);
         restore.memory = Memory::FromTemplate("/t/ram".into());
         restore.incoming = true;
-        let joined: Vec<String> = qemu_args(&restore).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let joined: Vec<String> = qemu_args(&restore, None).into_iter().map(|a| a.into_string().unwrap()).collect();
         let joined = joined.join(" ");
         assert!(joined.contains("memory-backend=mem"), "{joined}");
         assert!(joined.contains("mem-path=/t/ram,share=off,readonly=on,rom=off"), "{joined}");
         assert!(joined.contains("-global migration.announce-rounds=0"), "no announce requests after the load: {joined}");
         assert!(joined.ends_with("-incoming defer"), "{joined}");
-        let cmdline: Vec<u8> = qemu_args(&restore).into_iter().flat_map(|a| a.into_encoded_bytes().into_iter().chain([0])).collect();
+        let cmdline: Vec<u8> = qemu_args(&restore, None).into_iter().flat_map(|a| a.into_encoded_bytes().into_iter().chain([0])).collect();
         assert_eq!(ram_file_in(&cmdline), Some(PathBuf::from("/t/ram")), "the RAM file is read back from the command line");
         assert_eq!(ram_file_in(b"qemu\0-m\0-smp\0"), None);
     }
 
     #[test]
     fn command_line_names_every_device_and_the_accelerator() {
-        let args: Vec<String> = qemu_args(&spec(Accel::Kvm)).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let args: Vec<String> = qemu_args(&spec(Accel::Kvm), None).into_iter().map(|a| a.into_string().unwrap()).collect();
         let joined = args.join(" ");
         for needle in [
             "-accel kvm",
@@ -403,5 +444,16 @@ mod tests {
         ] {
             assert!(joined.contains(needle), "missing {needle:?} in {joined}");
         }
+    }
+
+    #[test]
+    fn a_tap_is_handed_to_qemu_as_a_descriptor_not_opened_by_name() {
+        let mut networked = spec(Accel::Tcg);
+        networked.tap = true;
+        let args: Vec<String> = qemu_args(&networked, Some(TapFd(41))).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let netdev = args.iter().position(|a| a == "-netdev").map(|i| args[i + 1].clone()).unwrap();
+        assert_eq!(netdev, "tap,id=net0,fd=41");
+        let refused = spawn(Command::new("true"), false, None, Some(TapFd(41)), false);
+        assert!(refused.is_err(), "a tap outside a namespace would be the host's");
     }
 }

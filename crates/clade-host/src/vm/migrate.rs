@@ -1,16 +1,27 @@
 //! Saving and loading VM state through QEMU's migration, to and from files.
+//!
+//! The host opens each file and hands QEMU the descriptor (`add-fd`): QEMU
+//! opens no state file by path, so it needs no access to the directories
+//! they live in (ADR 14).
 
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::qmp::{Qmp, QmpError};
+use crate::qmp::{HeldFd, Qmp, QmpError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     #[error(transparent)]
     Qmp(#[from] QmpError),
+    #[error("opening {path} for QEMU")]
+    Open {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("migration {0}")]
     Failed(String),
     #[error("migration did not finish within {0:?}")]
@@ -60,8 +71,48 @@ pub async fn wait_completed(qmp: &Qmp, timeout: Duration) -> Result<(), MigrateE
 pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
     qmp.execute("stop", None).await?;
     set_capabilities(qmp, ignore_shared, false).await?;
-    qmp.execute("migrate", Some(json!({ "uri": format!("file:{}", file.display()) }))).await?;
-    wait_completed(qmp, Duration::from_secs(300)).await
+    migrate_file(qmp, "migrate", file, Access::Write).await
+}
+
+/// Runs `command` (`migrate` or `migrate-incoming`) on `file`, which the
+/// host opens with `access` and hands QEMU, until the migration completes.
+async fn migrate_file(qmp: &Qmp, command: &str, file: &Path, access: Access) -> Result<(), MigrateError> {
+    let opened = open_for_qemu(file, access)?;
+    let held = qmp.add_fd(opened.as_fd()).await?;
+    let migrated = async {
+        qmp.execute(command, Some(json!({ "uri": format!("file:{}", held.path()) }))).await?;
+        wait_completed(qmp, Duration::from_secs(300)).await
+    }
+    .await;
+    give_back(qmp, held, migrated).await
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Access {
+    Read,
+    /// Created or emptied, mode 0600.
+    Write,
+}
+
+/// `path` opened with the access mode QEMU will ask of its descriptor set
+/// (it hands out only a descriptor whose mode matches).
+fn open_for_qemu(path: &Path, access: Access) -> Result<std::fs::File, MigrateError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = std::fs::OpenOptions::new();
+    match access {
+        Access::Read => options.read(true),
+        Access::Write => options.write(true).create(true).truncate(true).mode(0o600),
+    };
+    options.open(path).map_err(|source| MigrateError::Open { path: path.display().to_string(), source })
+}
+
+/// Gives up QEMU's copy of `held` (the file it opened from it stays open
+/// until QEMU is done with it), then returns `outcome`.
+async fn give_back<T>(qmp: &Qmp, held: HeldFd, outcome: Result<T, MigrateError>) -> Result<T, MigrateError> {
+    let removed = qmp.remove_fdset(held.fdset_id).await;
+    let value = outcome?;
+    removed?;
+    Ok(value)
 }
 
 /// Writes the device state of a stopped VM, without any RAM, to `file` as
@@ -76,8 +127,11 @@ pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), Mig
 /// QEMU reads past unparsed.
 pub async fn save_devices(qmp: &Qmp, file: &Path, machine: &str) -> Result<(), MigrateError> {
     let raw = file.with_extension("devices");
+    let target = open_for_qemu(&raw, Access::Write)?;
+    let held = qmp.add_fd(target.as_fd()).await?;
     // `live` off: with it, a stopped VM's disks would be handed over (inactivated).
-    qmp.execute("xen-save-devices-state", Some(json!({ "filename": raw.display().to_string(), "live": false }))).await?;
+    let saved = qmp.execute("xen-save-devices-state", Some(json!({ "filename": held.path(), "live": false }))).await.map_err(MigrateError::from);
+    give_back(qmp, held, saved).await?;
     let devices = std::fs::read(&raw).map_err(|e| MigrateError::Failed(format!("reading the device state: {e}")));
     let _ = std::fs::remove_file(&raw);
     let stream = loadable_device_stream(&devices?, machine)?;
@@ -111,8 +165,7 @@ fn loadable_device_stream(devices: &[u8], machine: &str) -> Result<Vec<u8>, Migr
 /// then runs the vCPUs.
 pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
     set_capabilities(qmp, ignore_shared, false).await?;
-    qmp.execute("migrate-incoming", Some(json!({ "uri": format!("file:{}", file.display()) }))).await?;
-    wait_completed(qmp, Duration::from_secs(300)).await?;
+    migrate_file(qmp, "migrate-incoming", file, Access::Read).await?;
     cont_once_finalized(qmp).await
 }
 

@@ -707,14 +707,21 @@ fn spawn_qemu(
 ) -> Result<(ProcessId, watch::Receiver<Option<String>>), VmError> {
     let dir = &launch.dir;
     let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
+    // Held until QEMU has started: its number is where the child puts the tap.
+    let tap_slot = match launch.tap {
+        true => Some(std::fs::File::open("/dev/null").map_err(io_err("reserving a descriptor for the tap"))?),
+        false => None,
+    };
+    let tap = tap_slot.as_ref().map(|slot| launch::TapFd(std::os::fd::AsRawFd::as_raw_fd(slot)));
     let mut command = Command::new(&runtime.qemu);
-    command.args(qemu_args(launch)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
+    command.args(qemu_args(launch, tap)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
     // Under KVM, huge pages back guest RAM well; under TCG they only slowed
     // the translation buffer's growth: create to first exec p99 ~15–20 ms
     // better without, p50 and memory unchanged (clade-bench, A/B).
     let huge_pages = launch.accel == Accel::Kvm;
-    let mut child = launch::spawn(command, die_with_owner, netns, huge_pages)
+    let mut child = launch::spawn(command, die_with_owner, netns, tap, huge_pages)
         .map_err(io_err(format!("starting {}", runtime.qemu.display())))?;
+    drop(tap_slot);
     let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
     std::thread::Builder::new()
@@ -787,6 +794,28 @@ enum RestoredMemory {
     Delta { file: PathBuf, vmm: ProcessId },
 }
 
+/// Puts a saved delta into QEMU process `vmm`, handing QEMU the file's
+/// descriptor for the pages to be mapped (QEMU opens no snapshot or fork
+/// memory by path, ADR 14). If QEMU cannot take it, every page is written.
+async fn apply_delta(qmp: &Qmp, file: PathBuf, vmm: ProcessId, blocks: Vec<delta::RamBlock>) -> Result<delta::Applied, VmError> {
+    use std::os::fd::AsFd;
+    let delta_file = std::fs::File::open(&file).map_err(io_err(format!("opening {}", file.display())))?;
+    let held = match qmp.add_fd(delta_file.as_fd()).await {
+        Ok(held) => Some(held),
+        Err(e) => {
+            tracing::warn!(delta = %file.display(), "QEMU did not take the memory file; its pages are written instead: {e}");
+            None
+        }
+    };
+    let fd = held.map(|h| h.fd);
+    let applied = memory_task(move || delta::apply(&file, vmm.pid, &blocks, launch::RAM_ID, fd)).await;
+    if let Some(held) = held {
+        // The mappings keep the file; QEMU's descriptor is not needed.
+        qmp.remove_fdset(held.fdset_id).await?;
+    }
+    applied
+}
+
 /// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
 /// connects the agent.
 async fn restore_into(
@@ -810,7 +839,7 @@ async fn restore_into(
             RestoredMemory::Delta { file, vmm } => {
                 // Before the device state: loading virtio queues reads guest memory.
                 let blocks = delta::ram_blocks(&qmp).await?;
-                let applied = memory_task(move || delta::apply(&file, vmm.pid, &blocks, launch::RAM_ID)).await?;
+                let applied = apply_delta(&qmp, file, vmm, blocks).await?;
                 tracing::debug!(mapped = applied.mapped, written = applied.written, "memory delta applied");
                 false
             }

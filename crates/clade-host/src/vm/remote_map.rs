@@ -5,10 +5,13 @@
 //! No QEMU interface can replace part of a RAM block with another file, and
 //! a mapping can only be made from inside the process. So the host borrows
 //! one of QEMU's threads with `ptrace`: a thread blocked in a system call
-//! (QEMU's RCU or vCPU thread, waiting) is interrupted, made to run
-//! `openat`, one `mmap(MAP_PRIVATE | MAP_FIXED)` per run of pages and
-//! `close` at the `syscall` instruction it was stopped after, and given back
-//! its registers, so that the kernel restarts the wait it was in. Nothing
+//! (QEMU's RCU or vCPU thread, waiting) is interrupted, made to run one
+//! `mmap(MAP_PRIVATE | MAP_FIXED)` per run of pages at the `syscall`
+//! instruction it was stopped after, and given back its registers, so that
+//! the kernel restarts the wait it was in. The file is a descriptor the host
+//! handed QEMU (QMP `add-fd`), not a path QEMU opens: a fork's memory file
+//! is the host's memfd, and QEMU should need no access to the files of
+//! snapshots (ADR 14). Nothing
 //! else of QEMU runs code in guest memory before its state is loaded, so the
 //! exchange of mappings is invisible to it.
 //!
@@ -24,14 +27,12 @@
 //! x86-64 Linux only (the registers and the `syscall` instruction), the one
 //! host target Clade builds for.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
 
 use nix::sys::ptrace;
 use nix::sys::signal::Signal;
-use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
+use nix::sys::uio::{process_vm_readv, RemoteIoVec};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
@@ -58,13 +59,13 @@ pub struct Mapping {
     pub file_offset: u64,
 }
 
-/// Maps each of `mappings` of `file` into process `pid`, private and
-/// writable, replacing what was there.
-pub fn map_private(pid: u32, file: &Path, mappings: &[Mapping]) -> Result<(), RemoteMapError> {
+/// Maps each of `mappings` of the file that process `pid` holds as
+/// descriptor `fd` into it, private and writable, replacing what was there.
+pub fn map_private(pid: u32, fd: i32, mappings: &[Mapping]) -> Result<(), RemoteMapError> {
     let mut last = RemoteMapError::NoThread(pid);
     for tid in borrowable_threads(pid) {
         match Borrowed::interrupt(tid) {
-            Ok(thread) => return thread.map_private(pid, file, mappings),
+            Ok(thread) => return thread.map_private(pid, fd, mappings),
             Err(e) => last = e,
         }
     }
@@ -134,7 +135,6 @@ fn borrowable_threads(pid: u32) -> Vec<Pid> {
 }
 
 const SYSCALL_INSTRUCTION: [u8; 2] = [0x0f, 0x05];
-const SYS_OPENAT: u64 = libc::SYS_openat as u64;
 const SYS_MMAP: u64 = libc::SYS_mmap as u64;
 const SYS_CLOSE: u64 = libc::SYS_close as u64;
 
@@ -195,27 +195,17 @@ impl Borrowed {
         Ok(Self { tid, saved, syscall_at, pending: std::cell::Cell::new(None) })
     }
 
-    fn map_private(self, pid: u32, file: &Path, mappings: &[Mapping]) -> Result<(), RemoteMapError> {
+    fn map_private(self, pid: u32, fd: i32, mappings: &[Mapping]) -> Result<(), RemoteMapError> {
         let call = |call: &'static str| move |source: std::io::Error| RemoteMapError::Call { pid, call, source };
-        // The path goes below the thread's stack pointer, past the red zone
-        // the code it was running may use.
-        let mut path = file.as_os_str().as_bytes().to_vec();
-        path.push(0);
-        let path_at = (self.saved.rsp - 1024 - path.len() as u64) & !15;
-        let written = process_vm_writev(self.tid, &[IoSlice::new(&path)], &[RemoteIoVec { base: path_at as usize, len: path.len() }]);
-        written.map_err(|e| call("writing the path")(e.into()))?;
-        let fd = self.syscall(SYS_OPENAT, [libc::AT_FDCWD as u64, path_at, (libc::O_RDONLY | libc::O_CLOEXEC) as u64, 0, 0, 0]).map_err(call("openat"))?;
-        let mapped = mappings.iter().try_for_each(|m| {
+        mappings.iter().try_for_each(|m| {
             let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
             let flags = (libc::MAP_PRIVATE | libc::MAP_FIXED) as u64;
-            let at = self.syscall(SYS_MMAP, [m.address, m.len, prot, flags, fd, m.file_offset]).map_err(call("mmap"))?;
+            let at = self.syscall(SYS_MMAP, [m.address, m.len, prot, flags, fd as u64, m.file_offset]).map_err(call("mmap"))?;
             match at == m.address {
                 true => Ok(()),
                 false => Err(call("mmap")(std::io::Error::other(format!("mapped at {at:#x}, not {:#x}", m.address)))),
             }
-        });
-        let _ = self.syscall(SYS_CLOSE, [fd, 0, 0, 0, 0, 0]);
-        mapped
+        })
     }
 
     /// Runs system call `number` in the thread; its result, or the error
@@ -270,8 +260,9 @@ mod tests {
 import ctypes, hashlib, mmap, sys, threading, time
 f = open(sys.argv[1], 'rb')
 m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+overlay = open(sys.argv[2], 'rb')
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True)
+print(ctypes.addressof(ctypes.c_char.from_buffer(m)), overlay.fileno(), flush=True)
 for _ in sys.stdin:
     print(hashlib.sha256(m).hexdigest(), flush=True)
 ";
@@ -297,25 +288,28 @@ for _ in sys.stdin:
             .arg("-c")
             .arg(HOLDER)
             .arg(&base)
+            .arg(&overlay)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
         let pid = holder.id();
         let mut lines = std::io::BufReader::new(holder.stdout.take().unwrap()).lines();
-        let address: u64 = lines.next().unwrap().unwrap().parse().unwrap();
+        let first = lines.next().unwrap().unwrap();
+        let (address, overlay_fd) = first.split_once(' ').unwrap();
+        let (address, overlay_fd): (u64, i32) = (address.parse().unwrap(), overlay_fd.parse().unwrap());
         let mappings = [
             Mapping { address: address + 8 * PAGE as u64, len: 8 * PAGE as u64, file_offset: 4 * PAGE as u64 },
             Mapping { address: address + 40 * PAGE as u64, len: 4 * PAGE as u64, file_offset: 20 * PAGE as u64 },
         ];
         // Its sleeping thread may not have reached its sleep yet.
-        let mut mapped = map_private(pid, &overlay, &mappings);
+        let mut mapped = map_private(pid, overlay_fd, &mappings);
         for _ in 0..50 {
             if mapped.is_ok() {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(100));
-            mapped = map_private(pid, &overlay, &mappings);
+            mapped = map_private(pid, overlay_fd, &mappings);
         }
         mapped.unwrap();
 
@@ -335,7 +329,7 @@ for _ in sys.stdin:
         assert!(holder.wait().unwrap().success());
 
         let mut single = Command::new("sleep").arg("30").spawn().unwrap();
-        let refused = map_private(single.id(), &overlay, &mappings);
+        let refused = map_private(single.id(), 3, &mappings);
         assert!(matches!(refused, Err(RemoteMapError::NoThread(_))), "a process without a thread to borrow: {refused:?}");
         let _ = single.kill();
         let _ = single.wait();
