@@ -336,6 +336,58 @@ fn a_snapshot_costs_what_the_guest_wrote_not_its_ram() {
     });
 }
 
+/// The files of `vm`'s block nodes, as QEMU names them.
+async fn block_node_files(vm: &clade_host::Vm) -> Vec<String> {
+    let nodes = vm.qmp().execute("query-named-block-nodes", Some(serde_json::json!({ "flat": true }))).await.unwrap();
+    nodes.as_array().unwrap().iter().map(|n| n["file"].as_str().unwrap().to_string()).collect()
+}
+
+/// A snapshot's disk layers (sandbox data) reach QEMU as descriptors the
+/// host opened, never as names QEMU opens (ADR 14): in a VM made from the
+/// snapshot with and without a standby VMM, in a fork child, and after a
+/// wake. The VMs read the files under those layers.
+#[test]
+fn snapshot_layers_reach_qemu_as_descriptors_not_names() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let snapshots = env.data_dir().join("snapshots").display().to_string();
+        let check = |vm: clade_host::Vm, what: &'static str| {
+            let snapshots = snapshots.clone();
+            async move {
+                let files = block_node_files(&vm).await;
+                assert!(files.iter().all(|f| !f.contains(&snapshots)), "{what}: QEMU named a snapshot layer: {files:#?}");
+                assert!(files.iter().any(|f| f.starts_with("/dev/fdset/")), "{what}: no handed layer: {files:#?}");
+                let out = vm.run(sh("cat /root/layered.txt")).await.unwrap();
+                assert_eq!(out.stdout_str(), "on a snapshot layer\n", "{what}: {}", out.stderr_str());
+                vm
+            }
+        };
+        let source = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        source.run(sh("echo on a snapshot layer > /root/layered.txt && sync")).await.unwrap();
+        let snapshot = source.snapshot(&env.runtime).await.unwrap();
+        source.stop().await.unwrap();
+
+        let copy = env.runtime.create_from_snapshot(&snapshot, Lifetime::Persistent, None).await.unwrap();
+        let copy = check(copy, "a create from a snapshot").await;
+        let id = copy.id();
+        copy.hibernate().await.unwrap();
+        drop(copy);
+        let woken = check(env.runtime.wake(&id, None).await.unwrap(), "a wake").await;
+        let children = woken.fork(&env.runtime, 1, Lifetime::Ephemeral).await.unwrap();
+        for child in children {
+            check(child, "a fork child").await.stop().await.unwrap();
+        }
+        woken.stop().await.unwrap();
+
+        let runtime = env.runtime.clone().with_standby(1);
+        let spec = VmSpec::new(env.image.clone());
+        runtime.prestart(&spec).await.unwrap();
+        let taken = runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await.unwrap();
+        check(taken, "a create from a snapshot with a standby").await.stop().await.unwrap();
+        runtime.drain_standby();
+    });
+}
+
 /// Whether user `nobody` can read `path`.
 fn nobody_reads(path: &std::path::Path) -> bool {
     use std::os::unix::process::CommandExt;

@@ -547,7 +547,11 @@ impl VmRuntime {
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
         let mut launch = self.launch_spec(id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
         launch.tap = netns.is_some();
-        let spawned = spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral, netns.as_deref());
+        // Its layer may stand on snapshot layers: attached after start.
+        let spawned = qcow2_virtual_size(&dir.join("disk.qcow2")).and_then(|bytes| {
+            launch.disk = launch::Disk::Deferred { bytes };
+            spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral, netns.as_deref())
+        });
         let (vmm, exit_rx) = match spawned {
             Ok(spawned) => spawned,
             Err(e) => {
@@ -565,7 +569,8 @@ impl VmRuntime {
             false => RestoredMemory::InState,
         };
         let woken = async {
-            let (qmp, agent) = restore_into(&dir, &exit_rx, None, &state, memory, self.boot_timeout()).await?;
+            let qmp = attach_deferred_disk(self, &dir, &exit_rx).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, memory, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -792,6 +797,22 @@ enum RestoredMemory {
     /// What the guest wrote on top of its template, saved in `file`: mapped
     /// or written into QEMU process `vmm` before the device state loads.
     Delta { file: PathBuf, vmm: ProcessId },
+}
+
+/// Connects to a QEMU started with a deferred disk (`Disk::Deferred`) and
+/// attaches the VM's layer, `dir/disk.qcow2`, before its state loads: its
+/// snapshot layers then reach QEMU as descriptors (ADR 14).
+async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, exit_rx: &watch::Receiver<Option<String>>) -> Result<Qmp, VmError> {
+    let mut exit_watch = exit_rx.clone();
+    let socket = launch::qmp_socket(dir);
+    let qmp = tokio::select! {
+        qmp = connect_qmp(&socket, runtime.boot_timeout()) => qmp?,
+        status = exit_watch.wait_for(Option::is_some) => {
+            return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
+        }
+    };
+    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &dir.join("disk.qcow2"), &runtime.snapshots_dir()).await?;
+    Ok(qmp)
 }
 
 /// Puts a saved delta into QEMU process `vmm`, handing QEMU the file's

@@ -115,7 +115,7 @@ impl SnapshotRecord {
 }
 
 impl VmRuntime {
-    fn snapshots_dir(&self) -> PathBuf {
+    pub(super) fn snapshots_dir(&self) -> PathBuf {
         self.config.data_dir.join(SNAPSHOTS_DIR)
     }
 
@@ -232,9 +232,13 @@ impl VmRuntime {
                     let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
                     let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
                     launch.tap = netns.is_some();
+                    // The layer stands on the snapshot's: attached after start.
+                    launch.disk = super::launch::Disk::Deferred { bytes: super::qcow2_virtual_size(&layer)? };
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
-                    (exit_rx, None)
+                    record.save(&dir).map_err(io_err("writing the VM record"))?;
+                    let qmp = super::attach_deferred_disk(self, &dir, &exit_rx).await?;
+                    (exit_rx, Some(qmp))
                 }
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
