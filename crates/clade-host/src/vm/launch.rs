@@ -35,7 +35,7 @@ pub struct LaunchSpec {
     /// The NIC's backend: `tap0` of the network namespace QEMU is started
     /// in, or nothing (a hub port with no other port: packets go nowhere).
     /// Every VM has the NIC either way, so any VM's state restores into any.
-    /// The tap is QEMU's descriptor [`TapFd`] (opened by [`spawn`]).
+    /// QEMU gets the tap as a descriptor ([`TapFd`], attached by [`spawn`]).
     pub tap: bool,
 }
 
@@ -144,7 +144,7 @@ pub fn kernel_cmdline(spec: &LaunchSpec) -> String {
     args.join(" ")
 }
 
-/// QEMU's command line; `tap` is where its tap will be when `spec.tap`.
+/// QEMU's command line; `tap` is where its tap will be, if it has one.
 pub fn qemu_args(spec: &LaunchSpec, tap: Option<TapFd>) -> Vec<OsString> {
     let dir = &spec.dir;
     let path = |p: PathBuf| p.display().to_string();
@@ -209,13 +209,12 @@ pub fn qemu_args(spec: &LaunchSpec, tap: Option<TapFd>) -> Vec<OsString> {
         "-device".into(),
         format!("virtserialport,chardev=agent,name={}", clade_proto::AGENT_PORT_NAME),
         "-netdev".into(),
-        match (spec.tap, tap) {
+        match tap {
             // No vnet header: the descriptor is attached without one
             // (QEMU reads that from it), as offloads would have to match
             // across restores on every host.
-            (true, Some(TapFd(fd))) => format!("tap,id=net0,fd={fd}"),
-            (true, None) => panic!("a VM with a tap needs the tap's descriptor number"),
-            (false, _) => "hubport,id=net0,hubid=0".into(),
+            Some(TapFd(fd)) => format!("tap,id=net0,fd={fd}"),
+            None => "hubport,id=net0,hubid=0".into(),
         },
         "-device".into(),
         format!("virtio-net-device,netdev=net0,mac={}", clade_proto::guest_net::GUEST_MAC),
@@ -310,29 +309,16 @@ pub fn spawn(command: Command, die_with_owner: bool, netns: Option<&Path>, tap: 
     outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
 }
 
-/// `ioctl(TUNSETIFF)`'s argument (`struct ifreq`, 40 bytes on x86-64).
-#[repr(C)]
-struct TapRequest {
-    name: [u8; libc::IFNAMSIZ],
-    flags: libc::c_short,
-    _rest: [u8; 22],
-}
-
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-
 fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs::File>, tap: Option<TapFd>, huge_pages: bool) -> std::io::Result<Child> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let owner = std::process::id() as libc::pid_t;
     let netns_fd = netns.as_ref().map(|file| file.as_raw_fd());
-    // As `ip tuntap add … mode tap` made it: no packet information header;
-    // and no vnet header, which QEMU then does not use.
-    let mut request = TapRequest { name: [0; libc::IFNAMSIZ], flags: (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short, _rest: [0; 22] };
-    request.name[..4].copy_from_slice(b"tap0");
     // SAFETY: the closure runs in the forked child before exec and calls only
     // async-signal-safe functions (setns, open, ioctl, dup2, close, setsid,
-    // prctl, getppid, _exit); it touches no locks and allocates nothing.
-    // `netns` outlives the spawn; `request` is the closure's own.
+    // prctl, getppid, _exit); it touches no locks and allocates nothing (the
+    // tap request is on its stack, all zeros before its fields are set).
+    // `netns` outlives the spawn.
     unsafe {
         command.pre_exec(move || {
             if let Some(fd) = netns_fd {
@@ -345,8 +331,16 @@ fn spawn_here(mut command: Command, die_with_owner: bool, netns: Option<std::fs:
                 if fd < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // As `ip tuntap add … mode tap` made it: no packet
+                // information header; and no vnet header, which QEMU then
+                // does not use.
+                let mut request: libc::ifreq = std::mem::zeroed();
+                for (to, from) in request.ifr_name.iter_mut().zip(b"tap0") {
+                    *to = *from as libc::c_char;
+                }
+                request.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
                 // dup2 leaves the copy without close-on-exec: QEMU keeps it.
-                if libc::ioctl(fd, TUNSETIFF, &request) < 0 || libc::dup2(fd, target) < 0 {
+                if libc::ioctl(fd, libc::TUNSETIFF, &request) < 0 || libc::dup2(fd, target) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 libc::close(fd);
@@ -448,9 +442,7 @@ mod tests {
 
     #[test]
     fn a_tap_is_handed_to_qemu_as_a_descriptor_not_opened_by_name() {
-        let mut networked = spec(Accel::Tcg);
-        networked.tap = true;
-        let args: Vec<String> = qemu_args(&networked, Some(TapFd(41))).into_iter().map(|a| a.into_string().unwrap()).collect();
+        let args: Vec<String> = qemu_args(&spec(Accel::Tcg), Some(TapFd(41))).into_iter().map(|a| a.into_string().unwrap()).collect();
         let netdev = args.iter().position(|a| a == "-netdev").map(|i| args[i + 1].clone()).unwrap();
         assert_eq!(netdev, "tap,id=net0,fd=41");
         let refused = spawn(Command::new("true"), false, None, Some(TapFd(41)), false);
