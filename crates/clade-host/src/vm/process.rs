@@ -25,9 +25,18 @@ impl ProcessId {
     pub fn is_alive(&self) -> bool {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
         match parse_stat(&stat) {
-            Some((state, start)) => start == self.start_ticks && state != 'Z' && state != 'X',
+            Some(Stat { state, start_ticks, .. }) => start_ticks == self.start_ticks && state != 'Z' && state != 'X',
             None => false,
         }
+    }
+
+    /// Whether it has exited but is still a zombie of this very process:
+    /// ours to reap, and left to init if we exit first.
+    pub fn awaits_our_reap(&self) -> bool {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+        parse_stat(&stat).is_some_and(|s| {
+            s.start_ticks == self.start_ticks && s.state == 'Z' && s.parent == std::process::id()
+        })
     }
 
     /// SIGKILL, only if it is still the same process.
@@ -47,17 +56,27 @@ impl ProcessId {
 }
 
 fn start_ticks(pid: u32) -> Option<u64> {
-    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|(_, start)| start)
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|s| s.start_ticks)
 }
 
-/// (state, start time) from a /proc/PID/stat line; the command name may hold spaces and parens.
-fn parse_stat(stat: &str) -> Option<(char, u64)> {
+/// The fields of a /proc/PID/stat line that we read.
+#[derive(Debug, PartialEq, Eq)]
+struct Stat {
+    state: char,
+    parent: u32,
+    start_ticks: u64,
+}
+
+/// Parses a /proc/PID/stat line; the command name may hold spaces and parens.
+fn parse_stat(stat: &str) -> Option<Stat> {
     let rest = &stat[stat.rfind(')')? + 2..];
     let mut fields = rest.split_whitespace();
+    // Fields 3 and 4 are the state and the parent; the start time is field
+    // 22, i.e. 18 fields after the parent.
     let state = fields.next()?.chars().next()?;
-    // Field 3 is the state; the start time is field 22, i.e. 19 fields later.
-    let start = fields.nth(18)?.parse().ok()?;
-    Some((state, start))
+    let parent = fields.next()?.parse().ok()?;
+    let start_ticks = fields.nth(17)?.parse().ok()?;
+    Some(Stat { state, parent, start_ticks })
 }
 
 #[cfg(test)]
@@ -73,8 +92,23 @@ mod tests {
     }
 
     #[test]
+    fn an_exited_child_awaits_our_reap_until_it_is_reaped() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let exited = ProcessId::of(child.id()).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while exited.is_alive() {
+            assert!(std::time::Instant::now() < deadline, "`true` never exited");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(exited.awaits_our_reap());
+        child.wait().unwrap();
+        assert!(!exited.awaits_our_reap());
+        assert!(!ProcessId::current().awaits_our_reap());
+    }
+
+    #[test]
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19";
-        assert_eq!(parse_stat(line), Some(('S', 777)));
+        assert_eq!(parse_stat(line), Some(Stat { state: 'S', parent: 1, start_ticks: 777 }));
     }
 }

@@ -143,11 +143,14 @@ pub fn stop_leftover(dir: &Path) {
     }
 }
 
+/// Kills each and waits (up to a second each) until it has exited and, when
+/// it is our own child, been reaped by its wait thread: a host process that
+/// exits right after must not leave zombies behind for init.
 fn kill_and_wait(vmms: Vec<ProcessId>) {
     for vmm in vmms {
         vmm.kill();
         for _ in 0..100 {
-            if !vmm.is_alive() {
+            if !vmm.is_alive() && !vmm.awaits_our_reap() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
