@@ -165,12 +165,15 @@ fn a_vm_whose_manager_died_at_a_snapshot_switchover_is_adopted_and_runs() {
         let id = vm.id();
         vm.run(sh("echo kept > /root/f")).await.unwrap();
         let qmp_socket = vm.dir().join("qmp.sock");
-        let target = format!("file:{}", vm.dir().join("abandoned-state").display());
+        // Handed over as the host hands every file: QEMU opens none by name.
+        let state = std::fs::File::create(vm.dir().join("abandoned-state")).unwrap();
         drop(vm);
         // What a manager killed inside a live snapshot leaves: an outgoing
         // migration waiting at its switchover, the vCPUs stopped, QEMU in
         // `finish-migrate`, where `cont` alone is refused.
         let qmp = clade_host::qmp::Qmp::connect(&qmp_socket).await.unwrap();
+        let held = qmp.add_fd(std::os::fd::AsFd::as_fd(&state)).await.unwrap();
+        let target = format!("file:{}", held.path());
         let capability = serde_json::json!({ "capabilities": [{ "capability": "pause-before-switchover", "state": true }] });
         qmp.execute("migrate-set-capabilities", Some(capability)).await.unwrap();
         qmp.execute("migrate", Some(serde_json::json!({ "uri": target }))).await.unwrap();
@@ -390,11 +393,16 @@ fn snapshot_layers_reach_qemu_as_descriptors_not_names() {
 
 /// Whether user `nobody` can read `path`.
 fn nobody_reads(path: &std::path::Path) -> bool {
+    user_reads(65534, path)
+}
+
+/// Whether host user `uid` (its group the same, no other) can read `path`.
+fn user_reads(uid: u32, path: &std::path::Path) -> bool {
     use std::os::unix::process::CommandExt;
     let status = std::process::Command::new("cat")
         .arg(path)
-        .uid(65534)
-        .gid(65534)
+        .uid(uid)
+        .gid(uid)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .status()
@@ -421,6 +429,74 @@ fn other_host_users_cannot_read_sandbox_disks_memory_or_snapshots() {
             assert!(!nobody_reads(&secret), "another user read {}", secret.display());
         }
         vm.stop().await.unwrap();
+    });
+}
+
+/// The values of a `/proc/PID/status` field.
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')).unwrap_or_default().trim().to_string()
+}
+
+/// A QEMU escape reaches only what that VM was handed: each VMM runs as a
+/// user of its own, with no capability, group or way to gain privileges,
+/// and that user can open no sandbox file by name — neither another VM's
+/// nor its own VM's disk, nor a snapshot's layer or memory — although the
+/// VMM works on them through descriptors the host handed it (ADR 14).
+#[test]
+fn each_vmm_runs_as_a_user_of_its_own_that_can_open_no_sandbox_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(env) = vm_env() else { return };
+    std::fs::set_permissions(env.data_dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    block_on(async {
+        let a = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let snapshot = a.snapshot(&env.runtime).await.unwrap();
+        let b = env.runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await.unwrap();
+        let out = b.run(sh("cat /etc/hostname >/dev/null && echo ok")).await.unwrap();
+        assert_eq!(out.stdout_str(), "ok\n");
+        let snapshot_dir = env.data_dir().join("snapshots").join(&snapshot);
+        let mut users = Vec::new();
+        for vm in [&a, &b] {
+            let pid = vm.vmm().pid;
+            let uid = status_field(pid, "Uid");
+            let ids: Vec<u32> = uid.split_whitespace().map(|id| id.parse().unwrap()).collect();
+            let user = ids[0];
+            assert!(user >= clade_host::vm::VMM_UID_BASE && ids.iter().all(|&id| id == user), "real, effective, saved and file system user: {uid}");
+            assert!(status_field(pid, "Gid").split_whitespace().all(|id| id == user.to_string()), "its group is its own");
+            assert_eq!(status_field(pid, "Groups"), "", "no supplementary group under TCG");
+            assert_eq!(status_field(pid, "CapEff"), "0000000000000000");
+            assert_eq!(status_field(pid, "CapPrm"), "0000000000000000");
+            assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+            assert_eq!(status_field(pid, "Seccomp"), "2", "QEMU's own filter on top");
+            users.push(user);
+        }
+        assert_ne!(users[0], users[1], "two VMMs never share a user: neither may signal or trace the other");
+        let template = std::fs::read_dir(env.data_dir().join("templates")).unwrap().flatten().find(|e| e.path().is_dir()).unwrap();
+        assert!(user_reads(users[0], &template.path().join("disk.qcow2")), "the check itself works: templates are public");
+        for user in &users {
+            for secret in [
+                a.dir().join("disk.qcow2"),
+                b.dir().join("disk.qcow2"),
+                b.dir().join("console.log"),
+                snapshot_dir.join("memory"),
+                snapshot_dir.join("disk.qcow2"),
+                env.data_dir().join("vms"),
+            ] {
+                assert!(secret.exists(), "{}", secret.display());
+                assert!(!user_reads(*user, &secret), "VMM user {user} opened {}", secret.display());
+            }
+        }
+        // What B's VMM works on, it holds open: its layer and the snapshot's.
+        let held: Vec<std::path::PathBuf> = std::fs::read_dir(format!("/proc/{}/fd", b.vmm().pid))
+            .unwrap()
+            .flatten()
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .collect();
+        for layer in [b.dir().join("disk.qcow2"), snapshot_dir.join("disk.qcow2")] {
+            assert!(held.contains(&layer), "{} is not among {held:?}", layer.display());
+        }
+        b.stop().await.unwrap();
+        a.stop().await.unwrap();
     });
 }
 

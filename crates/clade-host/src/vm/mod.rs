@@ -31,7 +31,7 @@ use tokio::sync::watch;
 
 pub use admission::{Admission, AdmissionError};
 pub use migrate::MigrateError;
-pub use launch::{kernel_cmdline, qemu_args, LaunchSpec};
+pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
 pub use process::ProcessId;
 pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
 pub use snapshot::SnapshotRecord;
@@ -704,6 +704,8 @@ fn make_writable(path: &Path) -> Result<(), VmError> {
 }
 
 /// Starts QEMU for `launch` and a thread that reports (and reaps) its exit.
+/// QEMU gets its files as descriptors the host opened and runs as a user of
+/// its own (ADR 14).
 fn spawn_qemu(
     runtime: &VmRuntime,
     launch: &LaunchSpec,
@@ -712,6 +714,7 @@ fn spawn_qemu(
 ) -> Result<(ProcessId, watch::Receiver<Option<String>>), VmError> {
     let dir = &launch.dir;
     let qemu_log = std::fs::File::create(dir.join("qemu.log")).map_err(io_err("creating qemu.log"))?;
+    let handed = launch::Handed::open(launch).map_err(io_err("opening the VM's files for QEMU"))?;
     // Held until QEMU has started: its number is where the child puts the tap.
     let tap_slot = match launch.tap {
         true => Some(std::fs::File::open("/dev/null").map_err(io_err("reserving a descriptor for the tap"))?),
@@ -719,14 +722,27 @@ fn spawn_qemu(
     };
     let tap = tap_slot.as_ref().map(|slot| launch::TapFd(std::os::fd::AsRawFd::as_raw_fd(slot)));
     let mut command = Command::new(&runtime.qemu);
-    command.args(qemu_args(launch, tap)).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
-    // Under KVM, huge pages back guest RAM well; under TCG they only slowed
-    // the translation buffer's growth: create to first exec p99 ~15–20 ms
-    // better without, p50 and memory unchanged (clade-bench, A/B).
-    let huge_pages = launch.accel == Accel::Kvm;
-    let mut child = launch::spawn(command, die_with_owner, netns, tap, huge_pages)
-        .map_err(io_err(format!("starting {}", runtime.qemu.display())))?;
-    drop(tap_slot);
+    command
+        .args(qemu_args(launch, &handed.fds(tap)))
+        .stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?)
+        .stderr(qemu_log);
+    let confinement = launch::Confinement {
+        die_with_owner,
+        netns,
+        tap,
+        // Under KVM, huge pages back guest RAM well; under TCG they only
+        // slowed the translation buffer's growth: create to first exec p99
+        // ~15–20 ms better without, p50 and memory unchanged (clade-bench, A/B).
+        huge_pages: launch.accel == Accel::Kvm,
+        inherited: handed.inherited(),
+        given: handed.given(),
+        group: match launch.accel {
+            Accel::Kvm => Some(std::os::unix::fs::MetadataExt::gid(&std::fs::metadata("/dev/kvm").map_err(io_err("reading /dev/kvm"))?)),
+            Accel::Tcg => None,
+        },
+    };
+    let mut child = launch::spawn(command, confinement).map_err(io_err(format!("starting {}", runtime.qemu.display())))?;
+    drop((tap_slot, handed));
     let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
     std::thread::Builder::new()
@@ -811,7 +827,7 @@ async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, exit_rx: &watch::
             return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
         }
     };
-    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &dir.join("disk.qcow2"), &runtime.snapshots_dir()).await?;
+    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &dir.join("disk.qcow2")).await?;
     Ok(qmp)
 }
 
@@ -1144,8 +1160,8 @@ impl Vm {
         let Some(template) = self.inner.record.lock().expect("record lock").template.clone() else {
             return false;
         };
-        let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.inner.vmm.pid)).unwrap_or_default();
-        String::from_utf8_lossy(&cmdline).contains(&format!("/templates/{template}/ram,share=off"))
+        let ram = launch::mapped_ram_file(self.inner.vmm.pid);
+        ram.is_some_and(|file| file.ends_with(Path::new("templates").join(template).join("ram")))
     }
 
     /// Gets ready to capture what the guest wrote (see `delta`) while it

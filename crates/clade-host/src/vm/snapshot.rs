@@ -229,7 +229,10 @@ impl VmRuntime {
                         }
                         Err(e) => return Err(io_err("creating the disk layer")(e)),
                     }
-                    let ram = if snap.own_memory { snap_dir.join("ram") } else { template.ram() };
+                    let ram = match snap.own_memory {
+                        true => readable_by_vmm(snap_dir.join("ram"))?,
+                        false => template.ram(),
+                    };
                     let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
                     launch.tap = netns.is_some();
                     // The layer stands on the snapshot's: attached after start.
@@ -508,4 +511,13 @@ async fn copy_file(from: &Path, to: &Path) -> Result<(), VmError> {
         .map_err(|e| VmError::Config(format!("copy task: {e}")))?
         .map_err(io_err("copying the disk layer"))?;
     Ok(())
+}
+
+/// The RAM file of a snapshot of the oldest format, which QEMU maps by
+/// reopening the descriptor it was handed: made readable by its VMM user.
+/// Nobody else reaches it, in its snapshot's `0700` directory.
+fn readable_by_vmm(ram: PathBuf) -> Result<PathBuf, VmError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ram, std::fs::Permissions::from_mode(0o444)).map_err(io_err(format!("chmod {}", ram.display())))?;
+    Ok(ram)
 }

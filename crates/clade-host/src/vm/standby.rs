@@ -233,7 +233,7 @@ impl VmRuntime {
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
-            attach_disk(&qmp, STANDBY_DISK_NODE, &disk, &self.snapshots_dir()).await?;
+            attach_disk(&qmp, STANDBY_DISK_NODE, &disk).await?;
             Ok::<_, VmError>(Some((exited, qmp)))
         }
         .await;
@@ -276,7 +276,7 @@ impl VmRuntime {
         }
         match disk {
             TakenDisk::Template => Ok(()),
-            TakenDisk::Layer(layer) => swap_disk(&standby.qmp, &standby.dir, layer, &self.snapshots_dir()).await,
+            TakenDisk::Layer(layer) => swap_disk(&standby.qmp, &standby.dir, layer).await,
         }
     }
 }
@@ -288,41 +288,25 @@ impl VmRuntime {
 /// goes away with that; a node added here stays until it is deleted
 /// ([`swap_disk`]).
 ///
-/// Layers of its backing chain under `snapshots` (sandbox data) are opened
-/// by the host and handed to QEMU (ADR 14); QEMU opens the layer itself (in
-/// the VM's directory) and, from the template's layer down, the public
-/// layers by name.
-pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path, snapshots: &Path) -> Result<(), VmError> {
-    let private = private_backing(layer, snapshots)?;
-    let files: Vec<std::fs::File> = private
-        .layers
+/// The host opens every layer of the chain (the top one writable) and
+/// hands QEMU the descriptors, each backing spelled out: QEMU opens no
+/// layer by name (ADR 14).
+pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path) -> Result<(), VmError> {
+    let layers = crate::qcow2::chain(layer).map_err(io_err(format!("reading the disk chain of {}", layer.display())))?;
+    let files: Vec<std::fs::File> = layers
         .iter()
-        .map(|path| std::fs::File::open(path).map_err(io_err(format!("opening {}", path.display()))))
+        .enumerate()
+        .map(|(n, layer)| {
+            let file = std::fs::OpenOptions::new().read(true).write(n == 0).open(&layer.path);
+            file.map_err(io_err(format!("opening {}", layer.path.display())))
+        })
         .collect::<Result<_, _>>()?;
     let mut held = Vec::new();
     for file in &files {
         held.push(qmp.add_fd(std::os::fd::AsFd::as_fd(file)).await?);
     }
-    let mut options = json!({
-        "driver": "qcow2",
-        "node-name": node,
-        "discard": "unmap",
-        "file": { "driver": "file", "filename": layer },
-    });
-    if !held.is_empty() {
-        // Built from the bottom: the first public layer (named, its own
-        // backing followed by name), then each handed layer over it.
-        let mut below = private.public.map(|path| json!({ "driver": "qcow2", "file": { "driver": "file", "filename": path } }));
-        for set in held.iter().rev() {
-            below = Some(json!({
-                "driver": "qcow2",
-                "file": { "driver": "file", "filename": set.path() },
-                "backing": below.take().unwrap_or(serde_json::Value::Null),
-            }));
-        }
-        options["backing"] = below.expect("at least one handed layer");
-    }
-    let added = qmp.execute("blockdev-add", Some(options)).await;
+    let named: Vec<(String, crate::qcow2::Format)> = held.iter().zip(&layers).map(|(set, layer)| (set.path(), layer.format)).collect();
+    let added = qmp.execute("blockdev-add", Some(super::launch::chain_blockdev(node, &named))).await;
     // QEMU keeps the files it opened from the sets.
     for set in held {
         qmp.remove_fdset(set.fdset_id).await?;
@@ -333,48 +317,16 @@ pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path, snapshots: 
     Ok(())
 }
 
-/// The layers below a disk layer that hold sandbox data, top first, and
-/// the first below them that does not.
-struct PrivateBacking {
-    layers: Vec<PathBuf>,
-    public: Option<PathBuf>,
-}
-
-/// How deep a chain may be: snapshots of VMs made from snapshots never
-/// chain their memory, but their disk layers do.
-const MAX_CHAIN: usize = 256;
-
-fn private_backing(layer: &Path, snapshots: &Path) -> Result<PrivateBacking, VmError> {
-    let backing_of = |path: &Path| {
-        crate::qcow2::read_header(path).map(|h| h.backing_file).map_err(io_err(format!("reading the header of {}", path.display())))
-    };
-    // Layers name their backing by absolute path.
-    let snapshots = std::path::absolute(snapshots).map_err(io_err(format!("resolving {}", snapshots.display())))?;
-    let mut layers = Vec::new();
-    let mut next = backing_of(layer)?;
-    while let Some(path) = next.take() {
-        if !path.starts_with(&snapshots) {
-            return Ok(PrivateBacking { layers, public: Some(path) });
-        }
-        if layers.len() == MAX_CHAIN {
-            return Err(VmError::Config(format!("the disk chain of {} is longer than {MAX_CHAIN} layers", layer.display())));
-        }
-        next = backing_of(&path)?;
-        layers.push(path);
-    }
-    Ok(PrivateBacking { layers, public: None })
-}
-
 /// Replaces a standby's disk, the template's empty layer, by a copy of
 /// `layer`. The copy is made beside it and renamed over it once QEMU uses
 /// it: QEMU keeps the file it opened, and `disk.qcow2` stays the VM's disk
 /// for what reads it by name (snapshots, a wake in a new QEMU).
-async fn swap_disk(qmp: &Qmp, dir: &Path, layer: &Path, snapshots: &Path) -> Result<(), VmError> {
+async fn swap_disk(qmp: &Qmp, dir: &Path, layer: &Path) -> Result<(), VmError> {
     let disk = dir.join("disk.qcow2");
     let next = dir.join("disk.qcow2.taken");
     std::fs::copy(layer, &next).map_err(io_err("creating the disk layer"))?;
     make_writable(&next)?;
-    attach_disk(qmp, TAKEN_DISK_NODE, &next, snapshots).await?;
+    attach_disk(qmp, TAKEN_DISK_NODE, &next).await?;
     qmp.execute("blockdev-del", Some(json!({ "node-name": STANDBY_DISK_NODE }))).await?;
     std::fs::rename(&next, &disk).map_err(io_err("putting the disk layer in place"))
 }

@@ -288,6 +288,11 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
     let mut exit_rx = exit_rx;
     let _ = tokio::time::timeout(Duration::from_secs(10), exit_rx.wait_for(Option::is_some)).await;
     outcome?;
+    // The RAM file was the baking VMM's user's (QEMU writes through it):
+    // the host's again before anything maps it, so that no later VMM that
+    // happens to get that user id can write it.
+    let (user, group) = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+    std::os::unix::fs::chown(dir.join("ram"), Some(user), Some(group)).map_err(io_err("taking the template RAM back"))?;
     for file in ["ram", "state", "disk.qcow2"] {
         set_read_only(&dir.join(file))?;
     }
