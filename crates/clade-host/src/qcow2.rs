@@ -48,37 +48,41 @@ pub struct Layer {
     pub format: Format,
 }
 
-/// The chain under qcow2 layer `top`, top first: each layer's backing file
-/// as its header names it, down to one without (a raw base image). A
-/// backing file of unrecorded format is taken as qcow2 only if it has the
-/// magic.
-pub fn chain(top: &Path) -> std::io::Result<Vec<Layer>> {
-    let mut layers = vec![Layer { path: top.to_path_buf(), format: Format::Qcow2 }];
-    loop {
-        let below = match layers.last().expect("the top layer") {
-            Layer { format: Format::Raw, .. } => return Ok(layers),
-            Layer { path, .. } => read_header(path)?,
-        };
-        let Some(path) = below.backing_file else { return Ok(layers) };
-        if layers.len() == MAX_CHAIN {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("the disk chain of {} is longer than {MAX_CHAIN} layers", top.display()),
-            ));
-        }
-        let format = match below.backing_format {
-            Some(format) => format,
-            None if has_magic(&path)? => Format::Qcow2,
-            None => Format::Raw,
-        };
-        layers.push(Layer { path, format });
+impl Layer {
+    pub fn qcow2(path: PathBuf) -> Self {
+        Self { path, format: Format::Qcow2 }
     }
 }
 
-fn has_magic(path: &Path) -> std::io::Result<bool> {
-    let mut magic = [0u8; 4];
-    let read = std::fs::File::open(path)?.read(&mut magic)?;
-    Ok(read == 4 && &magic == MAGIC)
+/// Checks that each qcow2 layer of `layers` (top first) names the next one
+/// as its backing file (and its format, where the header records one), and
+/// that a qcow2 layer at the bottom names none. Opens only the layers given,
+/// never a file a header names.
+pub fn check_chain(layers: &[Layer]) -> std::io::Result<()> {
+    let mismatch = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    if layers.len() > MAX_CHAIN {
+        return Err(mismatch(format!("a disk chain of more than {MAX_CHAIN} layers")));
+    }
+    for (n, layer) in layers.iter().enumerate().filter(|(_, l)| l.format == Format::Qcow2) {
+        let header = read_header(&layer.path)?;
+        let below = layers.get(n + 1);
+        let named = header.backing_file.as_deref().map(|name| std::path::absolute(name).unwrap_or_default());
+        let expected = below.map(|l| std::path::absolute(&l.path).unwrap_or_default());
+        if named != expected {
+            return Err(mismatch(format!(
+                "{} names {:?} as its backing file where {:?} belongs",
+                layer.path.display(),
+                header.backing_file,
+                below.map(|l| &l.path)
+            )));
+        }
+        if let (Some(recorded), Some(below)) = (header.backing_format, below) {
+            if recorded != below.format {
+                return Err(mismatch(format!("{} says its backing file is {}, not {}", layer.path.display(), recorded.driver(), below.format.driver())));
+            }
+        }
+    }
+    Ok(())
 }
 
 pub fn read_header(path: &Path) -> std::io::Result<Header> {
@@ -178,30 +182,29 @@ mod tests {
         assert_eq!(read_header(&plain).unwrap().backing_file, None);
         assert_eq!(read_header(&base).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
 
-        // A chain: layer over a layer over the raw base, and one whose
-        // header does not say its backing's format (probed).
+        // A chain: layer over a layer over the raw base.
         let upper = dir.path().join("upper.qcow2");
         let made = |args: &[&str]| std::process::Command::new("qemu-img").args(args).status().unwrap().success();
         assert!(made(&["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", layer.to_str().unwrap(), upper.to_str().unwrap()]));
-        let layers = |path: &Path| chain(path).unwrap().into_iter().map(|l| (l.path, l.format)).collect::<Vec<_>>();
-        assert_eq!(
-            layers(&upper),
-            [(upper.clone(), Format::Qcow2), (layer.clone(), Format::Qcow2), (base.clone(), Format::Raw)]
-        );
+        let whole = [Layer::qcow2(upper.clone()), Layer::qcow2(layer.clone()), Layer { path: base.clone(), format: Format::Raw }];
+        check_chain(&whole).unwrap();
         let v2 = dir.path().join("v2.qcow2");
         assert!(made(&["create", "-q", "-f", "qcow2", "-o", "compat=0.10", "-F", "qcow2", "-b", plain.to_str().unwrap(), v2.to_str().unwrap()]));
         assert_eq!(read_header(&v2).unwrap().backing_format, Some(Format::Qcow2), "version 2 headers too");
-        assert_eq!(layers(&plain), [(plain.clone(), Format::Qcow2)]);
-        // qemu-img no longer writes a layer without the extension: rename it.
+        check_chain(&[Layer::qcow2(v2.clone()), Layer::qcow2(plain.clone())]).unwrap();
+        // Whatever a header names that the records do not is refused.
+        let refused = |layers: &[Layer]| check_chain(layers).unwrap_err().kind();
+        assert_eq!(refused(&[Layer::qcow2(upper.clone()), Layer::qcow2(plain.clone())]), std::io::ErrorKind::InvalidData, "another layer");
+        assert_eq!(refused(&whole[..2]), std::io::ErrorKind::InvalidData, "a layer that has a backing file at the bottom");
+        assert_eq!(refused(&[Layer::qcow2(upper.clone())]), std::io::ErrorKind::InvalidData, "a layer alone that has a backing file");
+        let raw_named = [Layer::qcow2(upper.clone()), Layer { path: layer.clone(), format: Format::Raw }];
+        assert_eq!(refused(&raw_named), std::io::ErrorKind::InvalidData, "a recorded format that disagrees");
+        // Without the recorded format, the name alone decides.
         let mut bytes = std::fs::read(&upper).unwrap();
         let at = bytes.windows(4).position(|w| w == BACKING_FORMAT_EXTENSION.to_be_bytes()).unwrap();
         bytes[at..at + 4].copy_from_slice(&0x1234_5678u32.to_be_bytes());
         std::fs::write(&upper, bytes).unwrap();
         assert_eq!(read_header(&upper).unwrap().backing_format, None);
-        assert_eq!(
-            layers(&upper),
-            [(upper.clone(), Format::Qcow2), (layer.clone(), Format::Qcow2), (base.clone(), Format::Raw)],
-            "probed when unrecorded"
-        );
+        check_chain(&whole).unwrap();
     }
 }

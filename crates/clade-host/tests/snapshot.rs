@@ -500,6 +500,50 @@ fn each_vmm_runs_as_a_user_of_its_own_that_can_open_no_sandbox_file() {
     });
 }
 
+/// A QEMU that escaped its guest could rewrite the backing name in the
+/// header of the layer it was given to write. What the host opens and hands
+/// over comes from its records: the wake of a VM whose layer names another
+/// sandbox's snapshot, or a host file, is refused and loses nothing; with
+/// the header right again, the VM wakes.
+#[test]
+fn a_wake_refuses_a_layer_whose_header_names_what_the_records_do_not() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        let victim = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let victims_snapshot = victim.snapshot(&env.runtime).await.unwrap();
+        victim.stop().await.unwrap();
+        let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
+        let vm = env.runtime.create(spec).await.unwrap();
+        vm.run(sh("echo kept > /root/f && sync")).await.unwrap();
+        let id = vm.id();
+        vm.hibernate().await.unwrap();
+        let layer = env.runtime.vms_dir().join(&id).join("disk.qcow2");
+        let recorded = clade_host::qcow2::read_header(&layer).unwrap().backing_file.unwrap();
+        let rebase = |backing: &std::path::Path, format: &str| {
+            let status = std::process::Command::new("qemu-img")
+                .args(["rebase", "-q", "-u", "-F", format, "-b"])
+                .arg(backing)
+                .arg(&layer)
+                .status()
+                .unwrap();
+            assert!(status.success());
+        };
+        let stolen = env.data_dir().join("snapshots").join(&victims_snapshot).join("disk.qcow2");
+        for (forged, format) in [(stolen.as_path(), "qcow2"), (std::path::Path::new("/etc/shadow"), "raw")] {
+            rebase(forged, format);
+            let refused = env.runtime.wake(&id, None).await.unwrap_err().to_string();
+            assert!(refused.contains("does not match the records") || refused.contains("not on an image"), "{refused}");
+            let listed = env.runtime.list().into_iter().find(|(r, _)| r.id == id).unwrap();
+            assert_eq!(listed.0.phase, clade_host::vm::Phase::Hibernated, "still hibernated after {}", forged.display());
+        }
+        rebase(&recorded, "qcow2");
+        let woken = env.runtime.wake(&id, None).await.unwrap();
+        assert_eq!(woken.run(argv(&["cat", "/root/f"])).await.unwrap().stdout_str(), "kept\n");
+        drop(woken);
+        env.runtime.remove(&id).await.unwrap();
+    });
+}
+
 /// Guest memory of a QEMU process in kB, from its smaps: the private copies
 /// (anonymous pages) in the mappings of RAM files, and the resident and
 /// proportional size of the pages mapped from a saved delta (a snapshot's

@@ -70,6 +70,9 @@ pub struct GuestImage {
     pub id: String,
 }
 
+/// An image's root filesystem, in its directory under `images/`.
+const ROOTFS_FILE: &str = "rootfs.ext4";
+
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     cache_dir: PathBuf,
@@ -79,6 +82,16 @@ pub struct ImageStore {
 impl ImageStore {
     pub fn new(cache_dir: impl Into<PathBuf>, guestd: Option<PathBuf>) -> Self {
         Self { cache_dir: cache_dir.into(), guestd }
+    }
+
+    /// Whether `path` is the root filesystem of an image in this cache
+    /// (built or not, current or superseded): the base of every disk chain.
+    pub fn is_image_rootfs(&self, path: &Path) -> bool {
+        let images = std::path::absolute(self.cache_dir.join("images")).unwrap_or_default();
+        let path = std::path::absolute(path).unwrap_or_default();
+        path.file_name() == Some(std::ffi::OsStr::new(ROOTFS_FILE))
+            && path.parent().and_then(Path::parent) == Some(images.as_path())
+            && !path.components().any(|c| c == std::path::Component::ParentDir)
     }
 
     pub fn available() -> Vec<&'static str> {
@@ -141,14 +154,14 @@ struct Plan {
 
 impl Plan {
     fn is_built(&self) -> bool {
-        self.kernel_dir.join("vmlinux").is_file() && self.image_dir.join("rootfs.ext4").is_file()
+        self.kernel_dir.join("vmlinux").is_file() && self.image_dir.join(ROOTFS_FILE).is_file()
     }
 
     fn image(&self) -> GuestImage {
         GuestImage {
             name: self.name.clone(),
             kernel: self.kernel_dir.join("vmlinux"),
-            rootfs: self.image_dir.join("rootfs.ext4"),
+            rootfs: self.image_dir.join(ROOTFS_FILE),
             id: self.id.clone(),
         }
     }

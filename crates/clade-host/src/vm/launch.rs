@@ -49,8 +49,10 @@ pub struct TapFd(pub i32);
 /// The root disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disk {
-    /// A qcow2 layer (over the image or an earlier layer).
-    Qcow2(PathBuf),
+    /// A chain of layers, top first (the VM's qcow2 layer over earlier
+    /// layers and the image), as the host's records say it is
+    /// (`VmRuntime::disk_chain`): QEMU gets each layer as a descriptor.
+    Chain(Vec<qcow2::Layer>),
     /// Not known yet: a standby VMM's, whose VM's layer (a create's or a
     /// fork child's) is attached when it is taken (`standby::attach_disk`). Until
     /// then `root` is a `raw` node over a placeholder of `bytes` that reads
@@ -225,7 +227,7 @@ pub fn qemu_args(spec: &LaunchSpec, fds: &Fds) -> Vec<OsString> {
     args.extend([
         "-blockdev".into(),
         match &spec.disk {
-            Disk::Qcow2(_) => root_blockdev(&fds.disk).to_string(),
+            Disk::Chain(_) => root_blockdev(&fds.disk).to_string(),
             Disk::Deferred { bytes } => format!(
                 r#"{{"driver":"raw","node-name":"root","file":{{"driver":"null-co","node-name":"placeholder","size":{bytes},"read-zeroes":true}}}}"#
             ),
@@ -365,9 +367,8 @@ impl Handed {
         };
         let disk = match &spec.disk {
             Disk::Deferred { .. } => Vec::new(),
-            Disk::Qcow2(top) => qcow2::chain(top)
-                .map_err(context(format!("reading the disk chain of {}", top.display())))?
-                .into_iter()
+            Disk::Chain(layers) => layers
+                .iter()
                 .enumerate()
                 .map(|(n, layer)| {
                     // Only the top layer is written; QEMU opens the rest read-only.
@@ -584,7 +585,7 @@ mod tests {
             id: "abc".into(),
             dir: "/var/lib/clade/vms/abc".into(),
             kernel: "/k/vmlinux".into(),
-            disk: Disk::Qcow2("/var/lib/clade/vms/abc/disk.qcow2".into()),
+            disk: Disk::Chain(vec![qcow2::Layer::qcow2("/var/lib/clade/vms/abc/disk.qcow2".into())]),
             memory_mb: 512,
             vcpus: 1,
             accel,

@@ -43,6 +43,7 @@ use crate::accel::{self, Accel, HostVirt};
 use crate::agent::{AgentClient, AgentError, ExecOutput};
 use crate::config::HostConfig;
 use crate::image::{GuestImage, ImageError, ImageStore};
+use crate::qcow2::{self, Layer};
 use crate::net::{EgressPolicy, NetError, NetPool, Traffic};
 use crate::qmp::{Qmp, QmpError};
 
@@ -393,12 +394,12 @@ impl VmRuntime {
         Ok((id, dir, record))
     }
 
-    fn launch_spec(&self, id: &str, dir: &Path, spec: &VmSpec, memory: Memory, incoming: bool) -> LaunchSpec {
+    fn launch_spec(&self, id: &str, dir: &Path, spec: &VmSpec, disk: launch::Disk, memory: Memory, incoming: bool) -> LaunchSpec {
         LaunchSpec {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             kernel: spec.image.kernel.clone(),
-            disk: launch::Disk::Qcow2(dir.join("disk.qcow2")),
+            disk,
             memory_mb: spec.memory_mb,
             vcpus: spec.vcpus,
             accel: self.accel,
@@ -417,8 +418,9 @@ impl VmRuntime {
         let (id, dir, mut record) = self.new_vm(&spec, None).await?;
         let booted = async {
             create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2"), None).await?;
+            let disk = launch::Disk::Chain(self.disk_chain(&dir.join("disk.qcow2"), &record)?);
             let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
-            let mut launch = self.launch_spec(&id, &dir, &spec, Memory::Anonymous, false);
+            let mut launch = self.launch_spec(&id, &dir, &spec, disk, Memory::Anonymous, false);
             launch.tap = netns.is_some();
             let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
             record.vmm = Some(vmm);
@@ -462,8 +464,9 @@ impl VmRuntime {
                     let disk = dir.join("disk.qcow2");
                     std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
                     make_writable(&disk)?;
+                    let disk = launch::Disk::Chain(self.disk_chain(&disk, &record)?);
                     let netns = self.attach_network(&dir, spec.network.as_ref()).await?;
-                    let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
+                    let mut launch = self.launch_spec(&id, &dir, &spec, disk, Memory::FromTemplate(template.ram()), true);
                     launch.tap = netns.is_some();
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, spec.lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
@@ -489,6 +492,45 @@ impl VmRuntime {
             record::stop_leftover(&dir);
         }
         created
+    }
+
+    /// The disk chain of a VM's layer `top`, from the VM's records: the
+    /// layers of the snapshots it descends from (newest first), its
+    /// template's frozen layer, and the image under those. Each layer's
+    /// header must name the next: what the host opens and hands to QEMU is
+    /// decided by records, never by a name a QEMU could have written into
+    /// the layer it was given to write (ADR 14).
+    pub(super) fn disk_chain(&self, top: &Path, record: &VmRecord) -> Result<Vec<Layer>, VmError> {
+        let mut layers = vec![Layer::qcow2(top.to_path_buf())];
+        let mut next = record.backing_snapshot.clone();
+        while let Some(id) = next.take() {
+            if layers.len() >= qcow2::MAX_CHAIN {
+                return Err(VmError::Config(format!("the disk of VM {} stands on more than {} snapshots", record.id, qcow2::MAX_CHAIN)));
+            }
+            let dir = self.snapshots_dir().join(&id);
+            let snapshot = SnapshotRecord::load(&dir)
+                .ok_or_else(|| VmError::Config(format!("snapshot {id}, which the disk of VM {} stands on, has no record", record.id)))?;
+            layers.push(Layer::qcow2(dir.join("disk.qcow2")));
+            next = snapshot.backing_snapshot;
+        }
+        if let Some(template) = &record.template {
+            layers.push(Layer::qcow2(self.templates_dir.join(template).join("disk.qcow2")));
+        }
+        self.over_image(layers)
+    }
+
+    /// `layers` (top first) over the image root filesystem the lowest one
+    /// names, which must be one of the image cache's; the chain checked.
+    pub(super) fn over_image(&self, mut layers: Vec<Layer>) -> Result<Vec<Layer>, VmError> {
+        let lowest = layers.last().expect("at least one layer").path.clone();
+        let header = qcow2::read_header(&lowest).map_err(io_err(format!("reading the header of {}", lowest.display())))?;
+        let base = match header.backing_file {
+            Some(base) if self.images.is_image_rootfs(&base) => base,
+            other => return Err(VmError::Config(format!("{} stands on {other:?}, not on an image", lowest.display()))),
+        };
+        layers.push(Layer { path: base, format: qcow2::Format::Raw });
+        qcow2::check_chain(&layers).map_err(|e| VmError::Config(format!("the disk chain does not match the records: {e}")))?;
+        Ok(layers)
     }
 
     fn load_record(&self, id: &str) -> Result<(PathBuf, VmRecord), VmError> {
@@ -545,11 +587,11 @@ impl VmRuntime {
             .ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
         let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
-        let mut launch = self.launch_spec(id, &dir, &spec, Memory::FromTemplate(template.ram()), true);
-        launch.tap = netns.is_some();
         // Its layer may stand on snapshot layers: attached after start.
         let spawned = qcow2_virtual_size(&dir.join("disk.qcow2")).and_then(|bytes| {
-            launch.disk = launch::Disk::Deferred { bytes };
+            let disk = launch::Disk::Deferred { bytes };
+            let mut launch = self.launch_spec(id, &dir, &spec, disk, Memory::FromTemplate(template.ram()), true);
+            launch.tap = netns.is_some();
             spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral, netns.as_deref())
         });
         let (vmm, exit_rx) = match spawned {
@@ -569,7 +611,7 @@ impl VmRuntime {
             false => RestoredMemory::InState,
         };
         let woken = async {
-            let qmp = attach_deferred_disk(self, &dir, &exit_rx).await?;
+            let qmp = attach_deferred_disk(self, &dir, &record, &exit_rx).await?;
             let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, memory, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
@@ -816,9 +858,10 @@ enum RestoredMemory {
 }
 
 /// Connects to a QEMU started with a deferred disk (`Disk::Deferred`) and
-/// attaches the VM's layer, `dir/disk.qcow2`, before its state loads: its
-/// snapshot layers then reach QEMU as descriptors (ADR 14).
-async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, exit_rx: &watch::Receiver<Option<String>>) -> Result<Qmp, VmError> {
+/// attaches the VM's layer, `dir/disk.qcow2`, before its state loads, with
+/// the chain its record gives, every layer a descriptor (ADR 14).
+async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, record: &VmRecord, exit_rx: &watch::Receiver<Option<String>>) -> Result<Qmp, VmError> {
+    let layers = runtime.disk_chain(&dir.join("disk.qcow2"), record)?;
     let mut exit_watch = exit_rx.clone();
     let socket = launch::qmp_socket(dir);
     let qmp = tokio::select! {
@@ -827,7 +870,7 @@ async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, exit_rx: &watch::
             return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
         }
     };
-    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &dir.join("disk.qcow2")).await?;
+    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &layers).await?;
     Ok(qmp)
 }
 

@@ -233,14 +233,14 @@ impl VmRuntime {
                         true => readable_by_vmm(snap_dir.join("ram"))?,
                         false => template.ram(),
                     };
-                    let mut launch = self.launch_spec(&id, &dir, &spec, Memory::FromTemplate(ram), true);
-                    launch.tap = netns.is_some();
                     // The layer stands on the snapshot's: attached after start.
-                    launch.disk = super::launch::Disk::Deferred { bytes: super::qcow2_virtual_size(&layer)? };
+                    let disk = super::launch::Disk::Deferred { bytes: super::qcow2_virtual_size(&layer)? };
+                    let mut launch = self.launch_spec(&id, &dir, &spec, disk, Memory::FromTemplate(ram), true);
+                    launch.tap = netns.is_some();
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
                     record.save(&dir).map_err(io_err("writing the VM record"))?;
-                    let qmp = super::attach_deferred_disk(self, &dir, &exit_rx).await?;
+                    let qmp = super::attach_deferred_disk(self, &dir, &record, &exit_rx).await?;
                     (exit_rx, Some(qmp))
                 }
             };

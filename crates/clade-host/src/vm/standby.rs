@@ -32,6 +32,7 @@ use super::record::{Lifetime, Phase, VmRecord};
 use super::template::Template;
 use super::{connect_qmp, io_err, make_writable, record, spawn_qemu, VmError, VmRuntime, VmSpec};
 use crate::net::EgressPolicy;
+use crate::qcow2::Layer;
 use crate::qmp::Qmp;
 
 /// A QEMU process waiting for a template's state.
@@ -207,8 +208,7 @@ impl VmRuntime {
             let isolated = self.network.as_ref().map(|_| crate::net::EgressPolicy::isolated());
             let netns = self.attach_network(&dir, isolated.as_ref()).await?;
             record.network = isolated;
-            let mut launch = self.launch_spec(&id, &dir, spec, Memory::FromTemplate(template.ram()), true);
-            launch.disk = Disk::Deferred { bytes };
+            let mut launch = self.launch_spec(&id, &dir, spec, Disk::Deferred { bytes }, Memory::FromTemplate(template.ram()), true);
             launch.tap = netns.is_some();
             let exited = {
                 let _starting = self.standby.starting.lock().expect("standby lock");
@@ -233,7 +233,7 @@ impl VmRuntime {
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
-            attach_disk(&qmp, STANDBY_DISK_NODE, &disk).await?;
+            attach_disk(&qmp, STANDBY_DISK_NODE, &self.disk_chain(&disk, &record)?).await?;
             Ok::<_, VmError>(Some((exited, qmp)))
         }
         .await;
@@ -276,7 +276,7 @@ impl VmRuntime {
         }
         match disk {
             TakenDisk::Template => Ok(()),
-            TakenDisk::Layer(layer) => swap_disk(&standby.qmp, &standby.dir, layer).await,
+            TakenDisk::Layer(layer) => self.swap_disk(standby, layer, record).await,
         }
     }
 }
@@ -288,11 +288,10 @@ impl VmRuntime {
 /// goes away with that; a node added here stays until it is deleted
 /// ([`swap_disk`]).
 ///
-/// The host opens every layer of the chain (the top one writable) and
-/// hands QEMU the descriptors, each backing spelled out: QEMU opens no
-/// layer by name (ADR 14).
-pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path) -> Result<(), VmError> {
-    let layers = crate::qcow2::chain(layer).map_err(io_err(format!("reading the disk chain of {}", layer.display())))?;
+/// The host opens every layer of the chain (`VmRuntime::disk_chain`, the
+/// top one writable) and hands QEMU the descriptors, each backing spelled
+/// out: QEMU opens no layer by name (ADR 14).
+pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer]) -> Result<(), VmError> {
     let files: Vec<std::fs::File> = layers
         .iter()
         .enumerate()
@@ -305,7 +304,7 @@ pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path) -> Result<(
     for file in &files {
         held.push(qmp.add_fd(std::os::fd::AsFd::as_fd(file)).await?);
     }
-    let named: Vec<(String, crate::qcow2::Format)> = held.iter().zip(&layers).map(|(set, layer)| (set.path(), layer.format)).collect();
+    let named: Vec<(String, crate::qcow2::Format)> = held.iter().zip(layers).map(|(set, layer)| (set.path(), layer.format)).collect();
     let added = qmp.execute("blockdev-add", Some(super::launch::chain_blockdev(node, &named))).await;
     // QEMU keeps the files it opened from the sets.
     for set in held {
@@ -317,18 +316,20 @@ pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layer: &Path) -> Result<(
     Ok(())
 }
 
-/// Replaces a standby's disk, the template's empty layer, by a copy of
-/// `layer`. The copy is made beside it and renamed over it once QEMU uses
-/// it: QEMU keeps the file it opened, and `disk.qcow2` stays the VM's disk
-/// for what reads it by name (snapshots, a wake in a new QEMU).
-async fn swap_disk(qmp: &Qmp, dir: &Path, layer: &Path) -> Result<(), VmError> {
-    let disk = dir.join("disk.qcow2");
-    let next = dir.join("disk.qcow2.taken");
-    std::fs::copy(layer, &next).map_err(io_err("creating the disk layer"))?;
-    make_writable(&next)?;
-    attach_disk(qmp, TAKEN_DISK_NODE, &next).await?;
-    qmp.execute("blockdev-del", Some(json!({ "node-name": STANDBY_DISK_NODE }))).await?;
-    std::fs::rename(&next, &disk).map_err(io_err("putting the disk layer in place"))
+impl VmRuntime {
+    /// Replaces a standby's disk, the template's empty layer, by a copy of
+    /// `layer`. The copy is made beside it and renamed over it once QEMU uses
+    /// it: QEMU keeps the file it opened, and `disk.qcow2` stays the VM's disk
+    /// for what reads it by name (snapshots, a wake in a new QEMU).
+    async fn swap_disk(&self, standby: &Standby, layer: &Path, record: &VmRecord) -> Result<(), VmError> {
+        let disk = standby.dir.join("disk.qcow2");
+        let next = standby.dir.join("disk.qcow2.taken");
+        std::fs::copy(layer, &next).map_err(io_err("creating the disk layer"))?;
+        make_writable(&next)?;
+        attach_disk(&standby.qmp, TAKEN_DISK_NODE, &self.disk_chain(&next, record)?).await?;
+        standby.qmp.execute("blockdev-del", Some(json!({ "node-name": STANDBY_DISK_NODE }))).await?;
+        std::fs::rename(&next, &disk).map_err(io_err("putting the disk layer in place"))
+    }
 }
 
 /// Shared by the clones of one runtime.

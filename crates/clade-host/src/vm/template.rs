@@ -236,11 +236,12 @@ pub(super) async fn ensure(
 async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32, dir: &Path) -> Result<(), VmError> {
     let disk = dir.join("disk.qcow2");
     super::create_overlay(&image.rootfs, "raw", &disk, None).await?;
+    let chain = runtime.over_image(vec![crate::qcow2::Layer::qcow2(disk.clone())])?;
     let launch = LaunchSpec {
         id: "template".into(),
         dir: dir.to_path_buf(),
         kernel: image.kernel.clone(),
-        disk: Disk::Qcow2(disk.clone()),
+        disk: Disk::Chain(chain),
         memory_mb,
         vcpus,
         accel: runtime.accel,
