@@ -259,3 +259,23 @@ fn descriptors_handed_to_qemu_arrive_each_in_its_own_set_and_leave_with_it() {
         vm.stop().await.unwrap();
     });
 }
+
+/// QEMU executes as a user of its own (ADR 14): a binary that user cannot
+/// reach (here, in a directory only root may search) is refused with the
+/// reason, and the attempt leaves nothing behind.
+#[test]
+fn a_qemu_its_own_user_cannot_reach_is_refused_with_the_reason() {
+    let Some(env) = vm_env() else { return };
+    let hidden = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(hidden.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let qemu = hidden.path().join("qemu-system-x86_64");
+    std::fs::copy(env.config.qemu(), &qemu).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let config = clade_host::HostConfig { qemu_binary: Some(qemu), data_dir: data.path().to_path_buf(), ..env.config.clone() };
+    let runtime = clade_host::VmRuntime::new(config).unwrap();
+    block_on(async {
+        let refused = runtime.boot(VmSpec::new(env.image.clone())).await.unwrap_err().to_string();
+        assert!(refused.contains("as the VMM's own user") && refused.contains("searchable by all users"), "{refused}");
+        assert_eq!(std::fs::read_dir(runtime.vms_dir()).unwrap().count(), 0, "nothing left of the attempt");
+    });
+}

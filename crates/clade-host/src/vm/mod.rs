@@ -586,6 +586,9 @@ impl VmRuntime {
             .cached(&record.image)?
             .ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
         let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
+        // Checked before anything starts: a chain its records do not give
+        // is refused without a QEMU.
+        let layers = self.disk_chain(&dir.join("disk.qcow2"), &record)?;
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
         // Its layer may stand on snapshot layers: attached after start.
         let spawned = qcow2_virtual_size(&dir.join("disk.qcow2")).and_then(|bytes| {
@@ -611,7 +614,7 @@ impl VmRuntime {
             false => RestoredMemory::InState,
         };
         let woken = async {
-            let qmp = attach_deferred_disk(self, &dir, &record, &exit_rx).await?;
+            let qmp = attach_deferred_disk(&dir, &layers, &exit_rx, self.boot_timeout()).await?;
             let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, memory, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
@@ -783,7 +786,17 @@ fn spawn_qemu(
             Accel::Tcg => None,
         },
     };
-    let mut child = launch::spawn(command, confinement).map_err(io_err(format!("starting {}", runtime.qemu.display())))?;
+    let mut child = launch::spawn(command, confinement).map_err(|e| {
+        let starting = match e.kind() {
+            // QEMU executes as a user of its own, not as the host.
+            std::io::ErrorKind::PermissionDenied => format!(
+                "starting {} as the VMM's own user: it and every directory above it must be readable and searchable by all users",
+                runtime.qemu.display()
+            ),
+            _ => format!("starting {}", runtime.qemu.display()),
+        };
+        io_err(starting)(e)
+    })?;
     drop((tap_slot, handed));
     let vmm = ProcessId::of(child.id()).unwrap_or(ProcessId { pid: child.id(), start_ticks: 0 });
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
@@ -858,19 +871,19 @@ enum RestoredMemory {
 }
 
 /// Connects to a QEMU started with a deferred disk (`Disk::Deferred`) and
-/// attaches the VM's layer, `dir/disk.qcow2`, before its state loads, with
-/// the chain its record gives, every layer a descriptor (ADR 14).
-async fn attach_deferred_disk(runtime: &VmRuntime, dir: &Path, record: &VmRecord, exit_rx: &watch::Receiver<Option<String>>) -> Result<Qmp, VmError> {
-    let layers = runtime.disk_chain(&dir.join("disk.qcow2"), record)?;
+/// attaches the VM's disk chain (`VmRuntime::disk_chain` of its layer,
+/// `dir/disk.qcow2`) before its state loads, every layer a descriptor
+/// (ADR 14).
+async fn attach_deferred_disk(dir: &Path, layers: &[Layer], exit_rx: &watch::Receiver<Option<String>>, timeout: Duration) -> Result<Qmp, VmError> {
     let mut exit_watch = exit_rx.clone();
     let socket = launch::qmp_socket(dir);
     let qmp = tokio::select! {
-        qmp = connect_qmp(&socket, runtime.boot_timeout()) => qmp?,
+        qmp = connect_qmp(&socket, timeout) => qmp?,
         status = exit_watch.wait_for(Option::is_some) => {
             return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
         }
     };
-    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, &layers).await?;
+    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, layers).await?;
     Ok(qmp)
 }
 

@@ -229,6 +229,7 @@ impl VmRuntime {
                         }
                         Err(e) => return Err(io_err("creating the disk layer")(e)),
                     }
+                    let layers = self.disk_chain(&layer, &record)?;
                     let ram = match snap.own_memory {
                         true => readable_by_vmm(snap_dir.join("ram"))?,
                         false => template.ram(),
@@ -240,7 +241,7 @@ impl VmRuntime {
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
                     record.save(&dir).map_err(io_err("writing the VM record"))?;
-                    let qmp = super::attach_deferred_disk(self, &dir, &record, &exit_rx).await?;
+                    let qmp = super::attach_deferred_disk(&dir, &layers, &exit_rx, self.boot_timeout()).await?;
                     (exit_rx, Some(qmp))
                 }
             };
