@@ -367,15 +367,7 @@ impl Handed {
         };
         let disk = match &spec.disk {
             Disk::Deferred { .. } => Vec::new(),
-            Disk::Chain(layers) => layers
-                .iter()
-                .enumerate()
-                .map(|(n, layer)| {
-                    // Only the top layer is written; QEMU opens the rest read-only.
-                    let file = std::fs::OpenOptions::new().read(true).write(n == 0).open(&layer.path);
-                    file.map(|file| (file, layer.clone())).map_err(context(format!("opening {}", layer.path.display())))
-                })
-                .collect::<std::io::Result<_>>()?,
+            Disk::Chain(layers) => open_chain(layers)?.into_iter().zip(layers.iter().cloned()).collect(),
         };
         let ram_given = matches!(spec.memory, Memory::TemplateFile(_));
         Ok(Self { kernel, console, qmp, agent, ram, disk, ram_given })
@@ -397,10 +389,10 @@ impl Handed {
 
     /// Every descriptor QEMU inherits.
     pub fn inherited(&self) -> Vec<i32> {
-        let fds = self.fds(None);
-        let mut all = vec![fds.kernel, fds.console, fds.qmp, fds.agent];
-        all.extend(fds.ram);
-        all.extend(fds.disk.iter().map(|(fd, _)| *fd));
+        use std::os::fd::AsRawFd;
+        let mut all = vec![self.kernel.as_raw_fd(), self.console.as_raw_fd(), self.qmp.as_raw_fd(), self.agent.as_raw_fd()];
+        all.extend(self.ram.as_ref().map(AsRawFd::as_raw_fd));
+        all.extend(self.disk.iter().map(|(file, _)| file.as_raw_fd()));
         all
     }
 
@@ -409,6 +401,16 @@ impl Handed {
         use std::os::fd::AsRawFd;
         self.ram.iter().filter(|_| self.ram_given).map(AsRawFd::as_raw_fd).collect()
     }
+}
+
+/// Opens the layers of a disk chain (top first) as QEMU is to get them:
+/// only the top one writable, the rest read-only.
+pub fn open_chain(layers: &[qcow2::Layer]) -> std::io::Result<Vec<std::fs::File>> {
+    let open = |(n, layer): (usize, &qcow2::Layer)| {
+        let file = std::fs::OpenOptions::new().read(true).write(n == 0).open(&layer.path);
+        file.map_err(|e| std::io::Error::new(e.kind(), format!("opening {}: {e}", layer.path.display())))
+    };
+    layers.iter().enumerate().map(open).collect()
 }
 
 /// How a VMM process is set apart from the host; see [`spawn`].
@@ -434,13 +436,9 @@ pub const VMM_UID_BASE: u32 = 0x7800_0000;
 /// A spawn request for the launcher thread.
 struct SpawnRequest {
     command: Command,
-    die_with_owner: bool,
+    /// The namespace opened; `confinement.netns` is left out.
     netns: Option<std::fs::File>,
-    tap: Option<TapFd>,
-    huge_pages: bool,
-    inherited: Vec<i32>,
-    given: Vec<i32>,
-    group: Option<u32>,
+    confinement: Confinement<'static>,
     reply: mpsc::Sender<std::io::Result<Child>>,
 }
 
@@ -468,11 +466,11 @@ struct SpawnRequest {
 /// kernel may compact memory for, 2 MiB at once whenever generated code
 /// first reaches a new part of it, in the middle of a create's first steps.
 pub fn spawn(command: Command, confinement: Confinement) -> std::io::Result<Child> {
-    let Confinement { die_with_owner, netns, tap, huge_pages, inherited, given, group } = confinement;
-    if tap.is_some() && netns.is_none() {
+    if confinement.tap.is_some() && confinement.netns.is_none() {
         return Err(std::io::Error::other("a tap is attached only inside a sandbox's network namespace"));
     }
-    let netns = netns.map(std::fs::File::open).transpose()?;
+    let netns = confinement.netns.map(std::fs::File::open).transpose()?;
+    let confinement = Confinement { netns: None, ..confinement };
     static LAUNCHER: OnceLock<std::sync::Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let launcher = LAUNCHER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<SpawnRequest>();
@@ -488,7 +486,7 @@ pub fn spawn(command: Command, confinement: Confinement) -> std::io::Result<Chil
         std::sync::Mutex::new(tx)
     });
     let (reply, outcome) = mpsc::channel();
-    let request = SpawnRequest { command, die_with_owner, netns, tap, huge_pages, inherited, given, group, reply };
+    let request = SpawnRequest { command, netns, confinement, reply };
     launcher.lock().expect("launcher lock").send(request).map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?;
     outcome.recv().map_err(|_| std::io::Error::other("VMM launcher thread is gone"))?
 }
@@ -496,7 +494,8 @@ pub fn spawn(command: Command, confinement: Confinement) -> std::io::Result<Chil
 fn spawn_here(request: SpawnRequest) -> std::io::Result<Child> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
-    let SpawnRequest { mut command, die_with_owner, netns, tap, huge_pages, inherited, given, group, .. } = request;
+    let SpawnRequest { mut command, netns, confinement, .. } = request;
+    let Confinement { die_with_owner, tap, huge_pages, inherited, given, group, .. } = confinement;
     let owner = std::process::id() as libc::pid_t;
     let netns_fd = netns.as_ref().map(|file| file.as_raw_fd());
     let switch_user = nix::unistd::geteuid().is_root();

@@ -292,14 +292,7 @@ impl VmRuntime {
 /// top one writable) and hands QEMU the descriptors, each backing spelled
 /// out: QEMU opens no layer by name (ADR 14).
 pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer]) -> Result<(), VmError> {
-    let files: Vec<std::fs::File> = layers
-        .iter()
-        .enumerate()
-        .map(|(n, layer)| {
-            let file = std::fs::OpenOptions::new().read(true).write(n == 0).open(&layer.path);
-            file.map_err(io_err(format!("opening {}", layer.path.display())))
-        })
-        .collect::<Result<_, _>>()?;
+    let files = super::launch::open_chain(layers).map_err(io_err("opening the disk chain"))?;
     let mut held = Vec::new();
     for file in &files {
         held.push(qmp.add_fd(std::os::fd::AsFd::as_fd(file)).await?);
