@@ -42,7 +42,9 @@ pub enum QmpError {
 /// the greeting would wait for as long as the first one stays.
 pub const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, (String, String)>>>>>;
+/// A command's outcome as the reader got it: its `return`, or its error's class and text.
+type Reply = Result<Value, (String, String)>;
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Reply>>>>;
 
 /// A descriptor QEMU holds in a descriptor set of its own (`add-fd`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,25 +162,76 @@ impl Qmp {
         self.execute("remove-fd", Some(json!({ "fdset-id": fdset_id }))).await.map(drop)
     }
 
+    /// Sends `commands` in one write, `fd` attached to it when given (QEMU
+    /// hands it to the first of them that takes a descriptor), and waits
+    /// for every reply: one round trip for all. QEMU runs them in order,
+    /// each whatever became of those before, so a later command can use
+    /// what an earlier one made (a descriptor set whose id the caller
+    /// chose). The outer error is the write's; the inner ones each reply's.
+    pub async fn execute_batch(
+        &self,
+        commands: &[(&str, Option<Value>)],
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Vec<Result<Value, QmpError>>, QmpError> {
+        let _one_at_a_time = match fd {
+            Some(_) => Some(self.handing_fd.lock().await),
+            None => None,
+        };
+        let mut bytes = Vec::new();
+        let mut waiting = Vec::with_capacity(commands.len());
+        for (command, arguments) in commands {
+            let (id, reply) = self.register();
+            bytes.extend_from_slice(request(command, id, arguments.clone()).as_bytes());
+            waiting.push((*command, id, reply));
+        }
+        if let Err(e) = self.write(&bytes, fd).await {
+            let mut pending = self.pending.lock().expect("qmp pending lock");
+            for (_, id, _) in &waiting {
+                pending.remove(id);
+            }
+            return Err(e);
+        }
+        let mut replies = Vec::with_capacity(waiting.len());
+        for (command, id, reply) in waiting {
+            replies.push(self.reply(command, id, reply, COMMAND_TIMEOUT).await);
+        }
+        Ok(replies)
+    }
+
     async fn send(&self, command: &str, arguments: Option<Value>, fd: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<Value, QmpError> {
+        let (id, reply) = self.register();
+        if let Err(e) = self.write(request(command, id, arguments).as_bytes(), fd).await {
+            self.pending.lock().expect("qmp pending lock").remove(&id);
+            return Err(e);
+        }
+        self.reply(command, id, reply, timeout).await
+    }
+
+    fn register(&self) -> (u64, oneshot::Receiver<Reply>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().expect("qmp pending lock").insert(id, tx);
-        let mut msg = json!({ "execute": command, "id": id });
-        if let Some(args) = arguments {
-            msg["arguments"] = args;
-        }
-        let mut line = msg.to_string();
-        line.push('\n');
-        {
-            let mut writer = self.writer.lock().await;
-            let sent = match fd {
-                None => 0,
-                Some(fd) => send_with_fd(&writer, line.as_bytes(), fd).await?,
-            };
-            writer.write_all(&line.as_bytes()[sent..]).await?;
-        }
-        match tokio::time::timeout(timeout, rx).await {
+        (id, rx)
+    }
+
+    async fn write(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<(), QmpError> {
+        let mut writer = self.writer.lock().await;
+        let sent = match fd {
+            None => 0,
+            Some(fd) => send_with_fd(&writer, bytes, fd).await?,
+        };
+        writer.write_all(&bytes[sent..]).await?;
+        Ok(())
+    }
+
+    async fn reply(
+        &self,
+        command: &str,
+        id: u64,
+        reply: oneshot::Receiver<Reply>,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
+        match tokio::time::timeout(timeout, reply).await {
             Err(_) => {
                 self.pending.lock().expect("qmp pending lock").remove(&id);
                 Err(QmpError::Timeout(command.to_string()))
@@ -193,6 +246,17 @@ impl Qmp {
     pub fn events(&self) -> broadcast::Receiver<Value> {
         self.events.subscribe()
     }
+}
+
+/// One command, as a line.
+fn request(command: &str, id: u64, arguments: Option<Value>) -> String {
+    let mut msg = json!({ "execute": command, "id": id });
+    if let Some(args) = arguments {
+        msg["arguments"] = args;
+    }
+    let mut line = msg.to_string();
+    line.push('\n');
+    line
 }
 
 /// Sends the first part of `bytes` with `fd` attached; returns how much
@@ -211,5 +275,88 @@ async fn send_with_fd(writer: &OwnedWriteHalf, bytes: &[u8], fd: BorrowedFd<'_>)
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             other => return other,
         }
+    }
+}
+
+/// A QEMU without a machine (no guest, no accelerator, no root needed) to
+/// test the monitor protocol and migrations against; killed when dropped.
+#[cfg(test)]
+pub(crate) struct BareQemu {
+    child: std::process::Child,
+    pub qmp: Qmp,
+    dir: tempfile::TempDir,
+}
+
+#[cfg(test)]
+impl BareQemu {
+    /// Started with `extra` arguments; `None` (a skip, or a failure in CI)
+    /// without QEMU.
+    pub(crate) async fn start(extra: &[&str]) -> Option<Self> {
+        let qemu = crate::config::HostConfig::from_env().expect("valid CLADE_* environment").qemu();
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let socket = dir.path().join("qmp.sock");
+        let child = match std::process::Command::new(&qemu)
+            .args(["-machine", "none", "-nodefaults", "-display", "none", "-qmp"])
+            .arg(format!("unix:{},server=on,wait=off", socket.display()))
+            .args(extra)
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) => return crate::testing::skip(&format!("{} cannot run: {e}", qemu.display())),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match Qmp::connect(&socket).await {
+                Ok(qmp) => return Some(Self { child, qmp, dir }),
+                Err(e) => assert!(std::time::Instant::now() < deadline, "QMP of {} never answered: {e}", qemu.display()),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub(crate) fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+#[cfg(test)]
+impl Drop for BareQemu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_batch_answers_each_of_its_commands_in_order_and_hands_its_descriptor_to_add_fd() {
+        let Some(qemu) = BareQemu::start(&[]).await else { return };
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let set = json!({ "fdset-id": 77 });
+        let commands = [
+            ("query-status", None),
+            ("no-such-command", None),
+            ("add-fd", Some(set.clone())),
+            ("query-fdsets", None),
+            ("remove-fd", Some(set.clone())),
+            ("remove-fd", Some(set)),
+        ];
+        let replies = qemu.qmp.execute_batch(&commands, Some(std::os::fd::AsFd::as_fd(&file))).await.unwrap();
+        assert_eq!(replies.len(), 6);
+        let mut replies = replies.into_iter();
+        assert_eq!(replies.next().unwrap().unwrap()["status"], "running");
+        let unknown = replies.next().unwrap().unwrap_err();
+        assert!(matches!(&unknown, QmpError::Command { command, .. } if command == "no-such-command"), "{unknown}");
+        assert_eq!(replies.next().unwrap().unwrap()["fdset-id"], 77);
+        let sets = replies.next().unwrap().unwrap();
+        assert_eq!(sets[0]["fdset-id"], 77, "the set the batch made, with the descriptor it carried: {sets}");
+        assert_eq!(sets[0]["fds"].as_array().map(Vec::len), Some(1), "{sets}");
+        assert!(replies.next().unwrap().is_ok());
+        assert!(replies.next().unwrap().is_err(), "removed twice");
+        // The connection goes on as before.
+        assert_eq!(qemu.qmp.execute("query-fdsets", None).await.unwrap(), json!([]));
     }
 }

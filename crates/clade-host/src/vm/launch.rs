@@ -203,6 +203,14 @@ pub fn qemu_args(spec: &LaunchSpec, fds: &Fds) -> Vec<OsString> {
         "-display".into(),
         "none".into(),
         "-no-reboot".into(),
+        // What this QEMU saves carries no run state, so a QEMU that loads it
+        // starts the guest by itself once it has loaded it; and it reports
+        // each migration's progress as events: a load is followed without a
+        // `cont` or a poll on a create's path (see `migrate::load`).
+        "-global".into(),
+        "migration.store-global-state=off".into(),
+        "-global".into(),
+        "migration.x-events=on".into(),
         // Seccomp: no obsolete syscalls, no privilege gain, no spawning, no resource changes.
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),

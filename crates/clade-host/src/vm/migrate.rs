@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tokio::sync::broadcast;
 
 use crate::qmp::{HeldFd, Qmp, QmpError};
 
@@ -31,15 +32,11 @@ pub enum MigrateError {
 /// Sets the two capabilities our migrations differ in, both every time: a
 /// QEMU keeps capabilities from one migration to the next.
 async fn set_capabilities(qmp: &Qmp, ignore_shared: bool, pause_before_switchover: bool) -> Result<(), QmpError> {
-    qmp.execute(
-        "migrate-set-capabilities",
-        Some(json!({ "capabilities": [
-            { "capability": "x-ignore-shared", "state": ignore_shared },
-            { "capability": "pause-before-switchover", "state": pause_before_switchover },
-        ] })),
-    )
-    .await
-    .map(drop)
+    let capabilities = json!({ "capabilities": [
+        { "capability": "x-ignore-shared", "state": ignore_shared },
+        { "capability": "pause-before-switchover", "state": pause_before_switchover },
+    ] });
+    qmp.execute("migrate-set-capabilities", Some(capabilities)).await.map(drop)
 }
 
 /// Polls the migration until it reaches `wanted` (or fails).
@@ -128,10 +125,22 @@ async fn give_back<T>(qmp: &Qmp, held: HeldFd, outcome: Result<T, MigrateError>)
 pub async fn save_devices(qmp: &Qmp, file: &Path, machine: &str) -> Result<(), MigrateError> {
     let raw = file.with_extension("devices");
     let target = open_for_qemu(&raw, Access::Write)?;
-    let held = qmp.add_fd(target.as_fd()).await?;
+    // One round trip while the guest is stopped. The set is emptied first:
+    // a manager that died inside this batch may have left it holding
+    // another file, which QEMU would open instead (when there was none,
+    // that reply is an error, skipped).
+    let set = json!({ "fdset-id": DEVICE_STATE_SET });
     // `live` off: with it, a stopped VM's disks would be handed over (inactivated).
-    let saved = qmp.execute("xen-save-devices-state", Some(json!({ "filename": held.path(), "live": false }))).await.map_err(MigrateError::from);
-    give_back(qmp, held, saved).await?;
+    let save = json!({ "filename": format!("/dev/fdset/{DEVICE_STATE_SET}"), "live": false });
+    let commands = [
+        ("remove-fd", Some(set.clone())),
+        ("add-fd", Some(set.clone())),
+        ("xen-save-devices-state", Some(save)),
+        ("remove-fd", Some(set)),
+    ];
+    for reply in qmp.execute_batch(&commands, Some(target.as_fd())).await?.into_iter().skip(1) {
+        reply?;
+    }
     let devices = std::fs::read(&raw).map_err(|e| MigrateError::Failed(format!("reading the device state: {e}")));
     let _ = std::fs::remove_file(&raw);
     let stream = loadable_device_stream(&devices?, machine)?;
@@ -161,12 +170,102 @@ fn loadable_device_stream(devices: &[u8], machine: &str) -> Result<Vec<u8>, Migr
     Ok(stream)
 }
 
-/// Loads state saved by [`save`] into a QEMU started with `-incoming defer`,
-/// then runs the vCPUs.
-pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
-    set_capabilities(qmp, ignore_shared, false).await?;
-    migrate_file(qmp, "migrate-incoming", file, Access::Read).await?;
-    cont_once_finalized(qmp).await
+/// How a loaded guest came to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Started {
+    /// QEMU started it as the load completed: the stream carried no run
+    /// state (saved with `migration.store-global-state=off`, as every QEMU
+    /// Clade starts is, see `launch`).
+    ByQemu,
+    /// The stream said the guest was stopped (an older save): it was
+    /// loaded stopped and we ran it.
+    ByCont,
+}
+
+/// How long loading a state file may take (an older hibernation holds all of
+/// the guest's RAM).
+const LOAD_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Descriptor sets of ids we choose, for a file handed to QEMU in the same
+/// write as the command that opens it (`/dev/fdset/ID`): above the sets
+/// `launch` hands at start (`qcow2::MAX_CHAIN` layers at most) and those
+/// `add-fd` picks (the lowest free ones). Short: QEMU reads its monitor a
+/// byte at a time (~3 µs a byte here).
+const INCOMING_SET: u64 = 1000;
+const DEVICE_STATE_SET: u64 = 1001;
+
+/// Loads state saved by [`save`] or [`save_devices`] into a QEMU started with
+/// `-incoming defer`, and returns once the guest runs.
+///
+/// One round trip and no polling: the commands go out in one write, and the
+/// rest is QEMU's events (`MIGRATION` ones are on from its start, see
+/// `launch`). QEMU activates the disks and starts the guest itself
+/// (`RESUME`) before it reports the load `completed`, unless the stream says
+/// the guest was stopped; only then is a `cont` needed. What QEMU must read
+/// before the load starts is kept short: a QEMU loads once in its life, with
+/// every capability still off and its set unused, so only `x-ignore-shared`
+/// may need setting.
+pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<Started, MigrateError> {
+    let mut events = qmp.events();
+    let opened = open_for_qemu(file, Access::Read)?;
+    let set = json!({ "fdset-id": INCOMING_SET });
+    // QEMU opens its own duplicate of the descriptor before it answers.
+    // After a failed load it stays, to say why (`query-migrate`).
+    let incoming = json!({ "uri": format!("file:/dev/fdset/{INCOMING_SET}"), "exit-on-error": false });
+    let mut commands = Vec::with_capacity(4);
+    if ignore_shared {
+        commands.push(("migrate-set-capabilities", Some(json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }))));
+    }
+    commands.extend([("add-fd", Some(set.clone())), ("migrate-incoming", Some(incoming)), ("remove-fd", Some(set))]);
+    for reply in qmp.execute_batch(&commands, Some(opened.as_fd())).await? {
+        reply?;
+    }
+    match tokio::time::timeout(LOAD_TIMEOUT, until_started(qmp, &mut events)).await {
+        Ok(started) => started,
+        Err(_) => Err(MigrateError::Timeout(LOAD_TIMEOUT)),
+    }
+}
+
+/// After this long without a word, a load is asked where it stands: one
+/// that outlasts it (an older hibernation, its RAM in the stream), or a
+/// QEMU that reports no `MIGRATION` events (not started by `launch`).
+const QUIET_LOAD: Duration = Duration::from_secs(1);
+
+async fn until_started(qmp: &Qmp, events: &mut broadcast::Receiver<Value>) -> Result<Started, MigrateError> {
+    loop {
+        let event = match tokio::time::timeout(QUIET_LOAD, events.recv()).await {
+            Ok(Ok(event)) => event,
+            Err(_) | Ok(Err(broadcast::error::RecvError::Lagged(_))) => return started_by_now(qmp).await,
+            Ok(Err(broadcast::error::RecvError::Closed)) => return Err(QmpError::Closed.into()),
+        };
+        match (event["event"].as_str(), event["data"]["status"].as_str()) {
+            (Some("RESUME"), _) => return Ok(Started::ByQemu),
+            (Some("MIGRATION"), Some("completed")) => {
+                cont_once_finalized(qmp).await?;
+                return Ok(Started::ByCont);
+            }
+            (Some("MIGRATION"), Some("failed")) => return Err(load_failure(qmp).await),
+            _ => {}
+        }
+    }
+}
+
+/// Where the load stands, asked (events missed, or none coming).
+async fn started_by_now(qmp: &Qmp) -> Result<Started, MigrateError> {
+    wait_completed(qmp, LOAD_TIMEOUT).await?;
+    let status = qmp.execute("query-status", None).await?;
+    if status.get("running").and_then(Value::as_bool) == Some(true) {
+        return Ok(Started::ByQemu);
+    }
+    cont_once_finalized(qmp).await?;
+    Ok(Started::ByCont)
+}
+
+async fn load_failure(qmp: &Qmp) -> MigrateError {
+    match qmp.execute("query-migrate", None).await {
+        Ok(info) => MigrateError::Failed(info.get("error-desc").and_then(Value::as_str).unwrap_or("failed").to_string()),
+        Err(e) => e.into(),
+    }
 }
 
 /// Runs the vCPUs after a migration. Its status changes a moment before
@@ -211,4 +310,51 @@ pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
         return Ok(());
     }
     cont_once_finalized(qmp).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qmp::BareQemu;
+
+    #[tokio::test]
+    async fn a_load_runs_the_guest_by_itself_unless_the_state_says_it_was_stopped() {
+        for (store_global_state, expected) in [("off", Started::ByQemu), ("on", Started::ByCont)] {
+            let store = format!("migration.store-global-state={store_global_state}");
+            let Some(source) = BareQemu::start(&["-global", &store]).await else { return };
+            source.qmp.execute("stop", None).await.unwrap();
+            let state = source.dir().join("state");
+            save(&source.qmp, &state, false).await.unwrap();
+
+            let Some(target) = BareQemu::start(&["-incoming", "defer", "-global", "migration.x-events=on"]).await else { return };
+            let started = load(&target.qmp, &state, false).await.unwrap();
+            assert_eq!(started, expected, "a state saved with {store}");
+            let status = target.qmp.execute("query-status", None).await.unwrap();
+            assert_eq!(status["status"], "running", "{status}");
+            assert_eq!(target.qmp.execute("query-fdsets", None).await.unwrap(), json!([]), "the state's descriptor set is given back");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_load_into_a_qemu_that_reports_no_migration_events_still_ends_running() {
+        let Some(source) = BareQemu::start(&[]).await else { return };
+        source.qmp.execute("stop", None).await.unwrap();
+        let state = source.dir().join("state");
+        save(&source.qmp, &state, false).await.unwrap();
+        // Neither `store-global-state=off` on the source nor events on the target.
+        let Some(target) = BareQemu::start(&["-incoming", "defer"]).await else { return };
+        assert_eq!(load(&target.qmp, &state, false).await.unwrap(), Started::ByCont);
+        assert_eq!(target.qmp.execute("query-status", None).await.unwrap()["status"], "running");
+    }
+
+    #[tokio::test]
+    async fn a_state_that_does_not_load_is_refused_with_qemus_reason() {
+        let Some(target) = BareQemu::start(&["-incoming", "defer", "-global", "migration.x-events=on"]).await else { return };
+        let state = target.dir().join("state");
+        std::fs::write(&state, b"not a QEMU state stream").unwrap();
+        let err = load(&target.qmp, &state, true).await.unwrap_err();
+        assert!(matches!(&err, MigrateError::Failed(why) if why.contains("load of migration failed")), "{err}");
+        let status = target.qmp.execute("query-status", None).await.unwrap();
+        assert_ne!(status["running"], true, "{status}");
+    }
 }

@@ -883,7 +883,7 @@ async fn attach_deferred_disk(dir: &Path, layers: &[Layer], exit_rx: &watch::Rec
             return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
         }
     };
-    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, layers).await?;
+    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, layers, None).await?;
     Ok(qmp)
 }
 
@@ -937,12 +937,12 @@ async fn restore_into(
                 false
             }
         };
-        migrate::load(&qmp, state, ignore_shared)
+        let run = migrate::load(&qmp, state, ignore_shared)
             .await
             .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;
         let loaded = started.elapsed();
         let agent = AgentClient::connect_restored(&launch::agent_socket(dir), timeout).await?;
-        tracing::debug!(?qmp_ready, ?loaded, agent = ?started.elapsed(), "restore phases");
+        tracing::debug!(?qmp_ready, ?loaded, ?run, agent = ?started.elapsed(), "restore phases");
         Ok::<_, VmError>((qmp, agent))
     };
     let mut exit_watch = exit_rx.clone();

@@ -233,7 +233,7 @@ impl VmRuntime {
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
-            attach_disk(&qmp, STANDBY_DISK_NODE, &self.disk_chain(&disk, &record)?).await?;
+            attach_disk(&qmp, STANDBY_DISK_NODE, &self.disk_chain(&disk, &record)?, None).await?;
             Ok::<_, VmError>(Some((exited, qmp)))
         }
         .await;
@@ -285,27 +285,32 @@ impl VmRuntime {
 /// standby's, or one started with a deferred disk): `layer` opened as
 /// `node` and made the file of the `raw` node `root` the guest's virtio-blk
 /// device uses, in place of the node there before. The launch's placeholder
-/// goes away with that; a node added here stays until it is deleted
-/// ([`swap_disk`]).
+/// goes away with that; a node added here stays until a later call names it
+/// `replaced`, to be deleted once the guest's device no longer uses it.
 ///
 /// The host opens every layer of the chain (`VmRuntime::disk_chain`, the
 /// top one writable) and hands QEMU the descriptors, each backing spelled
-/// out: QEMU opens no layer by name (ADR 14).
-pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer]) -> Result<(), VmError> {
+/// out: QEMU opens no layer by name (ADR 14). Each `add-fd` is a round trip
+/// (it carries its descriptor); all the rest is one.
+pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer], replaced: Option<&str>) -> Result<(), VmError> {
     let files = super::launch::open_chain(layers).map_err(io_err("opening the disk chain"))?;
     let mut held = Vec::new();
     for file in &files {
         held.push(qmp.add_fd(std::os::fd::AsFd::as_fd(file)).await?);
     }
     let named: Vec<(String, crate::qcow2::Format)> = held.iter().zip(layers).map(|(set, layer)| (set.path(), layer.format)).collect();
-    let added = qmp.execute("blockdev-add", Some(super::launch::chain_blockdev(node, &named))).await;
+    let mut commands = vec![("blockdev-add", Some(super::launch::chain_blockdev(node, &named)))];
     // QEMU keeps the files it opened from the sets.
-    for set in held {
-        qmp.remove_fdset(set.fdset_id).await?;
+    commands.extend(held.iter().map(|set| ("remove-fd", Some(json!({ "fdset-id": set.fdset_id })))));
+    commands.push(("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "file": node }] }))));
+    if let Some(replaced) = replaced {
+        commands.push(("blockdev-del", Some(json!({ "node-name": replaced }))));
     }
-    added?;
-    qmp.execute("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "file": node }] })))
-        .await?;
+    // The first error is the one that says what went wrong: after a failed
+    // `blockdev-add` the commands that use the node fail too.
+    for reply in qmp.execute_batch(&commands, None).await? {
+        reply?;
+    }
     Ok(())
 }
 
@@ -319,8 +324,7 @@ impl VmRuntime {
         let next = standby.dir.join("disk.qcow2.taken");
         std::fs::copy(layer, &next).map_err(io_err("creating the disk layer"))?;
         make_writable(&next)?;
-        attach_disk(&standby.qmp, TAKEN_DISK_NODE, &self.disk_chain(&next, record)?).await?;
-        standby.qmp.execute("blockdev-del", Some(json!({ "node-name": STANDBY_DISK_NODE }))).await?;
+        attach_disk(&standby.qmp, TAKEN_DISK_NODE, &self.disk_chain(&next, record)?, Some(STANDBY_DISK_NODE)).await?;
         std::fs::rename(&next, &disk).map_err(io_err("putting the disk layer in place"))
     }
 }

@@ -163,7 +163,7 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
     let mut h = Sha256::new();
     let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
-        "template/3",
+        "template/4",
         &root_mount,
         &image.id,
         &memory_mb.to_string(),
