@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
-use crate::qmp::{HeldFd, Qmp, QmpError};
+use crate::qmp::{Qmp, QmpError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
@@ -64,25 +64,28 @@ pub async fn wait_completed(qmp: &Qmp, timeout: Duration) -> Result<(), MigrateE
 }
 
 /// Stops the vCPUs and writes the device state (and RAM, unless it lives in a
-/// shared file and `ignore_shared` is set) to `file`.
+/// shared file and `ignore_shared` is set) to `file`, which the host opens
+/// and hands QEMU.
 pub async fn save(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<(), MigrateError> {
     qmp.execute("stop", None).await?;
     set_capabilities(qmp, ignore_shared, false).await?;
-    migrate_file(qmp, "migrate", file, Access::Write).await
-}
-
-/// Runs `command` (`migrate` or `migrate-incoming`) on `file`, which the
-/// host opens with `access` and hands QEMU, until the migration completes.
-async fn migrate_file(qmp: &Qmp, command: &str, file: &Path, access: Access) -> Result<(), MigrateError> {
-    let opened = open_for_qemu(file, access)?;
+    let opened = open_for_qemu(file, Access::Write)?;
     let held = qmp.add_fd(opened.as_fd()).await?;
     let migrated = async {
-        qmp.execute(command, Some(json!({ "uri": format!("file:{}", held.path()) }))).await?;
-        wait_completed(qmp, Duration::from_secs(300)).await
+        qmp.execute("migrate", Some(json!({ "uri": format!("file:{}", held.path()) }))).await?;
+        wait_completed(qmp, MIGRATION_TIMEOUT).await
     }
     .await;
-    give_back(qmp, held, migrated).await
+    // QEMU's copy of the descriptor goes; the file it opened from it stays
+    // open until QEMU is done with it.
+    let removed = qmp.remove_fdset(held.fdset_id).await;
+    migrated?;
+    Ok(removed?)
 }
+
+/// How long a migration to or from a file may take (an older hibernation
+/// holds all of the guest's RAM).
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Debug, Clone, Copy)]
 enum Access {
@@ -101,15 +104,6 @@ fn open_for_qemu(path: &Path, access: Access) -> Result<std::fs::File, MigrateEr
         Access::Write => options.write(true).create(true).truncate(true).mode(0o600),
     };
     options.open(path).map_err(|source| MigrateError::Open { path: path.display().to_string(), source })
-}
-
-/// Gives up QEMU's copy of `held` (the file it opened from it stays open
-/// until QEMU is done with it), then returns `outcome`.
-async fn give_back<T>(qmp: &Qmp, held: HeldFd, outcome: Result<T, MigrateError>) -> Result<T, MigrateError> {
-    let removed = qmp.remove_fdset(held.fdset_id).await;
-    let value = outcome?;
-    removed?;
-    Ok(value)
 }
 
 /// Writes the device state of a stopped VM, without any RAM, to `file` as
@@ -182,10 +176,6 @@ pub enum Started {
     ByCont,
 }
 
-/// How long loading a state file may take (an older hibernation holds all of
-/// the guest's RAM).
-const LOAD_TIMEOUT: Duration = Duration::from_secs(300);
-
 /// Descriptor sets of ids we choose, for a file handed to QEMU in the same
 /// write as the command that opens it (`/dev/fdset/ID`): above the sets
 /// `launch` hands at start (`qcow2::MAX_CHAIN` layers at most) and those
@@ -220,9 +210,9 @@ pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<Started
     for reply in qmp.execute_batch(&commands, Some(opened.as_fd())).await? {
         reply?;
     }
-    match tokio::time::timeout(LOAD_TIMEOUT, until_started(qmp, &mut events)).await {
+    match tokio::time::timeout(MIGRATION_TIMEOUT, until_started(qmp, &mut events)).await {
         Ok(started) => started,
-        Err(_) => Err(MigrateError::Timeout(LOAD_TIMEOUT)),
+        Err(_) => Err(MigrateError::Timeout(MIGRATION_TIMEOUT)),
     }
 }
 
@@ -252,7 +242,7 @@ async fn until_started(qmp: &Qmp, events: &mut broadcast::Receiver<Value>) -> Re
 
 /// Where the load stands, asked (events missed, or none coming).
 async fn started_by_now(qmp: &Qmp) -> Result<Started, MigrateError> {
-    wait_completed(qmp, LOAD_TIMEOUT).await?;
+    wait_completed(qmp, MIGRATION_TIMEOUT).await?;
     let status = qmp.execute("query-status", None).await?;
     if status.get("running").and_then(Value::as_bool) == Some(true) {
         return Ok(Started::ByQemu);
