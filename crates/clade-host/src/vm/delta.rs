@@ -152,19 +152,13 @@ impl CaptureBuffer {
     /// Room for what the guest of QEMU process `pid` has written so far
     /// plus an eighth.
     pub fn sized_for(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
-        let mut buffer = Self::unfaulted(pid, blocks, template)?;
+        let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
+        let mut memory = CaptureMemory::with_room(blocks, pages)?;
         // Written, not just mapped: every page is faulted in now.
-        for page in buffer.0.pages_mut().chunks_exact_mut(PAGE) {
+        for page in memory.pages_mut().chunks_exact_mut(PAGE) {
             page[0] = 0;
         }
-        Ok(buffer)
-    }
-
-    /// The same room, its pages not faulted in: for a capture read while
-    /// the guest runs ([`Capture::read_running`]), whose copy faults them in.
-    pub fn unfaulted(pid: u32, blocks: &[RamBlock], template: &TemplateBlock) -> Result<Self, DeltaError> {
-        let pages = Capture::pages_to_read(pid, blocks, template)?.iter().map(Vec::len).sum::<usize>();
-        Ok(Self(CaptureMemory::with_room(blocks, pages)?))
+        Ok(Self(memory))
     }
 }
 
@@ -198,15 +192,12 @@ impl Capture {
     /// template block's pages before they are read: [`Precopy::finish`]
     /// then reads again only what the guest writes meanwhile. The
     /// template's block goes first in the buffer, so that the pages its
-    /// guest writes for the first time meanwhile can follow its pages.
-    pub fn read_running(
-        pid: u32,
-        blocks: &[RamBlock],
-        template: &TemplateBlock,
-        buffer: CaptureBuffer,
-        tracker: &WriteTracker,
-    ) -> Result<Precopy, DeltaError> {
+    /// guest writes for the first time meanwhile can follow its pages. Its
+    /// memory is not faulted in: the pages are written into its memory file
+    /// rather than through the mapping, which costs less.
+    pub fn read_running(pid: u32, blocks: &[RamBlock], template: &TemplateBlock, tracker: &WriteTracker) -> Result<Precopy, DeltaError> {
         let to_read = Self::pages_to_read(pid, blocks, template)?;
+        let buffer = CaptureBuffer(CaptureMemory::with_room(blocks, to_read.iter().map(Vec::len).sum())?);
         let t = blocks.iter().position(|b| b.name == template.name).expect("pages_to_read found the template's block");
         if let Err(e) = tracker.protect(&to_read[t]) {
             tracing::debug!("no write tracking, the VM's memory is read while it is stopped: {e}");
@@ -238,7 +229,7 @@ impl Capture {
         for i in template_first {
             let (block, indices) = (&blocks[i], &to_read[i]);
             let range = offset..offset + indices.len() * PAGE;
-            read_pages_in_parallel(pid, block.host_address, indices, &mut memory.pages_mut()[range.clone()])?;
+            read_pages_to_file_in_parallel(pid, block.host_address, indices, &memory.file, (memory.pages_at + range.start) as u64)?;
             offset = range.end;
             captured[i] = Some(BlockPages { name: block.name.clone(), length: block.length, indices: indices.clone(), data: range });
         }
@@ -665,20 +656,80 @@ fn read_pages_to_positions(pid: u32, base: u64, pairs: &[(u32, usize)], into: &m
     Ok(())
 }
 
-/// [`read_pages`] on two threads when there is enough to read: the guest is
-/// stopped meanwhile, so its host cores are free.
-fn read_pages_in_parallel(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
+/// Where a read of the pages `indices` splits between two threads, if
+/// there are enough of them for a second one to pay: a stopped guest leaves
+/// its host cores free, a running one mostly idles.
+fn second_reader_from(indices: &[u32]) -> Option<usize> {
     const PARALLEL_FROM_PAGES: usize = 4096;
-    if indices.len() < PARALLEL_FROM_PAGES {
+    (indices.len() >= PARALLEL_FROM_PAGES).then_some(indices.len() / 2)
+}
+
+/// Both readers' results, the first error first.
+fn both_read(first: Result<(), DeltaError>, second: std::thread::Result<Result<(), DeltaError>>) -> Result<(), DeltaError> {
+    first.and(second.unwrap_or_else(|_| Err(DeltaError::Blocks("a memory reader panicked".into()))))
+}
+
+/// [`read_pages`], on two threads when there is enough to read.
+fn read_pages_in_parallel(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
+    let Some(half) = second_reader_from(indices) else {
         return read_pages(pid, base, indices, into);
-    }
-    let half = indices.len() / 2;
+    };
     let (first_into, second_into) = into.split_at_mut(half * PAGE);
     std::thread::scope(|scope| {
         let second = scope.spawn(|| read_pages(pid, base, &indices[half..], second_into));
-        let first = read_pages(pid, base, &indices[..half], first_into);
-        first.and(second.join().unwrap_or_else(|_| Err(DeltaError::Blocks("a memory reader panicked".into()))))
+        both_read(read_pages(pid, base, &indices[..half], first_into), second.join())
     })
+}
+
+/// [`read_pages_to_file`], on two threads when there is enough to read.
+fn read_pages_to_file_in_parallel(pid: u32, base: u64, indices: &[u32], file: &std::fs::File, at: u64) -> Result<(), DeltaError> {
+    let Some(half) = second_reader_from(indices) else {
+        return read_pages_to_file(pid, base, indices, file, at);
+    };
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| read_pages_to_file(pid, base, &indices[half..], file, at + (half * PAGE) as u64));
+        both_read(read_pages_to_file(pid, base, &indices[..half], file, at), second.join())
+    })
+}
+
+/// Reads the pages `indices` of the block at `base` into `file` from offset
+/// `at` on, one after another, through a small buffer: writing a memory
+/// file allocates its pages without zeroing them or mapping them here,
+/// which costs less than faulting them in through a mapping.
+fn read_pages_to_file(pid: u32, base: u64, indices: &[u32], file: &std::fs::File, at: u64) -> Result<(), DeltaError> {
+    const BOUNCE: usize = 1 << 20;
+    // Every run is at least a page: a full buffer is within one call's iovecs.
+    const _: () = assert!(BOUNCE / PAGE <= MAX_IOVECS);
+    let what = "reading guest memory out of QEMU";
+    let mut bounce = vec![0u8; BOUNCE];
+    let mut remote: Vec<RemoteIoVec> = Vec::new();
+    let (mut filled, mut written) = (0usize, at);
+    let mut flush = |remote: &mut Vec<RemoteIoVec>, filled: &mut usize| -> Result<(), DeltaError> {
+        if *filled == 0 {
+            return Ok(());
+        }
+        let moved = process_vm_readv(Pid::from_raw(pid as i32), &mut [IoSliceMut::new(&mut bounce[..*filled])], remote)
+            .map_err(|e| io_err(what)(e.into()))?;
+        if moved != *filled {
+            return Err(io_err(what)(std::io::Error::other(format!("{moved} of {filled} bytes"))));
+        }
+        file.write_all_at(&bounce[..*filled], written).map_err(io_err("writing a memory file"))?;
+        written += *filled as u64;
+        (*filled, *remote) = (0, Vec::new());
+        Ok(())
+    };
+    for run in runs(base, indices) {
+        let (mut from, mut left) = (run.base, run.len);
+        while left > 0 {
+            if filled == BOUNCE {
+                flush(&mut remote, &mut filled)?;
+            }
+            let len = left.min(BOUNCE - filled);
+            remote.push(RemoteIoVec { base: from, len });
+            (filled, from, left) = (filled + len, from + len, left - len);
+        }
+    }
+    flush(&mut remote, &mut filled)
 }
 
 fn read_pages(pid: u32, base: u64, indices: &[u32], into: &mut [u8]) -> Result<(), DeltaError> {
@@ -1084,12 +1135,16 @@ mod tests {
         for page in 100..5100 {
             source[page * PAGE + 7] = 0x55;
         }
+        // Runs of one page, which the first read's buffer splits anywhere.
+        for page in (5200..5800).step_by(3) {
+            source[page * PAGE + 8] = 0x44;
+        }
         let precopy = first_read(source);
         source[200 * PAGE + 9] = 0x77; // written again
         source[6000 * PAGE..6003 * PAGE].fill(0x66); // written for the first time
         // The tracker reports page 200, and pages it never protected (here 7000, unwritten).
         let capture = precopy.finish(pid, &block(source), &template, Some(&[200, 7000])).unwrap();
-        let expected: Vec<u32> = (100..5100).chain(6000..6003).collect();
+        let expected: Vec<u32> = (100..5100).chain((5200..5800).step_by(3)).chain(6000..6003).collect();
         assert_eq!(capture.blocks[0].indices, expected, "the new pages follow the first read's");
         let saved = dir.path().join("memory");
         capture.save(&saved).unwrap();

@@ -1183,7 +1183,8 @@ impl Vm {
                 // Made from an older snapshot whose RAM file it maps: all of it in the state.
                 return migrate::save(&self.inner.qmp, &tmp, false).await.map_err(VmError::from);
             };
-            let (_, capture) = self.stop_and_capture(&tmp, prep?).await?;
+            // The tracking ends with the process.
+            let (_, capture, _tracking) = self.stop_and_capture(&tmp, prep?).await?;
             let file = memory.clone();
             memory_task(move || capture.save(&file)).await
         };
@@ -1221,10 +1222,10 @@ impl Vm {
     }
 
     /// Gets ready to capture what the guest wrote (see `delta`) while it
-    /// still runs: its RAM blocks, a buffer faulted in for the pages, and,
-    /// where the kernel can track writes (`write_tracker`), a first read of
-    /// the pages, so that the pause reads again only those written since.
-    /// Callers overlap it with the agent's quiesce.
+    /// still runs: its RAM blocks and, where the kernel can track writes
+    /// (`write_tracker`), a first read of the pages, so that the pause reads
+    /// again only those written since; elsewhere a buffer faulted in for
+    /// them. Callers overlap it with the agent's quiesce.
     async fn prepare_capture(&self) -> Result<CapturePrep, VmError> {
         let blocks = delta::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
@@ -1237,8 +1238,7 @@ impl Vm {
             match tracked {
                 Some(Ok(tracker)) => {
                     let tracking = started.elapsed();
-                    let buffer = delta::CaptureBuffer::unfaulted(pid, &b, &t)?;
-                    let precopy = delta::Capture::read_running(pid, &b, &t, buffer, &tracker)?;
+                    let precopy = delta::Capture::read_running(pid, &b, &t, &tracker)?;
                     tracing::debug!(vm = %id, ?tracking, read = ?started.elapsed(), "read the VM's memory while it runs");
                     Ok(CaptureStart::Precopy(tracker, precopy))
                 }
@@ -1257,27 +1257,32 @@ impl Vm {
     /// Stops the vCPUs, reads what the guest wrote since its restore (all
     /// of it, or what it wrote since the first read) and writes the device
     /// state to `state`. The VM stays stopped; returns when it stopped,
-    /// with the capture.
-    async fn stop_and_capture(&self, state: &Path, prep: CapturePrep) -> Result<(std::time::Instant, delta::Capture), VmError> {
+    /// with the capture and the write tracking it leaves to end.
+    async fn stop_and_capture(
+        &self,
+        state: &Path,
+        prep: CapturePrep,
+    ) -> Result<(std::time::Instant, delta::Capture, TrackingLeft), VmError> {
         let CapturePrep { blocks, template, start } = prep;
         let pid = self.inner.vmm.pid;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
         let id = self.id();
-        let capture = memory_task(move || match start {
-            CaptureStart::Stopped(buffer) => delta::Capture::read(pid, &blocks, &template, buffer),
+        let (capture, tracking) = memory_task(move || match start {
+            CaptureStart::Stopped(buffer) => Ok((delta::Capture::read(pid, &blocks, &template, buffer)?, TrackingLeft(None))),
             CaptureStart::Precopy(tracker, precopy) => {
                 let written = tracker.written().map_err(|e| {
                     tracing::warn!(vm = %id, "write tracking failed, the VM's memory is read again: {}", e);
                 });
-                precopy.finish(pid, &blocks, &template, written.as_deref().ok())
+                let capture = precopy.finish(pid, &blocks, &template, written.as_deref().ok())?;
+                Ok((capture, TrackingLeft(Some(tracker))))
             }
         })
         .await?;
         let read = stopped_at.elapsed();
         migrate::save_devices(&self.inner.qmp, state, launch::MACHINE).await?;
         tracing::debug!(?read, devices = ?stopped_at.elapsed(), bytes = capture.bytes(), "captured a stopped VM");
-        Ok((stopped_at, capture))
+        Ok((stopped_at, capture, tracking))
     }
 
     async fn end_process(&self) {
@@ -1315,6 +1320,20 @@ impl Drop for Inner {
         let lifetime = self.record.lock().expect("record lock").lifetime;
         if lifetime == Lifetime::Ephemeral && !matches!(state, State::Stopped | State::Failed) {
             record::stop_leftover(&self.dir);
+        }
+    }
+}
+
+/// The write tracking a capture read with, still registered on the VM's
+/// RAM. Ending it walks every page it protected (6 ms for a guest that
+/// wrote 200 MiB, here), so a VM that runs on ends it once it runs again
+/// rather than inside its pause.
+struct TrackingLeft(Option<write_tracker::WriteTracker>);
+
+impl TrackingLeft {
+    fn end_in_background(self) {
+        if let Some(tracker) = self.0 {
+            tokio::task::spawn_blocking(move || drop(tracker));
         }
     }
 }

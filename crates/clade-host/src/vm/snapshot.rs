@@ -385,12 +385,13 @@ impl Vm {
     async fn save_stopped(&self, dir: &Path) -> Result<(Duration, delta::Capture), VmError> {
         let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture());
         quiesced?;
-        let (stopped_at, capture) = self.stop_and_capture(&dir.join("state"), prep?).await?;
+        let (stopped_at, capture, tracking) = self.stop_and_capture(&dir.join("state"), prep?).await?;
         let captured = stopped_at.elapsed();
         // Stopped and flushed: the disk layer matches the memory now.
         copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
         self.inner.qmp.execute("cont", None).await?;
         let paused = stopped_at.elapsed();
+        tracking.end_in_background();
         tracing::debug!(?captured, ?paused, bytes = capture.bytes(), "snapshot taken");
         Ok((paused, capture))
     }
