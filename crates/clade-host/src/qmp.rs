@@ -71,9 +71,9 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub struct Qmp {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
-    /// Held across a whole `add-fd`: QEMU keeps only the last descriptor it
-    /// received and hands it to the next command that takes one, so two
-    /// in flight could swap theirs.
+    /// Held while commands that take descriptors are in flight: QEMU keeps
+    /// only the last descriptor it received and hands it to the next
+    /// command that takes one, so two callers' could swap theirs.
     handing_fd: tokio::sync::Mutex<()>,
     pending: Pending,
     next_id: AtomicU64,
@@ -141,20 +141,48 @@ impl Qmp {
         arguments: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
-        self.send(command, arguments, None, timeout).await
+        self.send(command, arguments, timeout).await
     }
 
     /// Hands QEMU a duplicate of `fd` (sent with the command, `SCM_RIGHTS`)
     /// in a new descriptor set. QEMU keeps it until [`Qmp::remove_fdset`];
     /// the copies it opens from the set stay open until it closes them.
     pub async fn add_fd(&self, fd: BorrowedFd<'_>) -> Result<HeldFd, QmpError> {
+        let mut held = self.add_fds(&[fd]).await?;
+        Ok(held.pop().expect("one set per descriptor"))
+    }
+
+    /// [`Qmp::add_fd`] for several descriptors, each in a set of its own, in
+    /// one round trip: every `add-fd` goes in a write of its own carrying
+    /// its descriptor, all of them before the first reply is awaited. QEMU
+    /// reads no further than the end of a command until it has answered it
+    /// (its monitor stops reading while a command runs unless out-of-band
+    /// mode was negotiated, which this client never asks for), so each
+    /// command is handed the descriptor of its own write.
+    pub async fn add_fds(&self, fds: &[BorrowedFd<'_>]) -> Result<Vec<HeldFd>, QmpError> {
         let _one_at_a_time = self.handing_fd.lock().await;
-        let value = self.send("add-fd", None, Some(fd), COMMAND_TIMEOUT).await?;
-        let field = |name: &str| value.get(name).and_then(Value::as_u64);
-        match (field("fdset-id"), field("fd")) {
-            (Some(fdset_id), Some(fd)) => Ok(HeldFd { fdset_id, fd: fd as i32 }),
-            _ => Err(QmpError::Command { command: "add-fd".into(), class: "unexpected reply".into(), desc: value.to_string() }),
+        let mut waiting = Vec::with_capacity(fds.len());
+        for fd in fds {
+            let (id, reply) = self.register();
+            waiting.push((id, reply));
+            if let Err(e) = self.write(request("add-fd", id, None).as_bytes(), Some(*fd)).await {
+                let mut pending = self.pending.lock().expect("qmp pending lock");
+                for (id, _) in &waiting {
+                    pending.remove(id);
+                }
+                return Err(e);
+            }
         }
+        let mut held = Vec::with_capacity(waiting.len());
+        for (id, reply) in waiting {
+            let value = self.reply("add-fd", id, reply, COMMAND_TIMEOUT).await?;
+            let field = |name: &str| value.get(name).and_then(Value::as_u64);
+            match (field("fdset-id"), field("fd")) {
+                (Some(fdset_id), Some(fd)) => held.push(HeldFd { fdset_id, fd: fd as i32 }),
+                _ => return Err(QmpError::Command { command: "add-fd".into(), class: "unexpected reply".into(), desc: value.to_string() }),
+            }
+        }
+        Ok(held)
     }
 
     /// Gives up QEMU's descriptors of set `fdset_id`.
@@ -198,9 +226,9 @@ impl Qmp {
         Ok(replies)
     }
 
-    async fn send(&self, command: &str, arguments: Option<Value>, fd: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<Value, QmpError> {
+    async fn send(&self, command: &str, arguments: Option<Value>, timeout: Duration) -> Result<Value, QmpError> {
         let (id, reply) = self.register();
-        if let Err(e) = self.write(request(command, id, arguments).as_bytes(), fd).await {
+        if let Err(e) = self.write(request(command, id, arguments).as_bytes(), None).await {
             self.pending.lock().expect("qmp pending lock").remove(&id);
             return Err(e);
         }
@@ -317,6 +345,10 @@ impl BareQemu {
     pub(crate) fn dir(&self) -> &Path {
         self.dir.path()
     }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 #[cfg(test)]
@@ -357,6 +389,26 @@ mod tests {
         assert!(replies.next().unwrap().is_ok());
         assert!(replies.next().unwrap().is_err(), "removed twice");
         // The connection goes on as before.
+        assert_eq!(qemu.qmp.execute("query-fdsets", None).await.unwrap(), json!([]));
+    }
+
+    #[tokio::test]
+    async fn descriptors_handed_in_one_round_trip_each_reach_a_set_of_their_own() {
+        let Some(qemu) = BareQemu::start(&[]).await else { return };
+        let paths: Vec<std::path::PathBuf> = (0..4).map(|i| qemu.dir().join(format!("layer-{i}"))).collect();
+        let files: Vec<std::fs::File> = paths.iter().map(|p| std::fs::File::create(p).unwrap()).collect();
+        let fds: Vec<BorrowedFd> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
+        let held = qemu.qmp.add_fds(&fds).await.unwrap();
+        assert_eq!(held.len(), 4);
+        for (set, path) in held.iter().zip(&paths) {
+            let opened = std::fs::read_link(format!("/proc/{}/fd/{}", qemu.pid(), set.fd)).unwrap();
+            assert_eq!(&opened, path, "set {} holds the descriptor sent with its command", set.fdset_id);
+        }
+        let sets = qemu.qmp.execute("query-fdsets", None).await.unwrap();
+        assert_eq!(sets.as_array().map(Vec::len), Some(4), "{sets}");
+        for set in held {
+            qemu.qmp.remove_fdset(set.fdset_id).await.unwrap();
+        }
         assert_eq!(qemu.qmp.execute("query-fdsets", None).await.unwrap(), json!([]));
     }
 }

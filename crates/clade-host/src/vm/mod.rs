@@ -477,7 +477,7 @@ impl VmRuntime {
             // Everything before the state loads is the host's own work.
             let prepared = create_started.elapsed();
             let started = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), RestoredMemory::Shared, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, self.boot_timeout()).await?;
             let restored = started.elapsed();
             run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?prepared, ?restored, total = ?create_started.elapsed(), "restore timings");
@@ -614,8 +614,8 @@ impl VmRuntime {
             false => RestoredMemory::InState,
         };
         let woken = async {
-            let qmp = attach_deferred_disk(&dir, &layers, &exit_rx, self.boot_timeout()).await?;
-            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, memory, self.boot_timeout()).await?;
+            let (qmp, ignore_shared) = attach_deferred_disk(&dir, &layers, memory, &exit_rx, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -870,11 +870,35 @@ enum RestoredMemory {
     Delta { file: PathBuf, vmm: ProcessId },
 }
 
-/// Connects to a QEMU started with a deferred disk (`Disk::Deferred`) and
-/// attaches the VM's disk chain (`VmRuntime::disk_chain` of its layer,
-/// `dir/disk.qcow2`) before its state loads, every layer a descriptor
-/// (ADR 14).
-async fn attach_deferred_disk(dir: &Path, layers: &[Layer], exit_rx: &watch::Receiver<Option<String>>, timeout: Duration) -> Result<Qmp, VmError> {
+/// Puts a restored VM's memory in place before its device state loads
+/// (loading virtio queues reads guest memory); returns whether the load
+/// leaves the shared RAM file out (`x-ignore-shared`). Callers overlap it
+/// with their disk attach: the two are independent.
+async fn place_memory(qmp: &Qmp, memory: RestoredMemory) -> Result<bool, VmError> {
+    match memory {
+        RestoredMemory::InState => Ok(false),
+        RestoredMemory::Shared => Ok(true),
+        RestoredMemory::Delta { file, vmm } => {
+            let blocks = delta::ram_blocks(qmp).await?;
+            let applied = apply_delta(qmp, file, vmm, blocks).await?;
+            tracing::debug!(mapped = applied.mapped, written = applied.written, "memory delta applied");
+            Ok(false)
+        }
+    }
+}
+
+/// Connects to a QEMU started with a deferred disk (`Disk::Deferred`) and,
+/// while `memory` is put in place, attaches the VM's disk chain
+/// (`VmRuntime::disk_chain` of its layer, `dir/disk.qcow2`), every layer a
+/// descriptor (ADR 14). Returns the connection and whether the load leaves
+/// the shared RAM file out.
+async fn attach_deferred_disk(
+    dir: &Path,
+    layers: &[Layer],
+    memory: RestoredMemory,
+    exit_rx: &watch::Receiver<Option<String>>,
+    timeout: Duration,
+) -> Result<(Qmp, bool), VmError> {
     let mut exit_watch = exit_rx.clone();
     let socket = launch::qmp_socket(dir);
     let qmp = tokio::select! {
@@ -883,8 +907,10 @@ async fn attach_deferred_disk(dir: &Path, layers: &[Layer], exit_rx: &watch::Rec
             return Err(exited_during_boot(dir, status.ok().and_then(|s| s.clone())));
         }
     };
-    standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, layers, None).await?;
-    Ok(qmp)
+    let (attached, placed) = tokio::join!(standby::attach_disk(&qmp, standby::STANDBY_DISK_NODE, layers, None), place_memory(&qmp, memory));
+    attached?;
+    let ignore_shared = placed?;
+    Ok((qmp, ignore_shared))
 }
 
 /// Puts a saved delta into QEMU process `vmm`, handing QEMU the file's
@@ -909,14 +935,14 @@ async fn apply_delta(qmp: &Qmp, file: PathBuf, vmm: ProcessId, blocks: Vec<delta
     applied
 }
 
-/// Loads saved state into a QEMU started with `-incoming defer`, runs it, and
-/// connects the agent.
+/// Loads saved state into a QEMU started with `-incoming defer` (its memory
+/// in place, `place_memory`), runs it, and connects the agent.
 async fn restore_into(
     dir: &Path,
     exit_rx: &watch::Receiver<Option<String>>,
     qmp: Option<Qmp>,
     state: &Path,
-    memory: RestoredMemory,
+    ignore_shared: bool,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
@@ -926,17 +952,6 @@ async fn restore_into(
             None => connect_qmp(&launch::qmp_socket(dir), timeout).await?,
         };
         let qmp_ready = started.elapsed();
-        let ignore_shared = match memory {
-            RestoredMemory::InState => false,
-            RestoredMemory::Shared => true,
-            RestoredMemory::Delta { file, vmm } => {
-                // Before the device state: loading virtio queues reads guest memory.
-                let blocks = delta::ram_blocks(&qmp).await?;
-                let applied = apply_delta(&qmp, file, vmm, blocks).await?;
-                tracing::debug!(mapped = applied.mapped, written = applied.written, "memory delta applied");
-                false
-            }
-        };
         let run = migrate::load(&qmp, state, ignore_shared)
             .await
             .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;

@@ -47,7 +47,7 @@ use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
     delta,
-    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, State, Vm, VmError, VmRuntime, VmSpec,
+    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, ProcessId, State, Vm, VmError, VmRuntime, VmSpec,
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
@@ -211,12 +211,24 @@ impl VmRuntime {
         }
         let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template).await?;
         record.backing_snapshot = Some(snapshot_id.to_string());
+        let restored_memory = |vmm: ProcessId| match (snap.memory_delta, snap.own_memory) {
+            (true, _) => RestoredMemory::Delta { file: memory.map_or_else(|| snap_dir.join(MEMORY), Path::to_path_buf), vmm },
+            (false, true) => RestoredMemory::Shared,
+            (false, false) => RestoredMemory::InState,
+        };
         let created = async {
             let preparing = std::time::Instant::now();
-            let (exit_rx, qmp) = match standby {
+            let (exit_rx, qmp, ignore_shared) = match standby {
                 Some(s) => {
-                    self.claim_standby(&s, &mut record, &spec, super::standby::TakenDisk::Layer(&child_layer)).await?;
-                    (s.exited, Some(s.qmp))
+                    let vmm = record.vmm.ok_or_else(|| VmError::Config("a standby without a VMM process".into()))?;
+                    // The disk and the memory are independent: put in place together.
+                    let (claimed, placed) = tokio::join!(
+                        self.claim_standby(&s, &mut record, &spec, super::standby::TakenDisk::Layer(&child_layer)),
+                        super::place_memory(&s.qmp, restored_memory(vmm))
+                    );
+                    claimed?;
+                    let ignore_shared = placed?;
+                    (s.exited, Some(s.qmp), ignore_shared)
                 }
                 None => {
                     record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -241,21 +253,16 @@ impl VmRuntime {
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
                     record.save(&dir).map_err(io_err("writing the VM record"))?;
-                    let qmp = super::attach_deferred_disk(&dir, &layers, &exit_rx, self.boot_timeout()).await?;
-                    (exit_rx, Some(qmp))
+                    let (qmp, ignore_shared) =
+                        super::attach_deferred_disk(&dir, &layers, restored_memory(vmm), &exit_rx, self.boot_timeout()).await?;
+                    (exit_rx, Some(qmp), ignore_shared)
                 }
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let vmm = record.vmm.ok_or_else(|| VmError::Config("a VM without a VMM process".into()))?;
             let prepared = preparing.elapsed();
-            let memory = match (snap.memory_delta, snap.own_memory) {
-                (true, _) => RestoredMemory::Delta { file: memory.map_or_else(|| snap_dir.join(MEMORY), Path::to_path_buf), vmm },
-                (false, true) => RestoredMemory::Shared,
-                (false, false) => RestoredMemory::InState,
-            };
             let state = snap_dir.join("state");
             let restoring = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, memory, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, ignore_shared, self.boot_timeout()).await?;
             let restored = restoring.elapsed();
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, prepared = ?prepared, ?restored, total = ?restoring.elapsed(), "restore timings");

@@ -290,14 +290,11 @@ impl VmRuntime {
 ///
 /// The host opens every layer of the chain (`VmRuntime::disk_chain`, the
 /// top one writable) and hands QEMU the descriptors, each backing spelled
-/// out: QEMU opens no layer by name (ADR 14). Each `add-fd` is a round trip
-/// (it carries its descriptor); all the rest is one.
+/// out: QEMU opens no layer by name (ADR 14). The descriptors go over in
+/// one round trip (`Qmp::add_fds`), all the rest in one more.
 pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer], replaced: Option<&str>) -> Result<(), VmError> {
     let files = super::launch::open_chain(layers).map_err(io_err("opening the disk chain"))?;
-    let mut held = Vec::new();
-    for file in &files {
-        held.push(qmp.add_fd(std::os::fd::AsFd::as_fd(file)).await?);
-    }
+    let held = qmp.add_fds(&files.iter().map(std::os::fd::AsFd::as_fd).collect::<Vec<_>>()).await?;
     let named: Vec<(String, crate::qcow2::Format)> = held.iter().zip(layers).map(|(set, layer)| (set.path(), layer.format)).collect();
     let mut commands = vec![("blockdev-add", Some(super::launch::chain_blockdev(node, &named)))];
     // QEMU keeps the files it opened from the sets.
