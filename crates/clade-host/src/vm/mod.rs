@@ -13,6 +13,7 @@ mod admission;
 mod delta;
 mod launch;
 mod migrate;
+mod pagemap;
 mod process;
 mod remote_map;
 mod record;

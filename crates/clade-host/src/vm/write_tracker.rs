@@ -23,6 +23,7 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 
+use super::pagemap;
 use super::remote_map::{self, RemoteMapError};
 
 const PAGE: u64 = 4096;
@@ -43,13 +44,12 @@ fn kernel(what: &'static str) -> impl FnOnce(std::io::Error) -> TrackError {
     move |source| TrackError::Kernel { what, source }
 }
 
-// The kernel's interface (linux/userfaultfd.h, linux/fs.h of 6.7): Debian
-// 12's libc headers predate the asynchronous mode and PAGEMAP_SCAN.
+// The kernel's interface (linux/userfaultfd.h of 6.7): Debian 12's libc
+// headers predate the asynchronous mode.
 const UFFD_API: u64 = 0xaa;
 const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
-const PAGE_IS_WRITTEN: u64 = 1 << 1;
 
 #[repr(C)]
 struct UffdioApi {
@@ -77,35 +77,9 @@ struct UffdioWriteprotect {
     mode: u64,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PageRegion {
-    start: u64,
-    end: u64,
-    categories: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
-
 nix::ioctl_readwrite!(uffdio_api, 0xaa, 0x3f, UffdioApi);
 nix::ioctl_readwrite!(uffdio_register, 0xaa, 0x00, UffdioRegister);
 nix::ioctl_readwrite!(uffdio_writeprotect, 0xaa, 0x06, UffdioWriteprotect);
-nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
 
 /// Write tracking of one range of a process's memory, from [`Self::start`]
 /// until it drops.
@@ -164,35 +138,13 @@ impl WriteTracker {
 
     /// The pages of the range written since [`Self::protect`] protected
     /// them, and every page it did not protect, as indices from the
-    /// range's start, ascending.
+    /// range's start, ascending. (Leaving out the file's pages, never
+    /// protected, would cost the scan more than listing them: it would have
+    /// to look at each page it finds in memory.)
     pub fn written(&self) -> Result<Vec<u32>, TrackError> {
-        let mut regions = vec![PageRegion::default(); 512];
-        let mut pages = Vec::new();
-        let end = self.start + self.len;
-        let mut from = self.start;
-        while from < end {
-            let mut scan = PmScanArg {
-                size: std::mem::size_of::<PmScanArg>() as u64,
-                start: from,
-                end,
-                vec: regions.as_mut_ptr() as u64,
-                vec_len: regions.len() as u64,
-                category_mask: PAGE_IS_WRITTEN,
-                return_mask: PAGE_IS_WRITTEN,
-                ..Default::default()
-            };
-            // SAFETY: `scan` is a live pm_scan_arg whose `vec` points at
-            // `regions`, `vec_len` entries the kernel may fill, for the call.
-            #[allow(unsafe_code)]
-            let found = unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut scan) }
-                .map_err(|e| kernel("scanning QEMU's page map")(e.into()))?;
-            for region in &regions[..found as usize] {
-                pages.extend(((region.start - self.start) / PAGE) as u32..((region.end - self.start) / PAGE) as u32);
-            }
-            // The scan stops where it filled `regions`, or at the end.
-            from = scan.walk_end.max(from + PAGE);
-        }
-        Ok(pages)
+        let written = pagemap::Filter { all: pagemap::PAGE_IS_WRITTEN, ..Default::default() };
+        let runs = pagemap::scan(&self.pagemap, self.start, self.len, written).map_err(kernel("scanning QEMU's page map"))?;
+        Ok(runs.into_iter().flatten().collect())
     }
 }
 
