@@ -166,10 +166,7 @@ impl Qmp {
             let (id, reply) = self.register();
             waiting.push((id, reply));
             if let Err(e) = self.write(request("add-fd", id, None).as_bytes(), Some(*fd)).await {
-                let mut pending = self.pending.lock().expect("qmp pending lock");
-                for (id, _) in &waiting {
-                    pending.remove(id);
-                }
+                self.forget(waiting.iter().map(|(id, _)| *id));
                 return Err(e);
             }
         }
@@ -213,10 +210,7 @@ impl Qmp {
             waiting.push((*command, id, reply));
         }
         if let Err(e) = self.write(&bytes, fd).await {
-            let mut pending = self.pending.lock().expect("qmp pending lock");
-            for (_, id, _) in &waiting {
-                pending.remove(id);
-            }
+            self.forget(waiting.iter().map(|(_, id, _)| *id));
             return Err(e);
         }
         let mut replies = Vec::with_capacity(waiting.len());
@@ -229,7 +223,7 @@ impl Qmp {
     async fn send(&self, command: &str, arguments: Option<Value>, timeout: Duration) -> Result<Value, QmpError> {
         let (id, reply) = self.register();
         if let Err(e) = self.write(request(command, id, arguments).as_bytes(), None).await {
-            self.pending.lock().expect("qmp pending lock").remove(&id);
+            self.forget([id]);
             return Err(e);
         }
         self.reply(command, id, reply, timeout).await
@@ -240,6 +234,14 @@ impl Qmp {
         let (tx, rx) = oneshot::channel();
         self.pending.lock().expect("qmp pending lock").insert(id, tx);
         (id, rx)
+    }
+
+    /// Drops the reply slots of commands that never went out.
+    fn forget(&self, ids: impl IntoIterator<Item = u64>) {
+        let mut pending = self.pending.lock().expect("qmp pending lock");
+        for id in ids {
+            pending.remove(&id);
+        }
     }
 
     async fn write(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<(), QmpError> {

@@ -731,7 +731,8 @@ fn read_pages_to_file(pid: u32, base: u64, indices: &[u32], file: &std::fs::File
         }
         file.write_all_at(&bounce[..*filled], written).map_err(io_err("writing a memory file"))?;
         written += *filled as u64;
-        (*filled, *remote) = (0, Vec::new());
+        *filled = 0;
+        remote.clear();
         Ok(())
     };
     for run in runs(base, indices) {

@@ -1199,8 +1199,8 @@ impl Vm {
                 // Made from an older snapshot whose RAM file it maps: all of it in the state.
                 return migrate::save(&self.inner.qmp, &tmp, false).await.map_err(VmError::from);
             };
-            // The tracking ends with the process.
-            let (_, capture, _tracking) = self.stop_and_capture(&tmp, prep?).await?;
+            let (_, capture, tracking) = self.stop_and_capture(&tmp, prep?).await?;
+            tracking.end_in_background();
             let file = memory.clone();
             memory_task(move || capture.save(&file)).await
         };
@@ -1342,8 +1342,8 @@ impl Drop for Inner {
 
 /// The write tracking a capture read with, still registered on the VM's
 /// RAM. Ending it walks every page it protected (6 ms for a guest that
-/// wrote 200 MiB, here), so a VM that runs on ends it once it runs again
-/// rather than inside its pause.
+/// wrote 200 MiB, here): a VM that runs on ends it once it runs again
+/// rather than inside its pause, and nobody ends it on a runtime worker.
 struct TrackingLeft(Option<write_tracker::WriteTracker>);
 
 impl TrackingLeft {
