@@ -110,6 +110,10 @@ fn hibernate_then_wake_keeps_processes_files_and_fixes_a_day_old_clock() {
 
         let woken = env.runtime.wake(&id, None).await.unwrap();
         assert_eq!(woken.id(), id);
+        match env.runtime.wake(&id, None).await {
+            Err(VmError::WrongState { state: "running", .. }) => {}
+            other => panic!("a wake of a running VM: {:?}", other.map(|vm| vm.id())),
+        }
         let out = woken.run(sh("cat /tmp/n; echo; sleep 1; cat /tmp/n; echo; cat /root/keep.txt; echo; date +%s.%N")).await.unwrap();
         let lines: Vec<&str> = out.stdout_str().leak().lines().collect();
         let (first, second): (u64, u64) = (lines[0].parse().unwrap(), lines[1].parse().unwrap());
@@ -134,10 +138,25 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
         // A paused guest answers nothing; the watchdog must not call that a hang.
         let stalled = tokio::time::timeout(Duration::from_millis(500), vm.agent().ping()).await;
         assert!(!matches!(stalled, Ok(Ok(_))), "a paused guest answered");
+        // What needs a running guest says that it is paused, not that its
+        // session was lost; the VM is unchanged by the refusals.
+        let refused = |result: Result<(), VmError>, what: &str| match result {
+            Err(e @ VmError::WrongState { state: "paused", .. }) => assert!(e.to_string().contains("resume it first"), "{what}: {e}"),
+            other => panic!("{what} of a paused VM: {other:?}"),
+        };
+        refused(vm.run(argv(&["true"])).await.map(drop), "an exec");
+        refused(vm.pause().await, "a pause");
+        refused(vm.fork(&env.runtime, 1, Lifetime::Ephemeral).await.map(drop), "a fork");
+        refused(vm.snapshot(&env.runtime).await.map(drop), "a snapshot");
+        assert!(!env.runtime.snapshots().iter().any(|s| s.source_vm == id), "a refused snapshot left a record");
         tokio::time::sleep(Duration::from_secs(1)).await;
         vm.resume().await.unwrap();
         assert!(vm.failure().is_none());
         vm.agent().ping().await.unwrap();
+        match vm.resume().await {
+            Err(VmError::WrongState { state: "running", .. }) => {}
+            other => panic!("a resume of a running VM: {other:?}"),
+        }
 
         // The manager goes away (its handle is dropped); the VM keeps running.
         let vmm = vm.vmm();
@@ -652,7 +671,7 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         assert_eq!(info["backing-filename"], snap_dir.join("disk.qcow2").display().to_string(), "{info}");
         env.runtime.delete_snapshot(&snapshot).unwrap();
         assert!(env.runtime.snapshots().is_empty());
-        assert!(matches!(env.runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await, Err(VmError::NotFound(_))));
+        assert!(matches!(env.runtime.create_from_snapshot(&snapshot, Lifetime::Ephemeral, None).await, Err(VmError::SnapshotNotFound(_))));
         // Read the data from the disk chain itself, not the page cache.
         let check = "sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum -c /root/data.sum && echo more >> /root/data.sum";
         let out = child.run(sh(check)).await.unwrap();

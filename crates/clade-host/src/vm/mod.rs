@@ -70,10 +70,16 @@ pub enum VmError {
     Agent(#[from] AgentError),
     #[error("no VM {0:?} on this host")]
     NotFound(String),
+    #[error("no snapshot {0:?} on this host")]
+    SnapshotNotFound(String),
     #[error("VM {0} is not running (its QEMU process is gone)")]
     Gone(String),
     #[error("VM {0} is hibernated; wake it first")]
     Hibernated(String),
+    /// The VM is in a state the operation cannot start from (a pause of a
+    /// paused VM, an exec in a paused one, anything while it stops).
+    #[error("VM {id} is {state}; {hint}")]
+    WrongState { id: String, state: &'static str, hint: &'static str },
     #[error("refused: {0}")]
     Admission(#[from] AdmissionError),
     #[error("moving VM state")]
@@ -576,8 +582,14 @@ impl VmRuntime {
     /// Brings a hibernated VM back: same id, disk, processes and memory.
     pub async fn wake(&self, id: &str, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
         let (dir, mut record) = self.load_record(id)?;
-        if record.phase != Phase::Hibernated {
-            return Err(VmError::Config(format!("VM {id} is not hibernated")));
+        let state = match record.phase {
+            Phase::Hibernated => None,
+            Phase::Paused => Some("paused"),
+            Phase::Creating => Some("being created"),
+            Phase::Running | Phase::Standby => Some("running"),
+        };
+        if let Some(state) = state {
+            return Err(VmError::WrongState { id: id.to_string(), state, hint: "it is not hibernated" });
         }
         let _admitted = self.admit(1, record.memory_mb)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
@@ -1093,8 +1105,14 @@ impl Vm {
         }
     }
 
-    /// Turns an agent error into the VM failure behind it, when there is one.
+    /// Turns an agent error into the VM failure or state behind it, when
+    /// there is one.
     pub async fn explain(&self, err: AgentError) -> VmError {
+        let state = *self.inner.state.lock().expect("vm state lock");
+        if state == State::Paused {
+            // A paused guest has no session by design; no failure to wait for.
+            return self.refusal(state);
+        }
         if err.is_session_lost() {
             // The monitor needs a moment to notice QEMU's exit.
             if let Ok(failure) = tokio::time::timeout(Duration::from_secs(3), self.failed()).await {
@@ -1135,10 +1153,23 @@ impl Vm {
     fn transition(&self, from: &[State], to: State) -> Result<(), VmError> {
         let mut state = self.inner.state.lock().expect("vm state lock");
         if !from.contains(&*state) {
-            return Err(VmError::Config(format!("the VM is {:?}", *state).to_lowercase()));
+            return Err(self.refusal(*state));
         }
         *state = to;
         Ok(())
+    }
+
+    /// Why an operation cannot start in `state`, with what to do about it.
+    fn refusal(&self, state: State) -> VmError {
+        let (state, hint) = match state {
+            // Only a resume needs a VM that is not running.
+            State::Running => ("running", "it is not paused"),
+            State::Paused => ("paused", "resume it first"),
+            State::Stopping => ("stopping", "a stop, hibernation or snapshot of it is under way; try again when it ends"),
+            State::Stopped => ("stopped", "it has no QEMU process any more"),
+            State::Failed => ("failed", "remove it"),
+        };
+        VmError::WrongState { id: self.id(), state, hint }
     }
 
     /// Stops the vCPUs; memory and processes stay as they are. The agent

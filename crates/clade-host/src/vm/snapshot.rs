@@ -152,7 +152,7 @@ impl VmRuntime {
         let dir = self.snapshots_dir().join(id);
         match SnapshotRecord::load(&dir) {
             Some(record) if valid && !record.deleted => Ok((dir, record)),
-            _ => Err(VmError::NotFound(id.to_string())),
+            _ => Err(VmError::SnapshotNotFound(id.to_string())),
         }
     }
 

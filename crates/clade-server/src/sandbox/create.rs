@@ -58,7 +58,7 @@ impl SandboxService {
                     .await;
                 match created {
                     Ok(vm) => vm,
-                    Err(VmError::NotFound(_)) => return Err(super::snapshot::snapshot_not_found(snapshot_id)),
+                    Err(VmError::SnapshotNotFound(_)) => return Err(super::snapshot::snapshot_not_found(snapshot_id)),
                     Err(e) => return Err(vm_error("creating the sandbox from the snapshot", e)),
                 }
             }

@@ -383,6 +383,7 @@ pub fn vm_error(what: &str, err: VmError) -> ApiError {
         }
         VmError::Agent(AgentError::Guest(e)) => guest_error(e, None),
         VmError::Hibernated(id) => ApiError::conflict(format!("sandbox {id} is hibernated")),
+        VmError::WrongState { id, state, hint } => ApiError::conflict(format!("sandbox {id} is {state}; {hint}")),
         VmError::Net(NetError::Policy(message)) => ApiError::bad_request(message),
         VmError::Net(e @ NetError::Exhausted(_)) => ApiError::Unavailable { message: e.to_string(), retry_after: Some(5) },
         other => ApiError::internal(format!("{what} failed"), other),

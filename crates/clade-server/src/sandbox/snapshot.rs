@@ -60,7 +60,7 @@ impl SandboxService {
             .await
             .map_err(|e| ApiError::internal("deleting the snapshot failed", e))?;
         match deleted {
-            Ok(()) | Err(VmError::NotFound(_)) => {}
+            Ok(()) | Err(VmError::SnapshotNotFound(_)) => {}
             Err(e) => return Err(vm_error("deleting the snapshot", e)),
         }
         self.store().delete_snapshot(workspace_id, id).await?;
