@@ -203,6 +203,7 @@ pub async fn run(command: VmCommand, config: HostConfig) -> anyhow::Result<ExitC
                 let lifetime = format!("{:?}", record.lifetime).to_lowercase();
                 let state = match (record.phase, running) {
                     (Phase::Hibernated, _) => "hibernated",
+                    (Phase::Waking, _) => "waking",
                     (Phase::Paused, true) => "paused",
                     (Phase::Creating, true) => "creating",
                     (_, true) => "running",

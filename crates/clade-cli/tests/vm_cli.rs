@@ -281,6 +281,47 @@ fn a_create_killed_half_way_is_rolled_back() {
 }
 
 #[test]
+fn a_wake_killed_half_way_leaves_no_qemu_and_the_vm_wakes_again() {
+    let Some(env) = vm_env() else { return };
+    let id = succeed(clade(&env).args(["vm", "create"]));
+    let counter = "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done' >/dev/null 2>&1 &";
+    succeed(clade(&env).args(["vm", "exec", &id, "--", "sh", "-c", &format!("echo kept > /root/f; {counter}")]));
+    succeed(clade(&env).args(["vm", "hibernate", &id]));
+
+    // Killed once its new QEMU is started and recorded: the state is loading.
+    let dir = env.data_dir().join("vms").join(&id);
+    let mut wake = clade(&env).args(["vm", "wake", &id]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let qemu = loop {
+        if let Some(record) = VmRecord::load(&dir).filter(|r| r.phase == Phase::Waking) {
+            if let Some(vmm) = record.vmm {
+                break vmm;
+            }
+        }
+        assert!(Instant::now() < deadline, "no wake in progress seen");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    wake.kill().unwrap();
+    wake.wait().unwrap();
+    assert!(qemu.is_alive(), "a QEMU outlives its waker (not its child by death signal)");
+
+    // A restart: the sweep ends the half-woken QEMU; the VM is hibernated.
+    let (code, ls, stderr) = output(clade(&env).args(["vm", "ls"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(ls.lines().any(|l| l.starts_with(&id) && l.contains("hibernated")), "{ls}");
+    assert!(!qemu.is_alive(), "the half-woken QEMU was ended");
+    let qemus = Command::new("pgrep").args(["-f", &dir.display().to_string()]).output().unwrap();
+    assert!(qemus.stdout.is_empty(), "orphan QEMU: {}", String::from_utf8_lossy(&qemus.stdout));
+
+    succeed(clade(&env).args(["vm", "wake", &id]));
+    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "sh", "-c", "cat /root/f; a=$(cat /root/n); sleep 0.5; b=$(cat /root/n); [ $b -gt $a ] && echo counting"]));
+    assert_eq!((code, stdout.as_str()), (0, "kept\ncounting\n"), "{stderr}");
+    let qemus = Command::new("pgrep").args(["-c", "-f", &dir.display().to_string()]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&qemus.stdout).trim(), "1", "one QEMU: the woken VM's");
+    succeed(clade(&env).args(["vm", "rm", &id]));
+}
+
+#[test]
 fn a_fork_killed_half_way_leaves_the_parent_usable_and_nothing_half_made() {
     let Some(env) = vm_env() else { return };
     let (code, stdout, stderr) = output(clade(&env).args(["vm", "create"]));

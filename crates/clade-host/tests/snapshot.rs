@@ -183,6 +183,7 @@ fn a_vm_whose_manager_died_at_a_snapshot_switchover_is_adopted_and_runs() {
         let vm = env.runtime.create(spec).await.unwrap();
         let id = vm.id();
         vm.run(sh("echo kept > /root/f")).await.unwrap();
+        let dir = vm.dir().to_path_buf();
         let qmp_socket = vm.dir().join("qmp.sock");
         // Handed over as the host hands every file: QEMU opens none by name.
         let state = std::fs::File::create(vm.dir().join("abandoned-state")).unwrap();
@@ -208,9 +209,17 @@ fn a_vm_whose_manager_died_at_a_snapshot_switchover_is_adopted_and_runs() {
         let status = qmp.execute("query-status", None).await.unwrap();
         assert_eq!(status["running"], false, "{status}");
         drop(qmp);
+        // A hibernation killed with the VM stopped leaves its unpublished files.
+        let temporaries = ["hibernated.state.tmp", "hibernated.state.devices", "hibernated.tmp", "hibernated.memory"].map(|f| dir.join(f));
+        for file in &temporaries {
+            std::fs::write(file, b"cut short").unwrap();
+        }
 
         let adopted = env.runtime.adopt(&id, None).await.unwrap();
         assert_eq!(adopted.run(argv(&["cat", "/root/f"])).await.unwrap().stdout_str(), "kept\n");
+        for file in &temporaries {
+            assert!(!file.exists(), "{} left behind", file.display());
+        }
         env.runtime.remove(&id).await.unwrap();
     });
 }

@@ -556,6 +556,12 @@ impl VmRuntime {
         let vmm = match (record.phase, record.vmm) {
             (Phase::Running | Phase::Paused, Some(vmm)) if vmm.is_alive() && vmm.cmdline_mentions(&dir) => vmm,
             (Phase::Hibernated, _) => return Err(VmError::Hibernated(id.to_string())),
+            (Phase::Waking, _) if record.owner.is_alive() => {
+                let (state, hint) = ("being woken", "try again when the wake ends");
+                return Err(VmError::WrongState { id: id.to_string(), state, hint });
+            }
+            // Its waker died: hibernated, as the sweep will record it.
+            (Phase::Waking, _) => return Err(VmError::Hibernated(id.to_string())),
             _ => return Err(VmError::Gone(id.to_string())),
         };
         let exit_rx = watch_foreign_process(vmm);
@@ -570,6 +576,15 @@ impl VmRuntime {
         if record.phase == Phase::Running && status.get("running").and_then(serde_json::Value::as_bool) == Some(false) {
             tracing::info!(vm = %id, "resuming a VM its previous manager left stopped");
             migrate::abandon(&qmp).await?;
+            // What a hibernation cut short there had written. Its memory is
+            // published before its state, so one without the other is
+            // unused too.
+            for file in HIBERNATION_TEMPORARIES {
+                let _ = std::fs::remove_file(dir.join(file));
+            }
+            if !dir.join(HIBERNATED_STATE).exists() {
+                let _ = std::fs::remove_file(dir.join(HIBERNATED_MEMORY));
+            }
         }
         let agent = AgentClient::disconnected(&launch::agent_socket(&dir));
         // A paused guest cannot answer: its session starts at `resume`.
@@ -582,14 +597,25 @@ impl VmRuntime {
     /// Brings a hibernated VM back: same id, disk, processes and memory.
     pub async fn wake(&self, id: &str, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
         let (dir, mut record) = self.load_record(id)?;
-        let state = match record.phase {
+        let refusal = match record.phase {
             Phase::Hibernated => None,
-            Phase::Paused => Some("paused"),
-            Phase::Creating => Some("being created"),
-            Phase::Running | Phase::Standby => Some("running"),
+            Phase::Waking if !record.owner.is_alive() => None,
+            Phase::Waking => Some(("being woken", "try again when the wake ends")),
+            Phase::Paused => Some(("paused", "it is not hibernated")),
+            Phase::Creating => Some(("being created", "it is not hibernated")),
+            Phase::Running | Phase::Standby => Some(("running", "it is not hibernated")),
         };
-        if let Some(state) = state {
-            return Err(VmError::WrongState { id: id.to_string(), state, hint: "it is not hibernated" });
+        if let Some((state, hint)) = refusal {
+            return Err(VmError::WrongState { id: id.to_string(), state, hint });
+        }
+        if record.phase == Phase::Waking || record.vmm.is_some() {
+            // A hibernation or wake cut short left its QEMU (the sweep of a
+            // runtime started since would have ended it).
+            let (leftover_dir, leftover) = (dir.clone(), record.clone());
+            tokio::task::spawn_blocking(move || record::settle_hibernated(&leftover_dir, leftover))
+                .await
+                .map_err(|e| VmError::Config(format!("settling task: {e}")))?;
+            (_, record) = self.load_record(id)?;
         }
         let _admitted = self.admit(1, record.memory_mb)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
@@ -603,6 +629,24 @@ impl VmRuntime {
         // is refused without a QEMU.
         let layers = self.disk_chain(&dir.join("disk.qcow2"), &record)?;
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
+        // A wake that fails keeps the hibernated state: the VM can be woken again.
+        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| {
+            if let Some(vmm) = vmm {
+                vmm.kill();
+            }
+            crate::net::release_for(&dir);
+            record.phase = Phase::Hibernated;
+            record.vmm = None;
+            let _ = record.save(&dir);
+            e
+        };
+        // Recorded before QEMU starts: if this process dies before the wake
+        // ends, the sweep finds the QEMU by the phase and ends it.
+        record.phase = Phase::Waking;
+        record.owner = ProcessId::current();
+        if let Err(e) = record.save(&dir) {
+            return Err(give_up(&mut record, None, io_err("writing the VM record")(e)));
+        }
         // Its layer may stand on snapshot layers: attached after start.
         let spawned = qcow2_virtual_size(&dir.join("disk.qcow2")).and_then(|bytes| {
             let disk = launch::Disk::Deferred { bytes };
@@ -612,14 +656,12 @@ impl VmRuntime {
         });
         let (vmm, exit_rx) = match spawned {
             Ok(spawned) => spawned,
-            Err(e) => {
-                crate::net::release_for(&dir);
-                return Err(e);
-            }
+            Err(e) => return Err(give_up(&mut record, None, e)),
         };
         record.vmm = Some(vmm);
-        record.owner = ProcessId::current();
-        record.save(&dir).map_err(io_err("writing the VM record"))?;
+        if let Err(e) = record.save(&dir) {
+            return Err(give_up(&mut record, Some(vmm), io_err("writing the VM record")(e)));
+        }
         let state = dir.join(HIBERNATED_STATE);
         let memory_file = dir.join(HIBERNATED_MEMORY);
         let memory = match memory_file.exists() {
@@ -635,14 +677,7 @@ impl VmRuntime {
         .await;
         let (qmp, agent) = match woken {
             Ok(pair) => pair,
-            Err(e) => {
-                // Keep the hibernated state: the VM can be woken again.
-                vmm.kill();
-                crate::net::release_for(&dir);
-                record.vmm = None;
-                let _ = record.save(&dir);
-                return Err(e);
-            }
+            Err(e) => return Err(give_up(&mut record, Some(vmm), e)),
         };
         record.phase = Phase::Running;
         record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -673,6 +708,9 @@ const AGENT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const HIBERNATED_STATE: &str = "hibernated.state";
 /// A hibernated VM's memory beyond its template (see `delta`).
 const HIBERNATED_MEMORY: &str = "hibernated.memory";
+/// What a hibernation writes before it publishes the two above (the state,
+/// its device part and the memory under their temporary names).
+const HIBERNATION_TEMPORARIES: [&str; 3] = ["hibernated.state.tmp", "hibernated.state.devices", "hibernated.tmp"];
 
 /// How long one post-restore hook may take before the session is presumed lost.
 const HOOK_ATTEMPT: Duration = Duration::from_secs(10);
@@ -1135,12 +1173,9 @@ impl Vm {
         console_tail(&self.inner.dir)
     }
 
-    fn set_phase(&self, phase: Phase, vmm_gone: bool) -> Result<(), VmError> {
+    fn set_phase(&self, phase: Phase) -> Result<(), VmError> {
         let mut record = self.inner.record.lock().expect("record lock");
         record.phase = phase;
-        if vmm_gone {
-            record.vmm = None;
-        }
         match phase {
             // The record that says where the VM is must outlive a power loss.
             Phase::Hibernated => record.save_durably(&self.inner.dir),
@@ -1184,7 +1219,7 @@ impl Vm {
             let _ = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
             return Err(e.into());
         }
-        self.set_phase(Phase::Paused, false)
+        self.set_phase(Phase::Paused)
     }
 
     pub async fn resume(&self) -> Result<(), VmError> {
@@ -1193,7 +1228,7 @@ impl Vm {
             *self.inner.state.lock().expect("vm state lock") = State::Paused;
             return Err(e.into());
         }
-        self.set_phase(Phase::Running, false)?;
+        self.set_phase(Phase::Running)?;
         self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
         Ok(())
     }
@@ -1249,8 +1284,16 @@ impl Vm {
         crate::durable::sync_file(&tmp).map_err(io_err("flushing the hibernated state"))?;
         crate::durable::sync_file(&self.inner.dir.join("disk.qcow2")).map_err(io_err("flushing the disk layer"))?;
         std::fs::rename(&tmp, self.inner.dir.join(HIBERNATED_STATE)).map_err(io_err("publishing the hibernated state"))?;
-        self.set_phase(Phase::Hibernated, true)?;
+        // The record names QEMU until it has ended: a host that dies in
+        // between leaves a process the next wake or sweep can find and end.
+        self.set_phase(Phase::Hibernated)?;
         self.end_process().await;
+        {
+            let mut record = self.inner.record.lock().expect("record lock");
+            record.vmm = None;
+            // Not flushed: a record that still names the ended QEMU is as good.
+            let _ = record.save(&self.inner.dir);
+        }
         // The slot goes back to the pool; a wake leases a new one.
         crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;

@@ -33,8 +33,13 @@ pub enum Phase {
     #[default]
     Running,
     Paused,
-    /// State on disk, no QEMU process.
+    /// State on disk, no QEMU process. One recorded here (`vmm`) is still
+    /// being ended by the hibernation, or was left by one that died then.
     Hibernated,
+    /// Hibernated, and its owner is waking it: its new QEMU (`vmm`, once
+    /// started) is loading the state. The sweep puts a wake whose owner died
+    /// back to `Hibernated`, its QEMU killed.
+    Waking,
     /// A QEMU process started ahead of need, holding no guest state yet
     /// (see `standby`): never listed or adopted, swept with its owner.
     Standby,
@@ -100,6 +105,9 @@ const CREATION_GRACE: Duration = Duration::from_secs(30);
 /// Stops and removes every ephemeral VM whose owner is gone, every VM whose
 /// creator died before finishing it (a half-made create is rolled back), and
 /// directories that never got a record. Returns the ids removed.
+///
+/// A hibernated VM stays, but a QEMU an unfinished hibernation or wake left
+/// running for it is killed (see [`settle_hibernated`]).
 pub fn sweep(vms_dir: &Path) -> Vec<String> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(vms_dir) else { return removed };
@@ -109,6 +117,14 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
             continue;
         }
         let orphaned = match VmRecord::load(&dir) {
+            Some(record) if matches!(record.phase, Phase::Hibernated | Phase::Waking) => {
+                if record.lifetime == Lifetime::Persistent || record.owner.is_alive() {
+                    settle_hibernated(&dir, record);
+                    false
+                } else {
+                    true
+                }
+            }
             Some(record) => {
                 (record.lifetime == Lifetime::Ephemeral || matches!(record.phase, Phase::Creating | Phase::Standby))
                     && !record.owner.is_alive()
@@ -121,6 +137,33 @@ pub fn sweep(vms_dir: &Path) -> Vec<String> {
         }
     }
     removed
+}
+
+/// Makes a hibernated VM whole again after its hibernation or wake was cut
+/// short: kills the QEMU the record names (a hibernation records the
+/// hibernated phase before it ends QEMU, a wake starts one) and, for a wake
+/// whose owner died, any unrecorded one started just before the owner died;
+/// then records it hibernated without a process. A wake whose owner lives
+/// is left alone. The saved state is complete in both cases: a hibernation
+/// records its phase only after the state is on disk, and a wake removes
+/// the state only once it runs.
+pub fn settle_hibernated(dir: &Path, mut record: VmRecord) {
+    let unfinished_wake = record.phase == Phase::Waking;
+    if unfinished_wake && record.owner.is_alive() || !unfinished_wake && record.vmm.is_none() {
+        return;
+    }
+    let recorded = record.vmm.filter(|vmm| vmm.cmdline_mentions(dir));
+    let vmms = match (recorded, unfinished_wake) {
+        (Some(vmm), _) => vec![vmm],
+        (None, true) => processes_mentioning(dir),
+        (None, false) => Vec::new(),
+    };
+    kill_and_wait(vmms);
+    record.phase = Phase::Hibernated;
+    record.vmm = None;
+    if let Err(e) = record.save(dir) {
+        tracing::warn!(vm = %record.id, "recording a cut-short wake as hibernated: {e}");
+    }
 }
 
 /// Kills the VM's QEMU if it still runs, then removes the directory.
@@ -223,5 +266,59 @@ mod tests {
         assert!(vms.path().join("alive-owner").exists());
         assert!(vms.path().join("persistent").exists());
         assert!(vms.path().join("fresh-no-record").exists(), "may be mid-creation");
+    }
+
+    /// A stand-in for a VM's QEMU: a process with the VM's directory on its
+    /// command line, as `cmdline_mentions` and the unrecorded-process scan
+    /// look for.
+    fn process_mentioning(dir: &Path) -> (std::process::Child, ProcessId) {
+        let child = std::process::Command::new("sh").args(["-c", "sleep 60"]).arg(dir.join("qmp.sock")).spawn().unwrap();
+        let id = ProcessId::of(child.id()).unwrap();
+        // Until it has exec'd, its command line is ours.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !id.cmdline_mentions(dir) {
+            assert!(std::time::Instant::now() < deadline, "the stand-in never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (child, id)
+    }
+
+    #[test]
+    fn sweep_ends_the_qemu_a_cut_short_hibernation_or_wake_left_and_keeps_the_vm() {
+        let vms = tempfile::tempdir().unwrap();
+        let me = ProcessId::current();
+        let dead = ProcessId { start_ticks: me.start_ticks + 12345, ..me };
+        let vm = |name: &str, phase: Phase, owner: ProcessId, vmm: Option<ProcessId>| {
+            let dir = vms.path().join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            VmRecord { phase, vmm, ..record(owner, Lifetime::Persistent) }.save(&dir).unwrap();
+            dir
+        };
+        // A hibernation recorded, its QEMU not yet ended.
+        let hibernated_dir = vms.path().join("hibernated");
+        std::fs::create_dir(&hibernated_dir).unwrap();
+        let (mut hibernated_qemu, id) = process_mentioning(&hibernated_dir);
+        vm("hibernated", Phase::Hibernated, dead, Some(id));
+        // A wake whose owner died before it recorded the QEMU it started.
+        let woken_dir = vms.path().join("waking-unrecorded");
+        std::fs::create_dir(&woken_dir).unwrap();
+        let (mut unrecorded_qemu, _) = process_mentioning(&woken_dir);
+        vm("waking-unrecorded", Phase::Waking, dead, None);
+        // A wake under way in a live process.
+        let live_dir = vms.path().join("waking-live");
+        std::fs::create_dir(&live_dir).unwrap();
+        let (mut live_qemu, id) = process_mentioning(&live_dir);
+        vm("waking-live", Phase::Waking, me, Some(id));
+
+        assert!(sweep(vms.path()).is_empty(), "hibernated VMs stay");
+        for (dir, qemu) in [(&hibernated_dir, &mut hibernated_qemu), (&woken_dir, &mut unrecorded_qemu)] {
+            assert!(qemu.try_wait().unwrap().is_some(), "{} still has its QEMU", dir.display());
+            let record = VmRecord::load(dir).unwrap();
+            assert_eq!((record.phase, record.vmm), (Phase::Hibernated, None), "{}", dir.display());
+        }
+        assert!(live_qemu.try_wait().unwrap().is_none(), "a live owner's wake is left alone");
+        assert_eq!(VmRecord::load(&live_dir).unwrap().phase, Phase::Waking);
+        live_qemu.kill().unwrap();
+        live_qemu.wait().unwrap();
     }
 }

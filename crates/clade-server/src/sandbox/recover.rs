@@ -51,7 +51,7 @@ impl SandboxService {
             let outcome = match (row.state, records.get(&row.id)) {
                 (SandboxState::Creating, _) => Err("the server stopped while creating it".to_string()),
                 (_, None) => Err("its VM was gone when the server started".to_string()),
-                (SandboxState::Hibernated, Some(Phase::Hibernated)) => Ok(None),
+                (SandboxState::Hibernated, Some(Phase::Hibernated | Phase::Waking)) => Ok(None),
                 (_, Some(_)) => match self.runtime().adopt(&row.id, watchdog()).await {
                     Ok(vm) => Ok(Some(vm)),
                     Err(VmError::Hibernated(_)) => Ok(None),
