@@ -139,6 +139,80 @@ async fn fifty_concurrent_creates_succeed_or_are_refused_and_nothing_is_half_mad
     server.shutdown().await;
 }
 
+/// The phase in a VM's record, if it has one.
+fn vm_phase(data_dir: &Path, id: &str) -> Option<String> {
+    let record: Value = serde_json::from_slice(&std::fs::read(data_dir.join("vms").join(id).join("vm.json")).ok()?).ok()?;
+    record["phase"].as_str().map(str::to_string)
+}
+
+/// Waits until `done` says so (asked every few milliseconds), failing
+/// with `what` after `limit`.
+async fn until<F: std::future::Future<Output = bool>>(what: &str, limit: Duration, mut done: impl FnMut() -> F) {
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The sandboxes the API lists, with their status.
+async fn listed(api: &Api) -> Vec<(String, String)> {
+    let sandboxes = api.get("/v1/sandboxes").await.expect(200).json();
+    let status = |s: &Value| (s["id"].as_str().unwrap().to_string(), s["status"].as_str().unwrap().to_string());
+    sandboxes.as_array().unwrap().iter().map(status).collect()
+}
+
+/// A client that goes away mid-request (its timeout, a cancel) drops the
+/// request; the create or wake it asked for still ends, listed and whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_and_wakes_whose_clients_go_away_finish_and_leave_nothing_unnamed() {
+    let Some(env) = clade_host::testing::vm_env() else { return };
+    let mut config = support::config(&env.config);
+    // No standby VMM: a new VM directory is then a create's, never a refill's.
+    config.sandboxes.standby = 0;
+    let server = clade_server::Server::start(config).await.unwrap();
+    let api = Api::new(server.addr(), server.admin_key());
+    let data_dir = env.data_dir();
+
+    for _ in 0..2 {
+        let before = sandbox_vm_dirs(data_dir);
+        let request = tokio::spawn({
+            let api = api.clone();
+            async move { api.post("/v1/sandboxes", json!({ "template": "base" })).await }
+        });
+        // Gone once the create has begun making its VM.
+        let under_way = || async { sandbox_vm_dirs(data_dir).len() > before.len() };
+        until("a create under way", Duration::from_secs(60), under_way).await;
+        request.abort();
+    }
+    let made = || async { listed(&api).await.iter().filter(|(_, status)| status == "running").count() == 2 };
+    until("the abandoned creates ended as running sandboxes", Duration::from_secs(60), made).await;
+    let ids: BTreeSet<String> = listed(&api).await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(sandbox_vm_dirs(data_dir), ids, "every VM is a listed sandbox");
+
+    let id = ids.first().unwrap().clone();
+    api.post_empty(&format!("/v1/sandboxes/{id}/hibernate")).await.expect(200);
+    let request = tokio::spawn({
+        let (api, id) = (api.clone(), id.clone());
+        async move { api.post_empty(&format!("/v1/sandboxes/{id}/wake")).await }
+    });
+    let waking = || async { vm_phase(data_dir, &id).as_deref() == Some("waking") };
+    until("a wake under way", Duration::from_secs(60), waking).await;
+    request.abort();
+    let woken = || async { listed(&api).await.contains(&(id.clone(), "running".to_string())) };
+    until("the abandoned wake ended", Duration::from_secs(60), woken).await;
+    assert_eq!(api.exec(&id, "echo ok").await["stdout"], "ok\n");
+    let vm_dir = data_dir.join("vms").join(&id);
+    let qemus = Command::new("pgrep").args(["-c", "-f", &format!("{}/", vm_dir.display())]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&qemus.stdout).trim(), "1", "one QEMU for the woken sandbox");
+
+    for id in &ids {
+        api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    }
+    assert!(sandbox_vm_dirs(data_dir).is_empty());
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_workspace_quota_refuses_creates_and_forks_without_retry_after() {
     let Some(env) = clade_host::testing::vm_env() else { return };

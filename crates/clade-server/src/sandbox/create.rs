@@ -40,7 +40,13 @@ pub struct Boot {
 }
 
 impl SandboxService {
+    /// Creates a sandbox, to the end even if the client goes away.
     pub async fn create(&self, workspace: &Workspace, params: CreateParams) -> Result<(SandboxRow, Boot), ApiError> {
+        let workspace = workspace.clone();
+        self.run_to_end(move |service| async move { service.create_task(&workspace, params).await }).await
+    }
+
+    async fn create_task(&self, workspace: &Workspace, params: CreateParams) -> Result<(SandboxRow, Boot), ApiError> {
         let started = Instant::now();
         let _reservation = self.reserve(&workspace.id, 1).await?;
         let mut params = params;

@@ -43,7 +43,13 @@ pub struct Promoted {
 }
 
 impl SandboxService {
+    /// Forks a sandbox, to the end even if the client goes away.
     pub async fn fork(&self, workspace: &Workspace, id: &str, params: ForkParams) -> Result<Forked, ApiError> {
+        let (workspace, id) = (workspace.clone(), id.to_string());
+        self.run_to_end(move |service| async move { service.fork_task(&workspace, &id, params).await }).await
+    }
+
+    async fn fork_task(&self, workspace: &Workspace, id: &str, params: ForkParams) -> Result<Forked, ApiError> {
         if !(1..=MAX_FORK_CHILDREN).contains(&params.count) {
             return Err(ApiError::bad_request(format!("fork-tree count capped at {MAX_FORK_CHILDREN}")));
         }
@@ -146,6 +152,18 @@ impl SandboxService {
     /// Keeps `id` and, with `cleanup_siblings`, deletes the other sandboxes
     /// of its fork tree (`tree_id`, or the winner's own tree).
     pub async fn promote(
+        &self,
+        workspace_id: &str,
+        id: &str,
+        cleanup_siblings: bool,
+        tree_id: Option<String>,
+    ) -> Result<Promoted, ApiError> {
+        let (workspace_id, id) = (workspace_id.to_string(), id.to_string());
+        self.run_to_end(move |service| async move { service.promote_task(&workspace_id, &id, cleanup_siblings, tree_id).await })
+            .await
+    }
+
+    async fn promote_task(
         &self,
         workspace_id: &str,
         id: &str,

@@ -10,8 +10,14 @@ use std::sync::Arc;
 impl SandboxService {
     /// Wakes a hibernated sandbox (a no-op for a running one; `POST /wake`
     /// also resumes a paused one). `auto` when a request to the sandbox does
-    /// it: its failure is then a 503 `auto-wake: …`.
+    /// it: its failure is then a 503 `auto-wake: …`. Runs to the end even
+    /// if the request that asked goes away.
     pub(super) async fn wake_entry(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
+        let entry = entry.clone();
+        self.run_to_end(move |service| async move { service.wake_entry_task(&entry, auto).await }).await
+    }
+
+    async fn wake_entry_task(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
         let mut slot = entry.slot.write().await;
         match slot.state {
             SandboxState::Hibernated => {}
@@ -51,12 +57,15 @@ impl SandboxService {
 
     pub async fn hibernate(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
-        let mut slot = entry.slot.write().await;
-        if self.hibernate_locked(&entry, &mut slot).await? {
-            drop(slot);
-            self.record(&entry, "hibernated", serde_json::json!({})).await;
-        }
-        Ok(())
+        self.run_to_end(move |service| async move {
+            let mut slot = entry.slot.write().await;
+            if service.hibernate_locked(&entry, &mut slot).await? {
+                drop(slot);
+                service.record(&entry, "hibernated", serde_json::json!({})).await;
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// Hibernates the sandbox whose slot the caller holds; false when it already was.
@@ -73,8 +82,14 @@ impl SandboxService {
         Ok(true)
     }
 
-    /// Stops the vCPUs (a hibernated sandbox is woken first, like any use).
+    /// Stops the vCPUs (a hibernated sandbox is woken first, like any use),
+    /// to the end even if the client goes away.
     pub async fn pause(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let (workspace_id, id) = (workspace_id.to_string(), id.to_string());
+        self.run_to_end(move |service| async move { service.pause_task(&workspace_id, &id).await }).await
+    }
+
+    async fn pause_task(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
         self.touch(&entry);
         self.wake_entry(&entry, true).await?;
@@ -98,8 +113,14 @@ impl SandboxService {
         self.resume_entry(&entry, false).await
     }
 
-    /// `auto` when a request to the paused sandbox resumes it.
+    /// `auto` when a request to the paused sandbox resumes it. Runs to the
+    /// end even if the request that asked goes away.
     pub(super) async fn resume_entry(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
+        let entry = entry.clone();
+        self.run_to_end(move |service| async move { service.resume_entry_task(&entry, auto).await }).await
+    }
+
+    async fn resume_entry_task(&self, entry: &Arc<Entry>, auto: bool) -> Result<(), ApiError> {
         let mut slot = entry.slot.write().await;
         let vm = match (slot.state, &slot.vm) {
             (SandboxState::Running, _) => return Ok(()),
@@ -117,6 +138,10 @@ impl SandboxService {
     /// stays (state `deleted`) with its events.
     pub async fn delete(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
+        self.run_to_end(move |service| async move { service.delete_task(entry).await }).await
+    }
+
+    async fn delete_task(&self, entry: Arc<Entry>) -> Result<(), ApiError> {
         // A running command holds the slot for reading until it ends, which
         // may be minutes away: stop the VM first, so that it ends now. (Only
         // when no writer holds the slot: a hibernate or fork in progress

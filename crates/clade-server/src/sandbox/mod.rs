@@ -5,6 +5,9 @@
 //! lock: operations inside the guest (exec, files) share it, lifecycle
 //! changes (pause, hibernate, wake, delete) take it alone. A sandbox of
 //! another workspace is looked up exactly like a missing one (404).
+//! Lifecycle changes (create, fork, snapshot, pause, resume, hibernate,
+//! wake, delete, promote) run on tasks of their own to their end
+//! (`run_to_end`): a client that goes away mid-request cuts none of them.
 //!
 //! It owns sandbox state and the VM handles; HTTP shapes belong to `routes`.
 
@@ -319,6 +322,19 @@ impl SandboxService {
             "console_tail": failure.console_tail,
         });
         self.record(entry, "failed", detail).await;
+    }
+
+    /// Runs a lifecycle operation on a task of its own, to its end, and
+    /// hands its result to the caller if it still waits. A request's future
+    /// is dropped when its client goes away (a client timeout, a cancel);
+    /// cut there, a create left a VM running that no sandbox row named, and
+    /// a wake a QEMU that nothing would end.
+    async fn run_to_end<T, F>(&self, operation: impl FnOnce(Self) -> F) -> Result<T, ApiError>
+    where
+        F: std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        tokio::spawn(operation(self.clone())).await.unwrap_or_else(|e| Err(ApiError::internal("a sandbox operation failed", e)))
     }
 
     /// Brings a sandbox to running (waking or resuming it) without holding

@@ -14,8 +14,14 @@ pub fn snapshot_not_found(id: &str) -> ApiError {
 }
 
 impl SandboxService {
-    /// Snapshots a sandbox (woken or resumed first, like any use).
+    /// Snapshots a sandbox (woken or resumed first, like any use), to the
+    /// end even if the client goes away.
     pub async fn snapshot(&self, workspace_id: &str, id: &str) -> Result<SnapshotRow, ApiError> {
+        let (workspace_id, id) = (workspace_id.to_string(), id.to_string());
+        self.run_to_end(move |service| async move { service.snapshot_task(&workspace_id, &id).await }).await
+    }
+
+    async fn snapshot_task(&self, workspace_id: &str, id: &str) -> Result<SnapshotRow, ApiError> {
         let entry = self.entry(workspace_id, id)?;
         self.touch(&entry);
         let sandbox = self.store().sandbox(workspace_id, id).await?.ok_or_else(|| not_found(id))?;
