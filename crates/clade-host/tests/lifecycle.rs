@@ -279,3 +279,58 @@ fn a_qemu_its_own_user_cannot_reach_is_refused_with_the_reason() {
         assert_eq!(std::fs::read_dir(runtime.vms_dir()).unwrap().count(), 0, "nothing left of the attempt");
     });
 }
+
+/// Lazily unmounts a filesystem a test mounted, however the test ends.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A host disk that fills up stops the guest (QEMU's `werror=enospc`) at
+/// the write it could not take: the watchdog does not call that a hang, and
+/// once the disk has room the guest runs on, its writes retried and whole.
+#[test]
+fn a_guest_stopped_by_a_full_host_disk_is_not_called_hung_and_runs_on_when_there_is_room() {
+    let Some(env) = vm_env() else { return };
+    let data_dir = tempfile::tempdir().unwrap();
+    let vms = data_dir.path().join("vms");
+    std::fs::create_dir(&vms).unwrap();
+    // The VMs' directories on a small filesystem of their own, mostly
+    // taken: ~80 MiB left for the VM's disk layer.
+    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=200m", "tmpfs"]).arg(&vms).status().unwrap();
+    assert!(mounted.success(), "mounting a tmpfs");
+    let _unmount = Unmount(vms.clone());
+    std::fs::write(vms.join("ballast"), vec![1u8; 120 << 20]).unwrap();
+    let config = clade_host::HostConfig { data_dir: data_dir.path().to_path_buf(), ..env.config.clone() };
+    let runtime = clade_host::VmRuntime::new(config).unwrap();
+    block_on(async {
+        let vm = runtime.boot(with_quick_watchdog(&env)).await.unwrap();
+        let writer = tokio::spawn({
+            let vm = vm.clone();
+            async move { vm.run(sh("dd if=/dev/zero of=/root/fill bs=1M count=100 conv=fsync 2>&1 && sha256sum /root/fill")).await }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let status = vm.qmp().execute("query-status", None).await.unwrap();
+            if status["status"] == "io-error" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the guest never filled the disk: {status}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Longer than the watchdog takes to call a silent guest hung.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(vm.failure().is_none(), "a full host disk was called a failure: {:?}", vm.failure());
+        assert!(vm.vmm().is_alive());
+
+        std::fs::remove_file(vms.join("ballast")).unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(120), writer).await.expect("the write ends once there is room");
+        let out = out.unwrap().unwrap();
+        let zeros = "20492a4d0d84f8beb1767f6616229f85d44c2827b64bdbfb260ee12fa1109e0e";
+        assert!(out.stdout_str().contains(&format!("{zeros}  /root/fill")), "{}{}", out.stdout_str(), String::from_utf8_lossy(&out.stderr));
+        vm.stop().await.unwrap();
+    });
+}

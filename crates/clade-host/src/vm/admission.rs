@@ -117,7 +117,7 @@ fn mem_available_mb() -> Option<u64> {
     Some(kib / 1024)
 }
 
-fn disk_free_mb(dir: &Path) -> Option<u64> {
+pub(crate) fn disk_free_mb(dir: &Path) -> Option<u64> {
     let stat = nix::sys::statvfs::statvfs(dir).ok()?;
     Some(stat.blocks_available() as u64 * stat.fragment_size() as u64 / (1 << 20))
 }

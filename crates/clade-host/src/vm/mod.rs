@@ -1046,7 +1046,8 @@ struct Inner {
     record: Mutex<VmRecord>,
     kind: BootKind,
     vmm: ProcessId,
-    qmp: Qmp,
+    /// Shared with the monitor, which asks QEMU why a guest is silent.
+    qmp: Arc<Qmp>,
     agent: AgentClient,
     exited: watch::Receiver<Option<String>>,
     failure: Arc<watch::Sender<Option<VmFailure>>>,
@@ -1071,9 +1072,11 @@ impl Vm {
         let (failure_tx, _) = watch::channel(None);
         let failure = Arc::new(failure_tx);
         let (alive_tx, alive_rx) = watch::channel(());
+        let qmp = Arc::new(qmp);
         tokio::spawn(monitor(Monitor {
             dir: dir.clone(),
             vmm,
+            qmp: qmp.clone(),
             agent: agent.clone(),
             exited: exited.clone(),
             failure: failure.clone(),
@@ -1446,6 +1449,7 @@ enum CaptureStart {
 struct Monitor {
     dir: PathBuf,
     vmm: ProcessId,
+    qmp: Arc<Qmp>,
     agent: AgentClient,
     exited: watch::Receiver<Option<String>>,
     failure: Arc<watch::Sender<Option<VmFailure>>>,
@@ -1461,11 +1465,13 @@ async fn monitor(mut m: Monitor) {
     };
     let agent = m.agent.clone();
     let state = m.state.clone();
+    let (qmp, dir) = (m.qmp.clone(), m.dir.clone());
     let watchdog = async {
         let Some(dog) = m.watchdog else { return std::future::pending().await };
         // A paused, snapshotted or stopped guest cannot answer, and need not.
         let running = || *state.lock().expect("vm state lock") == State::Running;
         let mut missed = 0;
+        let mut waiting_for_room = false;
         loop {
             tokio::time::sleep(dog.interval).await;
             if !running() {
@@ -1473,7 +1479,10 @@ async fn monitor(mut m: Monitor) {
                 continue;
             }
             match tokio::time::timeout(dog.timeout, agent.ping()).await {
-                Ok(Ok(_)) => missed = 0,
+                Ok(Ok(_)) => {
+                    missed = 0;
+                    waiting_for_room = false;
+                }
                 _ if !running() => missed = 0,
                 // A lost session while QEMU runs (QEMU exiting is reported by
                 // the exit branch): a guest that takes a new one is alive.
@@ -1482,6 +1491,24 @@ async fn monitor(mut m: Monitor) {
                     Err(_) => missed += 1,
                 },
                 _ => missed += 1,
+            }
+            // Not hung: QEMU stopped the guest on a write its disk layer
+            // could not take (QEMU's `werror=enospc`: the host's disk is
+            // full). It runs again, retrying those writes, once there is
+            // room; until then its commands wait.
+            if missed > 0 && stopped_for_disk_space(&qmp).await {
+                if !waiting_for_room {
+                    tracing::warn!(dir = %dir.display(), "the guest is stopped: the host's disk is full; it runs again when there is room");
+                    waiting_for_room = true;
+                }
+                if admission::disk_free_mb(&dir).is_some_and(|free| free >= ROOM_TO_RESUME_MB) {
+                    match qmp.execute("cont", None).await {
+                        Ok(_) => tracing::info!(dir = %dir.display(), "the host's disk has room again: the guest runs"),
+                        Err(e) => tracing::warn!(dir = %dir.display(), "running the guest again: {e}"),
+                    }
+                }
+                missed = 0;
+                continue;
             }
             // Before calling the guest hung: its side of this session may
             // have ended without a word (see `agent::keep_alive`), and a
@@ -1521,6 +1548,17 @@ async fn monitor(mut m: Monitor) {
     crate::net::release_for(&m.dir);
     let _ = std::fs::remove_dir_all(&m.dir);
     m.failure.send_replace(Some(VmFailure { kind, reason, console_tail }));
+}
+
+/// Free space, MiB, that a guest stopped for a full host disk waits for
+/// before it runs again (QEMU then retries the writes that failed).
+const ROOM_TO_RESUME_MB: u64 = 64;
+
+/// Whether QEMU stopped the guest because a write to its disk failed: with
+/// QEMU's default `werror=enospc`, because the host's disk is full.
+async fn stopped_for_disk_space(qmp: &Qmp) -> bool {
+    let status = qmp.execute_timeout("query-status", None, Duration::from_secs(2)).await;
+    status.is_ok_and(|status| status["status"] == "io-error")
 }
 
 async fn connect_qmp(socket: &Path, timeout: Duration) -> Result<Qmp, VmError> {
