@@ -70,6 +70,10 @@ pub enum SandboxCommand {
     },
     /// Snapshot a sandbox (it runs on); prints the snapshot id.
     Snapshot { id: String },
+    /// Stop the sandbox's vCPUs; memory and processes stay (any later use resumes it).
+    Pause { id: String },
+    /// Run a paused sandbox again.
+    Resume { id: String },
     /// Save the sandbox to disk and stop its VM (any later use wakes it).
     Hibernate { id: String },
     /// Start a hibernated sandbox again.
@@ -201,6 +205,14 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
                 let id = snapshot.get("id").or_else(|| snapshot.get("snapshot_id")).cloned().unwrap_or(Value::Null);
                 println!("{}", id.as_str().unwrap_or_default());
             }
+        }
+        SandboxCommand::Pause { id } => {
+            client.send(client.request(Method::POST, &["sandboxes", &id, "pause"])).await?;
+            state_change(&id, Value::Null, "paused", json_out);
+        }
+        SandboxCommand::Resume { id } => {
+            client.send(client.request(Method::POST, &["sandboxes", &id, "resume"])).await?;
+            state_change(&id, Value::Null, "running", json_out);
         }
         SandboxCommand::Hibernate { id } => {
             let answer = {

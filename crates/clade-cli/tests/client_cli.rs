@@ -170,7 +170,11 @@ fn a_sandbox_through_the_cli() {
     let out = output(&mut clade(&["sandbox", "shell", &id, "--", "sh", "-c", "exit 5"]), None);
     assert_eq!(out.status.code(), Some(5), "stderr: {}", text(&out.stderr));
 
-    // Hibernate and wake; the files are still there.
+    // Pause and resume; then hibernate and wake; the files are still there.
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "pause", &id]))), format!("{id} paused\n"));
+    assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "paused");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "resume", "--json", &id]))["status"], "running");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "running");
     assert_eq!(text(&ok(&mut clade(&["sandbox", "hibernate", &id]))), format!("{id} hibernated\n"));
     assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "hibernated");
     let woken = ok_json(&mut clade(&["sandbox", "wake", "--json", &id]));
