@@ -351,9 +351,12 @@ fn a_fork_killed_half_way_leaves_the_parent_usable_and_nothing_half_made() {
     fork.kill().unwrap();
     fork.wait().unwrap();
 
-    // A restart: the sweep rolls the children back; the parent is used again.
+    // A restart: the sweep rolls the children back, the fork's snapshot
+    // (its taker dead) goes; the parent is used again.
     let (code, ls, stderr) = output(clade(&env).args(["vm", "ls"]));
     assert_eq!(code, 0, "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(&snapshots).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "the cut-short fork's snapshot is left: {left:?}");
     let rows: Vec<&str> = ls.lines().skip(1).collect();
     assert_eq!(rows.len(), 1, "only the parent remains: {ls}");
     assert!(rows[0].starts_with(&parent) && rows[0].contains("running"), "{ls}");

@@ -54,6 +54,9 @@ use super::{
 /// Under the data directory: one directory per snapshot.
 pub(super) const SNAPSHOTS_DIR: &str = "snapshots";
 const RECORD: &str = "snapshot.json";
+/// The process taking a snapshot, until its record makes it complete: an
+/// incomplete snapshot whose taker is dead is removed at once.
+const TAKER: &str = "taker.json";
 const CHILD_LAYER: &str = "child.qcow2";
 const MEMORY: &str = "memory";
 
@@ -309,8 +312,12 @@ impl VmRuntime {
             let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             let removable = match record {
                 Some(r) => r.deleted && !needed.contains(&id),
-                // Incomplete: a snapshot whose taker died. Old enough to be sure.
-                None => dir.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > Duration::from_secs(600)),
+                // Incomplete: a snapshot whose taker died, or (taken by an
+                // older Clade, which did not record it) old enough to be sure.
+                None => match std::fs::read(dir.join(TAKER)).ok().and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok()) {
+                    Some(taker) => !taker.is_alive(),
+                    None => dir.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > Duration::from_secs(600)),
+                },
             };
             if removable {
                 let _ = std::fs::remove_dir_all(dir);
@@ -378,6 +385,13 @@ impl Vm {
         };
         let dir = runtime.snapshots_dir().join(&snapshot.id);
         std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
+        // (A process id always serializes; an empty file would only fall
+        // back to the age rule.)
+        let taker = serde_json::to_vec(&ProcessId::current()).unwrap_or_default();
+        if let Err(e) = std::fs::write(dir.join(TAKER), taker) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(io_err("recording the snapshot's taker")(e));
+        }
         if let Err(e) = self.transition(&[State::Running], State::Stopping) {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);

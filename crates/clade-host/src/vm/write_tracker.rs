@@ -197,6 +197,7 @@ for line in sys.stdin:
             Err(TrackError::Kernel { what, source }) if what.contains("6.7") && !crate::testing::in_ci() => {
                 eprintln!("SKIPPED: this kernel has no asynchronous write protection: {source}");
                 let _ = holder.kill();
+                let _ = holder.wait();
                 return;
             }
             Err(e) => panic!("{e:?}"),
