@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clade_host::image::Progress;
+use clade_host::vm::BootKind;
 use clade_host::{HostConfig, VmRuntime, VmSpec};
 use clade_proto::{Command, ExecRequest};
 use clap::{Parser, Subcommand};
@@ -189,6 +190,55 @@ pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("Rss:"), field("Pss:")))
 }
 
+/// PSS and CPU of `count` idle sandboxes, twice: right after the creates
+/// (the guests still finish their first steps: page cache writeback, the
+/// journal's first commit) and once they have settled (what a sandbox
+/// waiting for its agent's next command costs). A runtime with standby VMMs
+/// has its pool filled before each create, so that every create takes one.
+/// With `run_true`, each sandbox has run one command (as a sandbox in use has).
+async fn density_of(runtime: &VmRuntime, spec: &VmSpec, count: usize, how: &str, run_true: bool) -> anyhow::Result<()> {
+    let mut vms = Vec::new();
+    for _ in 0..count {
+        runtime.prestart(spec).await?;
+        let vm = runtime.create(spec.clone()).await?;
+        if run_true {
+            vm.agent().run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
+        }
+        vms.push(vm);
+    }
+    let rehearsed = vms.iter().filter(|vm| matches!(vm.boot_kind(), BootKind::Restored { rehearsed: true, .. })).count();
+    let created = Instant::now();
+    for (label, at) in [("just created", Duration::from_secs(3)), ("settled", Duration::from_secs(30))] {
+        tokio::time::sleep(at.saturating_sub(created.elapsed())).await;
+        let mut pss_total = 0;
+        let mut tcg_total = 0;
+        let mut ticks_before = Vec::new();
+        for vm in &vms {
+            pss_total += memory_kib(vm.vmm().pid)?.1;
+            tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
+            ticks_before.push(cpu_ticks(vm.vmm().pid)?);
+        }
+        let wall = Instant::now();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let mut ticks = 0;
+        for (vm, before) in vms.iter().zip(ticks_before) {
+            ticks += cpu_ticks(vm.vmm().pid)? - before;
+        }
+        let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / count as f64;
+        println!(
+            "{count} idle sandboxes {how} ({rehearsed} rehearsed), {label} ({:.0} s after the creates): PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
+            at.as_secs_f64(),
+            pss_total as f64 / 1024.0 / count as f64,
+            pss_total as f64 / 1024.0,
+            tcg_total as f64 / 1024.0 / count as f64,
+        );
+    }
+    for vm in vms {
+        vm.stop().await?;
+    }
+    Ok(())
+}
+
 fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let rest = &stat[stat.rfind(')').context("stat")? + 2..];
@@ -250,11 +300,14 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     }
 
     // Why a create costs what it does under TCG: the blocks each new QEMU
-    // translates (a cold boot's for comparison).
+    // translates (a cold boot's for comparison), and what is left to
+    // translate after a rehearsed standby VMM (ADR 16), whose cache already
+    // holds its rehearsal's blocks.
     if want("create") {
-        match host::translated_blocks(&runtime, &spec, &Command::Argv(vec!["true".into()])).await? {
+        let true_argv = Command::Argv(vec!["true".into()]);
+        match host::translated_blocks(&without_standby, &spec, &true_argv).await? {
             Some(t) => println!(
-                "TCG blocks translated: create to hook {}, its first exec {}, the same exec again {}; cold boot to first exec {} ({:.1}x a create's to first exec)",
+                "TCG blocks translated, create into a new QEMU: to hook {}, its first exec {}, the same exec again {}; cold boot to first exec {} ({:.1}x a create's to first exec)",
                 t.create_to_hook,
                 t.first_exec,
                 t.repeated_exec,
@@ -262,6 +315,12 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
                 t.cold_to_first_exec as f64 / (t.create_to_hook + t.first_exec) as f64
             ),
             None => println!("TCG blocks translated: none (accel {})", runtime.accel()),
+        }
+        if let Some(t) = host::translated_blocks(&runtime, &spec, &true_argv).await? {
+            println!(
+                "TCG blocks, create into a rehearsed standby VMM: {} in its cache after the hook (the rehearsal's included), its first exec {}, the same exec again {}",
+                t.create_to_hook, t.first_exec, t.repeated_exec
+            );
         }
     }
 
@@ -289,45 +348,15 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
         }
     }
 
-    // Density: PSS and CPU of idle sandboxes of one template, twice: right
-    // after the creates (the guests still finish their first steps: page
-    // cache writeback, the journal's first commit) and once they have
-    // settled (what a sandbox waiting for its agent's next command costs).
-    let density = if want("density") { density } else { 0 };
-    let mut vms = Vec::new();
-    for _ in 0..density {
-        vms.push(runtime.create(spec.clone()).await?);
-    }
-    let created = Instant::now();
-    if density > 0 {
-        for (label, at) in [("just created", Duration::from_secs(3)), ("settled", Duration::from_secs(30))] {
-            tokio::time::sleep(at.saturating_sub(created.elapsed())).await;
-            let mut pss_total = 0;
-            let mut tcg_total = 0;
-            let mut ticks_before = Vec::new();
-            for vm in &vms {
-                pss_total += memory_kib(vm.vmm().pid)?.1;
-                tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
-                ticks_before.push(cpu_ticks(vm.vmm().pid)?);
-            }
-            let wall = Instant::now();
-            tokio::time::sleep(Duration::from_secs(10)).await;
-            let mut ticks = 0;
-            for (vm, before) in vms.iter().zip(ticks_before) {
-                ticks += cpu_ticks(vm.vmm().pid)? - before;
-            }
-            let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / density as f64;
-            println!(
-                "{density} idle sandboxes, {label} ({:.0} s after the creates): PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
-                at.as_secs_f64(),
-                pss_total as f64 / 1024.0 / density as f64,
-                pss_total as f64 / 1024.0,
-                tcg_total as f64 / 1024.0 / density as f64,
-            );
-        }
-    }
-    for vm in vms {
-        vm.stop().await?;
+    // Density: idle sandboxes of one template, created into rehearsed
+    // standby VMMs (each create takes one; ADR 16) and into new QEMUs. A
+    // rehearsed standby's sandbox holds the translations of its rehearsal
+    // (a command's path through kernel, agent and libc) before it runs any.
+    if want("density") && density > 0 {
+        density_of(&runtime, &spec, density, "created from rehearsed standby VMMs", false).await?;
+        density_of(&without_standby, &spec, density, "created in new QEMUs", false).await?;
+        density_of(&runtime, &spec, density, "created from rehearsed standby VMMs, one `true` run in each", true).await?;
+        density_of(&without_standby, &spec, density, "created in new QEMUs, one `true` run in each", true).await?;
     }
 
     // Hibernate and wake a sandbox that has done some work.

@@ -15,6 +15,11 @@ pub struct HostConfig {
     pub qemu_binary: Option<PathBuf>,
     /// Where `clade-guestd` is; found next to the running binary when absent.
     pub guestd: Option<PathBuf>,
+    /// Under TCG, whether a standby VMM runs its template's guest once and
+    /// is rewound before it is parked (ADR 16): creates from it translate a
+    /// fraction of the code, at the memory of those translations in every
+    /// sandbox from its start (what its first command would cost anyway).
+    pub rehearse_standby: bool,
 }
 
 impl Default for HostConfig {
@@ -25,13 +30,14 @@ impl Default for HostConfig {
             accel: AccelChoice::Auto,
             qemu_binary: None,
             guestd: None,
+            rehearse_standby: true,
         }
     }
 }
 
 impl HostConfig {
     /// Defaults overridden by `CLADE_DATA_DIR`, `CLADE_CACHE_DIR`, `CLADE_ACCEL`,
-    /// `CLADE_QEMU` and `CLADE_GUESTD`.
+    /// `CLADE_QEMU`, `CLADE_GUESTD` and `CLADE_STANDBY_REHEARSAL` (`on` or `off`).
     pub fn from_env() -> Result<Self, String> {
         let mut config = Self::default();
         if let Some(dir) = std::env::var_os("CLADE_DATA_DIR") {
@@ -48,6 +54,13 @@ impl HostConfig {
         }
         if let Some(guestd) = std::env::var_os("CLADE_GUESTD") {
             config.guestd = Some(guestd.into());
+        }
+        if let Ok(rehearsal) = std::env::var("CLADE_STANDBY_REHEARSAL") {
+            config.rehearse_standby = match rehearsal.as_str() {
+                "on" => true,
+                "off" => false,
+                other => return Err(format!("CLADE_STANDBY_REHEARSAL must be on or off, not {other:?}")),
+            };
         }
         Ok(config)
     }

@@ -932,3 +932,133 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         vm.stop().await.unwrap();
     });
 }
+
+/// KiB of the mapping of `file` in process `pid` that are the process's own
+/// copies (`Anonymous` in smaps): the pages of a private file mapping that
+/// were written. `None` if `pid` does not map `file`.
+fn anonymous_kib_of_mapping(pid: u32, file: &std::path::Path) -> Option<u64> {
+    let file = std::fs::canonicalize(file).unwrap();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut in_mapping = false;
+    let mut total = None;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: range, perms, offset, device, inode, path.
+            in_mapping = fields.nth(4).is_some_and(|path| std::path::Path::new(path) == file);
+        } else if in_mapping && first == "Anonymous:" {
+            *total.get_or_insert(0) += fields.next().unwrap().parse::<u64>().unwrap();
+        }
+    }
+    total
+}
+
+/// TCG's count of blocks translated so far and of blocks dropped.
+async fn translation_counts(vm: &clade_host::Vm) -> (u64, u64) {
+    let info = vm.qmp().execute("x-query-jit", None).await.unwrap();
+    let text = info["human-readable-text"].as_str().unwrap().to_string();
+    let count = |name: &str| {
+        let line = text.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("no {name} in {text}"));
+        line.trim().parse::<u64>().unwrap()
+    };
+    (count("TB count"), count("TB invalidate count"))
+}
+
+/// Under TCG a standby VMM runs the template's guest once and is rewound
+/// (ADR 16): nothing of that run stays in its memory, and a create that
+/// takes it keeps what TCG translated, so that its first command translates
+/// a fraction of what a create into a new QEMU does. Each such create still
+/// gets its own identity and randomness.
+#[test]
+fn a_rehearsed_standby_keeps_nothing_of_its_rehearsal_but_the_translations() {
+    let Some(env) = vm_env() else { return };
+    if env.runtime.accel() != clade_host::Accel::Tcg {
+        eprintln!("skipped: only TCG rehearses standby VMMs (KVM runs guest code natively)");
+        return;
+    }
+    block_on(async {
+        let runtime = env.runtime.clone().with_standby(1);
+        let spec = VmSpec::new(env.image.clone());
+        let (template, _) = runtime.template(&spec).await.unwrap();
+        runtime.prestart(&spec).await.unwrap();
+        let standby = dirs_in_phase(runtime.vms_dir(), clade_host::Phase::Standby);
+        assert_eq!(standby.len(), 1, "{standby:?}");
+        let dir = runtime.vms_dir().join(&standby[0]);
+        let pid = clade_host::VmRecord::load(&dir).unwrap().vmm.unwrap().pid;
+        assert_eq!(
+            anonymous_kib_of_mapping(pid, &template.ram()),
+            Some(0),
+            "every page the rehearsal's guest wrote is the template's again"
+        );
+        assert!(!dir.join("rehearsal.qcow2").exists(), "the rehearsal's disk layer is gone");
+
+        let first_true = |vm: clade_host::Vm| async move {
+            let (before, _) = translation_counts(&vm).await;
+            let out = vm.run(argv(&["true"])).await.unwrap();
+            assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+            let (after, _) = translation_counts(&vm).await;
+            (vm, after - before)
+        };
+        let vm = runtime.create(spec.clone()).await.unwrap();
+        assert!(matches!(vm.boot_kind(), BootKind::Restored { standby: true, rehearsed: true, .. }), "{:?}", vm.boot_kind());
+        let (vm, rehearsed_blocks) = first_true(vm).await;
+        let fresh = env.runtime.create(spec.clone()).await.unwrap();
+        assert!(matches!(fresh.boot_kind(), BootKind::Restored { standby: false, rehearsed: false, .. }), "{:?}", fresh.boot_kind());
+        let (fresh, fresh_blocks) = first_true(fresh).await;
+        assert!(
+            rehearsed_blocks * 4 < fresh_blocks,
+            "a first `true` translated {rehearsed_blocks} blocks after a rehearsed standby, {fresh_blocks} in a new QEMU"
+        );
+
+        // The refilled standby is rehearsed too; its create is a sandbox of its own.
+        let other = loop {
+            let taken = runtime.create(spec.clone()).await.unwrap();
+            if matches!(taken.boot_kind(), BootKind::Restored { rehearsed: true, .. }) {
+                break taken;
+            }
+            taken.stop().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let identity = "hostname; cat /etc/machine-id; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+        let (a, b) = (vm.run(sh(identity)).await.unwrap(), other.run(sh(identity)).await.unwrap());
+        let (a, b) = (a.stdout_str(), b.stdout_str());
+        let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
+        assert_eq!((a[0], b[0]), (format!("sb-{}", vm.id()).as_str(), format!("sb-{}", other.id()).as_str()));
+        assert_ne!(a[1], b[1], "machine ids");
+        assert_ne!(a[2], b[2], "random bytes");
+        runtime.drain_standby();
+        for vm in [vm, fresh, other] {
+            vm.stop().await.unwrap();
+        }
+    });
+}
+
+/// The rewind drops what TCG translated from pages the guest wrote — their
+/// content goes back to the template's file under the translations — and
+/// leaves none of those pages the process's own.
+#[test]
+fn a_rewind_drops_the_translations_of_code_the_guest_wrote() {
+    let Some(env) = vm_env() else { return };
+    if env.runtime.accel() != clade_host::Accel::Tcg {
+        eprintln!("skipped: only TCG rewinds (KVM runs guest code natively)");
+        return;
+    }
+    block_on(async {
+        let spec = VmSpec::new(env.image.clone());
+        let (template, _) = env.runtime.template(&spec).await.unwrap();
+        let vm = env.runtime.create(spec).await.unwrap();
+        // A program copied, so that its code runs from pages the guest wrote.
+        let out = vm.run(sh("cp /bin/true /tmp/copied-true && /tmp/copied-true")).await.unwrap();
+        assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
+        let pid = vm.vmm().pid;
+        assert!(anonymous_kib_of_mapping(pid, &template.ram()).unwrap() > 0);
+        vm.qmp().execute("stop", None).await.unwrap();
+        let (_, dropped_before) = translation_counts(&vm).await;
+        vm.qmp().execute("x-clade-rewind", None).await.unwrap();
+        let (_, dropped_after) = translation_counts(&vm).await;
+        assert!(dropped_after > dropped_before, "no translation dropped: {dropped_before} before the rewind, {dropped_after} after");
+        assert_eq!(anonymous_kib_of_mapping(pid, &template.ram()), Some(0));
+        vm.stop().await.unwrap();
+    });
+}

@@ -98,6 +98,9 @@ pub const ROOT_MOUNT_ARGS: [&str; 4] = ["root=/dev/vda", "rw", "rootfstype=ext4"
 /// different programs run once each filled 129 MiB (ADR 1).
 pub const TCG_CACHE_MB: u32 = 256;
 
+/// QEMU's id of the agent's channel (a socket chardev under a virtio-serial port).
+pub const AGENT_CHARDEV: &str = "agent";
+
 pub fn console_log(dir: &Path) -> PathBuf {
     dir.join("console.log")
 }
@@ -249,9 +252,9 @@ pub fn qemu_args(spec: &LaunchSpec, fds: &Fds) -> Vec<OsString> {
         "-device".into(),
         "virtio-serial-device,max_ports=2".into(),
         "-chardev".into(),
-        format!("socket,id=agent,fd={},server=on,wait=off", fds.agent),
+        format!("socket,id={AGENT_CHARDEV},fd={},server=on,wait=off", fds.agent),
         "-device".into(),
-        format!("virtserialport,chardev=agent,name={}", clade_proto::AGENT_PORT_NAME),
+        format!("virtserialport,chardev={AGENT_CHARDEV},name={}", clade_proto::AGENT_PORT_NAME),
         "-netdev".into(),
         match fds.tap {
             // No vnet header: the descriptor is attached without one

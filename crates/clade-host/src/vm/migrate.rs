@@ -195,7 +195,7 @@ const DEVICE_STATE_SET: u64 = 1001;
 /// before the load starts is kept short: a QEMU loads once in its life, with
 /// every capability still off and its set unused, so only `x-ignore-shared`
 /// may need setting.
-pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<Started, MigrateError> {
+pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool, translations: Translations) -> Result<Started, MigrateError> {
     let mut events = qmp.events();
     let opened = open_for_qemu(file, Access::Read)?;
     let set = json!({ "fdset-id": INCOMING_SET });
@@ -206,6 +206,9 @@ pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<Started
     if ignore_shared {
         commands.push(("migrate-set-capabilities", Some(json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }))));
     }
+    if translations == Translations::Keep {
+        commands.push(("x-clade-keep-translations", None));
+    }
     commands.extend([("add-fd", Some(set.clone())), ("migrate-incoming", Some(incoming)), ("remove-fd", Some(set))]);
     for reply in qmp.execute_batch(&commands, Some(opened.as_fd())).await? {
         reply?;
@@ -214,6 +217,41 @@ pub async fn load(qmp: &Qmp, file: &Path, ignore_shared: bool) -> Result<Started
         Ok(started) => started,
         Err(_) => Err(MigrateError::Timeout(MIGRATION_TIMEOUT)),
     }
+}
+
+/// What a load does with the guest code TCG translated in its QEMU before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Translations {
+    /// Drops all of it (QEMU's own behaviour): the loaded guest's memory may
+    /// differ anywhere from what it was translated from.
+    Flush,
+    /// Keeps that of every page the load leaves as it is (Clade's QEMU only,
+    /// ADR 16): for a template's state loaded into a VMM rewound to that
+    /// template's RAM file ([`rewind`]).
+    Keep,
+}
+
+/// Whether this QEMU can rewind a guest and keep its translations (Clade's
+/// own build, ADR 16; not Debian's).
+pub async fn rewinds(qmp: &Qmp) -> Result<bool, QmpError> {
+    let commands = qmp.execute("query-commands", None).await?;
+    let named = |c: &Value| c["name"].as_str() == Some("x-clade-rewind");
+    Ok(commands.as_array().is_some_and(|list| list.iter().any(named)))
+}
+
+/// Brings the QEMU of a guest a load started, now stopped, back to before
+/// that load (ADR 16): the machine reset, the translations of every page the
+/// guest wrote dropped, those pages reverted to the RAM file, and a new
+/// load allowed. What TCG translated from pages the guest left as they were
+/// stays, for the next load to keep ([`Translations::Keep`]). The
+/// capability the load set is cleared, so that the next load finds every
+/// capability off, as in a QEMU that never loaded ([`load`]).
+pub async fn rewind(qmp: &Qmp) -> Result<(), MigrateError> {
+    let capabilities = json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": false }] });
+    for reply in qmp.execute_batch(&[("x-clade-rewind", None), ("migrate-set-capabilities", Some(capabilities))], None).await? {
+        reply?;
+    }
+    Ok(())
 }
 
 /// After this long without a word, a load is asked where it stands: one
@@ -317,7 +355,7 @@ mod tests {
             save(&source.qmp, &state, false).await.unwrap();
 
             let Some(target) = BareQemu::start(&["-incoming", "defer", "-global", "migration.x-events=on"]).await else { return };
-            let started = load(&target.qmp, &state, false).await.unwrap();
+            let started = load(&target.qmp, &state, false, Translations::Flush).await.unwrap();
             assert_eq!(started, expected, "a state saved with {store}");
             let status = target.qmp.execute("query-status", None).await.unwrap();
             assert_eq!(status["status"], "running", "{status}");
@@ -333,7 +371,7 @@ mod tests {
         save(&source.qmp, &state, false).await.unwrap();
         // Neither `store-global-state=off` on the source nor events on the target.
         let Some(target) = BareQemu::start(&["-incoming", "defer"]).await else { return };
-        assert_eq!(load(&target.qmp, &state, false).await.unwrap(), Started::ByCont);
+        assert_eq!(load(&target.qmp, &state, false, Translations::Flush).await.unwrap(), Started::ByCont);
         assert_eq!(target.qmp.execute("query-status", None).await.unwrap()["status"], "running");
     }
 
@@ -342,7 +380,7 @@ mod tests {
         let Some(target) = BareQemu::start(&["-incoming", "defer", "-global", "migration.x-events=on"]).await else { return };
         let state = target.dir().join("state");
         std::fs::write(&state, b"not a QEMU state stream").unwrap();
-        let err = load(&target.qmp, &state, true).await.unwrap_err();
+        let err = load(&target.qmp, &state, true, Translations::Flush).await.unwrap_err();
         assert!(matches!(&err, MigrateError::Failed(why) if why.contains("load of migration failed")), "{err}");
         let status = target.qmp.execute("query-status", None).await.unwrap();
         assert_ne!(status["running"], true, "{status}");

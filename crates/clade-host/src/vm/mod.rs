@@ -39,6 +39,7 @@ pub use snapshot::SnapshotRecord;
 pub use template::Template;
 
 use launch::Memory;
+use migrate::Translations;
 
 use crate::accel::{self, Accel, HostVirt};
 use crate::agent::{AgentClient, AgentError, ExecOutput};
@@ -179,8 +180,10 @@ pub enum BootKind {
     Cold,
     /// Restored from a template snapshot; `baked_now` when this create had to
     /// bake the template first (the first use of an image on a host);
-    /// `standby` when the state was loaded into a standby VMM.
-    Restored { template: String, baked_now: bool, standby: bool },
+    /// `standby` when the state was loaded into a standby VMM, `rehearsed`
+    /// when that VMM had run the template's guest once and kept what TCG
+    /// translated (ADR 16).
+    Restored { template: String, baked_now: bool, standby: bool, rehearsed: bool },
     /// Re-attached to a VM that was already running (after a restart).
     Adopted,
     /// Woken from hibernation.
@@ -460,8 +463,11 @@ impl VmRuntime {
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
         let from_standby = standby.is_some();
+        let rehearsed = standby.as_ref().is_some_and(|s| s.rehearsed);
         let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template).await?;
         let created = async {
+            // A rehearsed standby keeps the template code TCG translated.
+            let translations = if rehearsed { Translations::Keep } else { Translations::Flush };
             let (exit_rx, qmp) = match standby {
                 Some(s) => {
                     self.claim_standby(&s, &mut record, &spec, standby::TakenDisk::Template).await?;
@@ -484,14 +490,14 @@ impl VmRuntime {
             // Everything before the state loads is the host's own work.
             let prepared = create_started.elapsed();
             let started = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, translations, self.boot_timeout()).await?;
             let restored = started.elapsed();
             run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?prepared, ?restored, total = ?create_started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, "created by restoring the template");
-            let kind = BootKind::Restored { template: template.key.clone(), baked_now, standby: from_standby };
+            tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, rehearsed, "created by restoring the template");
+            let kind = BootKind::Restored { template: template.key.clone(), baked_now, standby: from_standby, rehearsed };
             Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
         .await;
@@ -670,7 +676,7 @@ impl VmRuntime {
         };
         let woken = async {
             let (qmp, ignore_shared) = attach_deferred_disk(&dir, &layers, memory, &exit_rx, self.boot_timeout()).await?;
-            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -728,7 +734,7 @@ const CLOCK_ROUNDS: usize = 3;
 /// retry on a loaded host), opens a new session and runs it once more. Then,
 /// while its answer is slow, sends it again with the time read anew (the
 /// hook is idempotent). Never waits longer than `timeout` in all.
-async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, timeout: Duration) -> Result<(), VmError> {
+pub(super) async fn run_restore_hook(agent: &AgentClient, mut request: RestoreRequest, timeout: Duration) -> Result<(), VmError> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut sent = tokio::time::Instant::now();
     let first = tokio::time::timeout(HOOK_ATTEMPT.min(timeout), agent.restore_hook(request.clone())).await;
@@ -782,7 +788,7 @@ fn unix_time_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
+pub(super) fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
     let entropy: Vec<u8> = (0..64).map(|_| rand::random::<u8>()).collect();
     RestoreRequest {
         entropy,
@@ -994,6 +1000,7 @@ async fn restore_into(
     qmp: Option<Qmp>,
     state: &Path,
     ignore_shared: bool,
+    translations: Translations,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let restore = async {
@@ -1003,7 +1010,7 @@ async fn restore_into(
             None => connect_qmp(&launch::qmp_socket(dir), timeout).await?,
         };
         let qmp_ready = started.elapsed();
-        let run = migrate::load(&qmp, state, ignore_shared)
+        let run = migrate::load(&qmp, state, ignore_shared, translations)
             .await
             .map_err(|e| VmError::Config(format!("restoring {}: {e}", state.display())))?;
         let loaded = started.elapsed();

@@ -20,6 +20,27 @@ impl ProcessId {
         Self::of(std::process::id()).expect("our own /proc entry exists")
     }
 
+    /// Sets the niceness of every thread of this process: Linux's
+    /// `setpriority` acts on one thread, and threads started later inherit
+    /// their creator's. Raising the priority again needs root (the host is).
+    pub fn set_niceness(&self, niceness: i32) -> std::io::Result<()> {
+        if !self.is_alive() {
+            return Err(std::io::ErrorKind::NotFound.into());
+        }
+        for task in std::fs::read_dir(format!("/proc/{}/task", self.pid))? {
+            let Ok(tid) = task?.file_name().to_string_lossy().parse::<libc::id_t>() else { continue };
+            // SAFETY: setpriority takes integers only and touches no memory of ours.
+            #[allow(unsafe_code)]
+            let set = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, niceness) };
+            let error = std::io::Error::last_os_error();
+            // A thread that ended meanwhile has no priority to set.
+            if set != 0 && error.raw_os_error() != Some(libc::ESRCH) {
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
     /// Whether this very process is still running (not merely its pid).
     /// A zombie counts as gone.
     pub fn is_alive(&self) -> bool {

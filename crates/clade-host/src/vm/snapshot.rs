@@ -47,7 +47,7 @@ use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
     delta,
-    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, ProcessId, State, Vm, VmError, VmRuntime, VmSpec,
+    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, ProcessId, State, Translations, Vm, VmError, VmRuntime, VmSpec,
     Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
@@ -265,7 +265,7 @@ impl VmRuntime {
             let prepared = preparing.elapsed();
             let state = snap_dir.join("state");
             let restoring = std::time::Instant::now();
-            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, ignore_shared, self.boot_timeout()).await?;
+            let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
             let restored = restoring.elapsed();
             super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, prepared = ?prepared, ?restored, total = ?restoring.elapsed(), "restore timings");

@@ -11,9 +11,15 @@
 //! create from a snapshot needs its own layer instead, and swaps it in when
 //! it takes the standby (three QMP commands), then loads the snapshot's
 //! pages and devices.
-//! This is not a warm pool of sandboxes: no guest has run in a standby
-//! process, and the state it is given is the same template state a cold
-//! create would load.
+//! Under TCG a standby also rehearses ([`VmRuntime::rehearse`], ADR 16):
+//! the template's guest runs once in it — its restore, the post-restore
+//! hook, one command — and QEMU is rewound to before that, keeping only
+//! what TCG translated from pages the guest left as they were, so that the
+//! create that takes it does not translate those first steps again.
+//! This is not a warm pool of sandboxes: no guest state is left in a
+//! standby process (its memory is the template's file again, its devices
+//! reset, its disk an untouched copy), and the state it is given is the
+//! same template state a cold create would load.
 //!
 //! A standby VM is an ordinary VM directory whose record says
 //! [`Phase::Standby`]: listings skip it, adoption refuses it, and the sweep
@@ -23,14 +29,20 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::json;
 use tokio::sync::watch;
 
+use clade_proto::{Command, ExecRequest};
+
 use super::launch::{Disk, Memory};
+use super::migrate::{self, Translations};
 use super::record::{Lifetime, Phase, VmRecord};
 use super::template::Template;
 use super::{connect_qmp, io_err, make_writable, record, spawn_qemu, VmError, VmRuntime, VmSpec};
+use crate::accel::Accel;
+use crate::agent::AgentClient;
 use crate::net::EgressPolicy;
 use crate::qcow2::Layer;
 use crate::qmp::Qmp;
@@ -43,6 +55,9 @@ pub(super) struct Standby {
     pub record: VmRecord,
     pub exited: watch::Receiver<Option<String>>,
     pub qmp: Qmp,
+    /// The template's guest ran once in it and was rewound ([`rehearse`]):
+    /// a create from the template keeps what TCG translated then.
+    pub rehearsed: bool,
 }
 
 /// The disk a standby VM is taken with.
@@ -58,6 +73,18 @@ pub(super) enum TakenDisk<'a> {
 pub(super) const STANDBY_DISK_NODE: &str = "disk";
 /// QEMU's node for a layer swapped in when a standby is taken.
 const TAKEN_DISK_NODE: &str = "taken-disk";
+/// QEMU's node, and the file in the VM's directory, of the throwaway layer
+/// a rehearsal's guest writes to.
+const REHEARSAL_DISK_NODE: &str = "rehearsal-disk";
+const REHEARSAL_DISK: &str = "rehearsal.qcow2";
+/// The niceness a standby VMM is prepared at (its start after QMP answers,
+/// its rehearsal): work ahead of need yields the CPU to creates under way,
+/// and the create that takes it sets it back to 0.
+const STANDBY_NICENESS: i32 = 10;
+/// What a rehearsal runs after the post-restore hook: a process started
+/// through the agent, as an agent's first command is (the kernel's exec and
+/// exit, the agent's spawn, the dynamic loader and libc).
+const REHEARSAL_COMMAND: [&str; 3] = ["/bin/sh", "-c", "exit 0"];
 
 type PoolKey = (String, Lifetime);
 
@@ -230,15 +257,26 @@ impl VmRuntime {
                     return Err(super::exited_during_boot(&dir, status.ok().and_then(|s| s.clone())));
                 }
             };
+            if let Some(vmm) = record.vmm {
+                if let Err(e) = vmm.set_niceness(STANDBY_NICENESS) {
+                    tracing::debug!("could not lower a standby VMM's priority: {e}");
+                }
+            }
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
-            attach_disk(&qmp, STANDBY_DISK_NODE, &self.disk_chain(&disk, &record)?, None).await?;
-            Ok::<_, VmError>(Some((exited, qmp)))
+            let chain = self.disk_chain(&disk, &record)?;
+            let rehearsed = self.accel == Accel::Tcg && self.config.rehearse_standby && migrate::rewinds(&qmp).await?;
+            if rehearsed {
+                self.rehearse(&dir, &qmp, template, &record, &chain).await?;
+            } else {
+                attach_disk(&qmp, STANDBY_DISK_NODE, &chain, None).await?;
+            }
+            Ok::<_, VmError>(Some((exited, qmp, rehearsed)))
         }
         .await;
         match started {
-            Ok(Some((exited, qmp))) => Ok(Some(Standby { id, dir, record, exited, qmp })),
+            Ok(Some((exited, qmp, rehearsed))) => Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed })),
             outcome => {
                 record::stop_leftover(&dir);
                 match outcome {
@@ -252,6 +290,40 @@ impl VmRuntime {
 }
 
 impl VmRuntime {
+    /// Runs the template's guest once in a standby VMM under TCG, then
+    /// rewinds the VMM to before that (ADR 16): the guest's first steps
+    /// after a restore — its wake-up, the post-restore hook, a command
+    /// through the agent — are translated here, ahead of need, instead of
+    /// on the path of the create that takes this standby. The guest writes
+    /// to a throwaway layer and an isolated network slot; the rewind reverts
+    /// its memory to the template's file and resets the machine, so that
+    /// nothing of this run but QEMU's translations of template code remains.
+    /// Its disk is `chain` (a copy of the template's empty layer) once this
+    /// returns.
+    async fn rehearse(&self, dir: &Path, qmp: &Qmp, template: &Template, record: &VmRecord, chain: &[Layer]) -> Result<(), VmError> {
+        let scratch = dir.join(REHEARSAL_DISK);
+        std::fs::copy(template.overlay(), &scratch).map_err(io_err("creating the rehearsal's disk layer"))?;
+        make_writable(&scratch)?;
+        attach_disk(qmp, REHEARSAL_DISK_NODE, &self.disk_chain(&scratch, record)?, None).await?;
+        let rehearsing = |e: &dyn std::fmt::Display| VmError::Config(format!("rehearsing the template's restore: {e}"));
+        migrate::load(qmp, &template.state(), true, Translations::Flush).await.map_err(|e| rehearsing(&e))?;
+        let agent = AgentClient::connect_restored(&super::launch::agent_socket(dir), self.boot_timeout()).await?;
+        super::run_restore_hook(&agent, super::restore_request(&record.id, true), self.boot_timeout()).await?;
+        let command = Command::Argv(REHEARSAL_COMMAND.iter().map(|arg| arg.to_string()).collect());
+        let output = agent.run(ExecRequest::new(command)).await?;
+        if output.exit_code() != 0 {
+            return Err(rehearsing(&format!("{REHEARSAL_COMMAND:?} exited {}", output.exit_code())));
+        }
+        agent.close();
+        until_agent_disconnected(qmp).await?;
+        qmp.execute("stop", None).await?;
+        // Swapped while the disks are active: after the rewind QEMU waits for
+        // a load again and would open a new layer inactive.
+        attach_disk(qmp, STANDBY_DISK_NODE, chain, Some(REHEARSAL_DISK_NODE)).await?;
+        std::fs::remove_file(&scratch).map_err(io_err("removing the rehearsal's disk layer"))?;
+        migrate::rewind(qmp).await.map_err(|e| rehearsing(&e))
+    }
+
     /// The new VM's id, directory and record: those of the standby VMM it
     /// takes, or new ones.
     pub(super) async fn new_or_standby(&self, standby: Option<&Standby>, spec: &VmSpec, template: &Template) -> Result<(String, PathBuf, VmRecord), VmError> {
@@ -266,6 +338,9 @@ impl VmRuntime {
     /// policy is put in force (the slot was isolated until now), and its
     /// disk is `disk`.
     pub(super) async fn claim_standby(&self, standby: &Standby, record: &mut VmRecord, spec: &VmSpec, disk: TakenDisk<'_>) -> Result<(), VmError> {
+        if let Some(vmm) = record.vmm {
+            vmm.set_niceness(0).map_err(io_err("restoring a taken standby VMM's priority"))?;
+        }
         record.phase = Phase::Creating;
         record.tag = spec.tag.clone();
         if let (Some(pool), Some(policy), Some(_)) = (&self.network, &spec.network, &record.network) {
@@ -278,6 +353,34 @@ impl VmRuntime {
             TakenDisk::Template => Ok(()),
             TakenDisk::Layer(layer) => self.swap_disk(standby, layer, record).await,
         }
+    }
+}
+
+/// How long QEMU may take to see a closed agent connection.
+const AGENT_DISCONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Waits until QEMU has seen the host end its agent connection (the agent's
+/// chardev says `disconnected:`), so that the create which takes a rehearsed
+/// standby finds the channel as in a new QEMU: never connected. Stopped
+/// with the connection still open (the host closes it in the background),
+/// QEMU would see it end only once the next guest reads again, and that
+/// guest could take the end for one of the create's own session: its hello
+/// then went unanswered for a handshake attempt (3 s, ~1 create in 50).
+async fn until_agent_disconnected(qmp: &Qmp) -> Result<(), VmError> {
+    let deadline = tokio::time::Instant::now() + AGENT_DISCONNECT_TIMEOUT;
+    loop {
+        let chardevs = qmp.execute("query-chardev", None).await?;
+        let agent = chardevs.as_array().and_then(|list| list.iter().find(|c| c["label"] == super::launch::AGENT_CHARDEV));
+        let Some(agent) = agent else {
+            return Err(VmError::Config(format!("QEMU has no chardev {:?}: {chardevs}", super::launch::AGENT_CHARDEV)));
+        };
+        if agent["filename"].as_str().is_some_and(|name| name.starts_with("disconnected:")) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(VmError::Config(format!("QEMU did not see the rehearsal's agent connection end within {AGENT_DISCONNECT_TIMEOUT:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
