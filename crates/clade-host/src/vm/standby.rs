@@ -227,6 +227,7 @@ impl VmRuntime {
         // A standby holds no guest memory, but the create that takes it will:
         // none is started on a host that could not admit that create.
         let _admitted = self.admit(1, spec.memory_mb)?;
+        let starting = std::time::Instant::now();
         let (id, dir, mut record) = self.new_vm(spec, Some(template)).await?;
         let started = async {
             let bytes = super::qcow2_virtual_size(&template.overlay())?;
@@ -276,7 +277,10 @@ impl VmRuntime {
         }
         .await;
         match started {
-            Ok(Some((exited, qmp, rehearsed))) => Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed })),
+            Ok(Some((exited, qmp, rehearsed))) => {
+                tracing::debug!(vm = %id, rehearsed, took = ?starting.elapsed(), "standby VMM ready");
+                Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed }))
+            }
             outcome => {
                 record::stop_leftover(&dir);
                 match outcome {
