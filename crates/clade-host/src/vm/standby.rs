@@ -55,7 +55,8 @@ pub(super) struct Standby {
     pub record: VmRecord,
     pub exited: watch::Receiver<Option<String>>,
     pub qmp: Qmp,
-    /// The template's guest ran once in it and was rewound ([`rehearse`]):
+    /// The template's guest ran once in it and was rewound
+    /// ([`VmRuntime::rehearse`]):
     /// a create from the template keeps what TCG translated then.
     pub rehearsed: bool,
 }
@@ -321,8 +322,8 @@ impl VmRuntime {
         agent.close();
         until_agent_disconnected(qmp).await?;
         qmp.execute("stop", None).await?;
-        // Swapped while the disks are active: after the rewind QEMU waits for
-        // a load again and would open a new layer inactive.
+        // Swapped before the rewind, so that the rewind makes the new layer
+        // inactive with the rest, as a QEMU started with -incoming has it.
         attach_disk(qmp, STANDBY_DISK_NODE, chain, Some(REHEARSAL_DISK_NODE)).await?;
         std::fs::remove_file(&scratch).map_err(io_err("removing the rehearsal's disk layer"))?;
         migrate::rewind(qmp).await.map_err(|e| rehearsing(&e))
