@@ -1012,14 +1012,9 @@ fn a_rehearsed_standby_keeps_nothing_of_its_rehearsal_but_the_translations() {
         );
 
         // The refilled standby is rehearsed too; its create is a sandbox of its own.
-        let other = loop {
-            let taken = runtime.create(spec.clone()).await.unwrap();
-            if matches!(taken.boot_kind(), BootKind::Restored { rehearsed: true, .. }) {
-                break taken;
-            }
-            taken.stop().await.unwrap();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
+        runtime.prestart(&spec).await.unwrap();
+        let other = runtime.create(spec.clone()).await.unwrap();
+        assert!(matches!(other.boot_kind(), BootKind::Restored { rehearsed: true, .. }), "{:?}", other.boot_kind());
         let identity = "hostname; cat /etc/machine-id; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
         let (a, b) = (vm.run(sh(identity)).await.unwrap(), other.run(sh(identity)).await.unwrap());
         let (a, b) = (a.stdout_str(), b.stdout_str());
