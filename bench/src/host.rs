@@ -37,51 +37,45 @@ pub async fn create_to_first_exec(
 /// Guest code blocks QEMU translated (TCG; `None` under KVM, which runs
 /// guest code natively): a new QEMU process starts with no translations, so
 /// each VM translates the code it runs first anew.
+/// Blocks TCG translated around a create's first command.
 #[derive(Debug, Clone, Copy)]
 pub struct Translated {
-    /// A cold-booted VM, boot and first exec together.
-    pub cold_to_first_exec: u64,
-    /// A created (restored) VM: restore and post-restore hook.
+    /// In the created VM's cache after the restore and post-restore hook.
     pub create_to_hook: u64,
-    /// Its first exec.
+    /// By its first exec.
     pub first_exec: u64,
-    /// The same exec again.
+    /// By the same exec again.
     pub repeated_exec: u64,
 }
 
-pub async fn translated_blocks(runtime: &VmRuntime, spec: &VmSpec, cmd: &Command) -> anyhow::Result<Option<Translated>> {
-    let run = |vm: &Vm| {
-        let request = ExecRequest::new(cmd.clone());
-        let vm = vm.clone();
-        async move {
-            let out = vm.agent().run(request).await?;
-            anyhow::ensure!(out.exit_code() == 0, "{cmd:?} failed");
-            Ok(())
-        }
-    };
+/// Blocks a cold-booted VM translated by the end of its first `cmd`, boot
+/// included; `None` without TCG.
+pub async fn cold_boot_blocks(runtime: &VmRuntime, spec: &VmSpec, cmd: &Command) -> anyhow::Result<Option<u64>> {
     let cold = runtime.boot(spec.clone()).await?;
-    run(&cold).await?;
-    let Some(cold_to_first_exec) = tcg_blocks(&cold).await? else {
-        cold.stop().await?;
-        return Ok(None);
-    };
+    exec_round_trip(&cold, cmd).await?;
+    let blocks = tcg_blocks(&cold).await?;
     cold.stop().await?;
+    Ok(blocks)
+}
+
+/// Blocks translated around the first `cmd` of a VM created by `runtime`
+/// (into a standby VMM if it keeps any); `None` without TCG.
+pub async fn create_blocks(runtime: &VmRuntime, spec: &VmSpec, cmd: &Command) -> anyhow::Result<Option<Translated>> {
     runtime.prestart(spec).await?;
     let vm = runtime.create(spec.clone()).await?;
     let mut counts = Vec::new();
     for step in 0..3 {
         if step > 0 {
-            run(&vm).await?;
+            exec_round_trip(&vm, cmd).await?;
         }
-        counts.push(tcg_blocks(&vm).await?.unwrap_or_default());
+        let Some(count) = tcg_blocks(&vm).await? else {
+            vm.stop().await?;
+            return Ok(None);
+        };
+        counts.push(count);
     }
     vm.stop().await?;
-    Ok(Some(Translated {
-        cold_to_first_exec,
-        create_to_hook: counts[0],
-        first_exec: counts[1] - counts[0],
-        repeated_exec: counts[2] - counts[1],
-    }))
+    Ok(Some(Translated { create_to_hook: counts[0], first_exec: counts[1] - counts[0], repeated_exec: counts[2] - counts[1] }))
 }
 
 /// The "TB count" of QEMU's `x-query-jit`: blocks translated so far (the

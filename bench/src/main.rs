@@ -305,18 +305,18 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
     // holds its rehearsal's blocks.
     if want("create") {
         let true_argv = Command::Argv(vec!["true".into()]);
-        match host::translated_blocks(&without_standby, &spec, &true_argv).await? {
-            Some(t) => println!(
-                "TCG blocks translated, create into a new QEMU: to hook {}, its first exec {}, the same exec again {}; cold boot to first exec {} ({:.1}x a create's to first exec)",
+        let cold = host::cold_boot_blocks(&without_standby, &spec, &true_argv).await?;
+        match (cold, host::create_blocks(&without_standby, &spec, &true_argv).await?) {
+            (Some(cold), Some(t)) => println!(
+                "TCG blocks translated, create into a new QEMU: to hook {}, its first exec {}, the same exec again {}; cold boot to first exec {cold} ({:.1}x a create's to first exec)",
                 t.create_to_hook,
                 t.first_exec,
                 t.repeated_exec,
-                t.cold_to_first_exec,
-                t.cold_to_first_exec as f64 / (t.create_to_hook + t.first_exec) as f64
+                cold as f64 / (t.create_to_hook + t.first_exec) as f64
             ),
-            None => println!("TCG blocks translated: none (accel {})", runtime.accel()),
+            _ => println!("TCG blocks translated: none (accel {})", runtime.accel()),
         }
-        if let Some(t) = host::translated_blocks(&runtime, &spec, &true_argv).await? {
+        if let Some(t) = host::create_blocks(&runtime, &spec, &true_argv).await? {
             println!(
                 "TCG blocks, create into a rehearsed standby VMM: {} in its cache after the hook (the rehearsal's included), its first exec {}, the same exec again {}",
                 t.create_to_hook, t.first_exec, t.repeated_exec

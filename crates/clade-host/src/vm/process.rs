@@ -31,11 +31,12 @@ impl ProcessId {
             let Ok(tid) = task?.file_name().to_string_lossy().parse::<libc::id_t>() else { continue };
             // SAFETY: setpriority takes integers only and touches no memory of ours.
             #[allow(unsafe_code)]
-            let set = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, niceness) };
-            let error = std::io::Error::last_os_error();
-            // A thread that ended meanwhile has no priority to set.
-            if set != 0 && error.raw_os_error() != Some(libc::ESRCH) {
-                return Err(error);
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, niceness) } != 0 {
+                let error = std::io::Error::last_os_error();
+                // A thread that ended meanwhile has no priority to set.
+                if error.raw_os_error() != Some(libc::ESRCH) {
+                    return Err(error);
+                }
             }
         }
         Ok(())
