@@ -146,34 +146,16 @@ async fn vm(boots: usize, execs: usize, file_mib: usize) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vm.vmm().pid;
     let (rss, pss) = memory_kib(pid)?;
-    let cpu_before = cpu_ticks(pid)?;
+    let cpu_before = vm.vmm().cpu_time().context("QEMU gone")?;
     let wall = Instant::now();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let ticks = cpu_ticks(pid)? - cpu_before;
-    let hz = 100.0; // USER_HZ on Linux x86-64
-    let cpu_pct = ticks as f64 / hz / wall.elapsed().as_secs_f64() * 100.0;
+    let cpu = vm.vmm().cpu_time().context("QEMU gone")? - cpu_before;
+    let cpu_pct = cpu.as_secs_f64() / wall.elapsed().as_secs_f64() * 100.0;
     println!("idle VM QEMU process: RSS {:.1} MiB, PSS {:.1} MiB, CPU {cpu_pct:.2} % of a core", rss as f64 / 1024.0, pss as f64 / 1024.0);
     println!("ratio cold boot / exec p50: {:.0}x", times[boots / 2].as_secs_f64() / percentile(&runs, 50.0).as_secs_f64());
     vm.stop().await?;
     let _ = std::fs::remove_dir_all(data);
     Ok(())
-}
-
-/// PSS of QEMU's TCG code buffer (its one unnamed mapping that is
-/// writable and executable, `tb-size` large): memory a KVM host does not spend.
-fn tcg_cache_pss_kib(pid: u32) -> anyhow::Result<u64> {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    let mut total = 0;
-    let mut in_buffer = false;
-    for line in smaps.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
-            in_buffer = fields.len() == 5 && fields[1] == "rwxp";
-        } else if in_buffer && fields.first() == Some(&"Pss:") {
-            total += fields.get(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        }
-    }
-    Ok(total)
 }
 
 /// (RSS, PSS) of process `pid`, in KiB.
@@ -190,61 +172,81 @@ pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("Rss:"), field("Pss:")))
 }
 
-/// PSS and CPU of `count` idle sandboxes, twice: right after the creates
-/// (the guests still finish their first steps: page cache writeback, the
-/// journal's first commit) and once they have settled (what a sandbox
-/// waiting for its agent's next command costs). A runtime with standby VMMs
-/// has its pool filled before each create, so that every create takes one.
-/// With `run_true`, each sandbox has run one command (as a sandbox in use has).
+/// PSS and CPU of `count` idle sandboxes: right after the creates (the
+/// guests still finish their first steps: page cache writeback, the
+/// journal's first commit), once they have settled (what a sandbox waiting
+/// for its agent's next command costs), and, when the runtime drops idle
+/// guests' translations (TCG, ADR 17), once it has: then the first command
+/// of each, which is translated again, and the next. A runtime with standby
+/// VMMs has its pool filled before each create, so that every create takes
+/// one. With `run_true`, each sandbox has run one command (as a sandbox in
+/// use has).
 async fn density_of(runtime: &VmRuntime, spec: &VmSpec, count: usize, how: &str, run_true: bool) -> anyhow::Result<()> {
+    let true_cmd = || ExecRequest::new(Command::Argv(vec!["true".into()]));
     let mut vms = Vec::new();
     for _ in 0..count {
         runtime.prestart(spec).await?;
         let vm = runtime.create(spec.clone()).await?;
         if run_true {
-            vm.agent().run(ExecRequest::new(Command::Argv(vec!["true".into()]))).await?;
+            vm.agent().run(true_cmd()).await?;
         }
         vms.push(vm);
     }
     let rehearsed = vms.iter().filter(|vm| matches!(vm.boot_kind(), BootKind::Restored { rehearsed: true, .. })).count();
     let created = Instant::now();
-    for (label, at) in [("just created", Duration::from_secs(3)), ("settled", Duration::from_secs(30))] {
+    let mut points = vec![("just created".to_string(), Duration::from_secs(3)), ("settled".to_string(), Duration::from_secs(15))];
+    let drop_after = runtime.drops_idle_translations_after();
+    if let Some(after) = drop_after {
+        points.push((format!("after the idle drop ({} s idle)", after.as_secs()), after + Duration::from_secs(20)));
+    }
+    for (label, at) in points {
         tokio::time::sleep(at.saturating_sub(created.elapsed())).await;
         let mut pss_total = 0;
         let mut tcg_total = 0;
-        let mut ticks_before = Vec::new();
+        let mut cpu_before = Vec::new();
         for vm in &vms {
             pss_total += memory_kib(vm.vmm().pid)?.1;
-            tcg_total += tcg_cache_pss_kib(vm.vmm().pid)?;
-            ticks_before.push(cpu_ticks(vm.vmm().pid)?);
+            tcg_total += clade_host::vm::translation_cache_kib(vm.vmm().pid)?;
+            cpu_before.push(vm.vmm().cpu_time().context("QEMU gone")?);
         }
         let wall = Instant::now();
         tokio::time::sleep(Duration::from_secs(10)).await;
-        let mut ticks = 0;
-        for (vm, before) in vms.iter().zip(ticks_before) {
-            ticks += cpu_ticks(vm.vmm().pid)? - before;
+        let mut cpu = Duration::ZERO;
+        for (vm, before) in vms.iter().zip(cpu_before) {
+            cpu += vm.vmm().cpu_time().context("QEMU gone")? - before;
         }
-        let cpu_each = ticks as f64 / 100.0 / wall.elapsed().as_secs_f64() * 100.0 / count as f64;
+        let cpu_each = cpu.as_secs_f64() / wall.elapsed().as_secs_f64() * 100.0 / count as f64;
         println!(
-            "{count} idle sandboxes {how} ({rehearsed} rehearsed), {label} ({:.0} s after the creates): PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
+            "{count} idle sandboxes {how} ({rehearsed} rehearsed), {label}, {:.0} s after the creates: PSS {:.1} MiB each ({:.0} MiB total), of which TCG's translation cache {:.1} MiB each; CPU {cpu_each:.2} % of a core each",
             at.as_secs_f64(),
             pss_total as f64 / 1024.0 / count as f64,
             pss_total as f64 / 1024.0,
             tcg_total as f64 / 1024.0 / count as f64,
         );
     }
+    if drop_after.is_some() {
+        let mut first = Vec::new();
+        let mut next = Vec::new();
+        for vm in &vms {
+            for times in [&mut first, &mut next] {
+                let start = Instant::now();
+                vm.agent().run(true_cmd()).await?;
+                times.push(start.elapsed());
+            }
+        }
+        first.sort();
+        next.sort();
+        println!(
+            "{count} sandboxes {how}, after the idle drop: first `true` p50 {} p99 {}, the next p50 {}",
+            ms(percentile(&first, 50.0)),
+            ms(percentile(&first, 99.0)),
+            ms(percentile(&next, 50.0))
+        );
+    }
     for vm in vms {
         vm.stop().await?;
     }
     Ok(())
-}
-
-fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = &stat[stat.rfind(')').context("stat")? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 after the state.
-    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
 }
 
 async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! Host agent settings, with the defaults of a single-host install.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::accel::AccelChoice;
 
@@ -20,6 +21,10 @@ pub struct HostConfig {
     /// fraction of the code, at the memory of those translations in every
     /// sandbox from its start (what its first command would cost anyway).
     pub rehearse_standby: bool,
+    /// Under TCG, how long a running guest's QEMU must be idle before its
+    /// translations are dropped and their memory freed (ADR 17); `None`:
+    /// never. Its next command is translated again.
+    pub drop_idle_translations_after: Option<Duration>,
 }
 
 impl Default for HostConfig {
@@ -31,13 +36,15 @@ impl Default for HostConfig {
             qemu_binary: None,
             guestd: None,
             rehearse_standby: true,
+            drop_idle_translations_after: Some(Duration::from_secs(30)),
         }
     }
 }
 
 impl HostConfig {
     /// Defaults overridden by `CLADE_DATA_DIR`, `CLADE_CACHE_DIR`, `CLADE_ACCEL`,
-    /// `CLADE_QEMU`, `CLADE_GUESTD` and `CLADE_STANDBY_REHEARSAL` (`on` or `off`).
+    /// `CLADE_QEMU`, `CLADE_GUESTD`, `CLADE_STANDBY_REHEARSAL` (`on` or `off`)
+    /// and `CLADE_DROP_IDLE_TRANSLATIONS_AFTER` (seconds, or `off`).
     pub fn from_env() -> Result<Self, String> {
         let mut config = Self::default();
         if let Some(dir) = std::env::var_os("CLADE_DATA_DIR") {
@@ -60,6 +67,15 @@ impl HostConfig {
                 "on" => true,
                 "off" => false,
                 other => return Err(format!("CLADE_STANDBY_REHEARSAL must be on or off, not {other:?}")),
+            };
+        }
+        if let Ok(after) = std::env::var("CLADE_DROP_IDLE_TRANSLATIONS_AFTER") {
+            config.drop_idle_translations_after = match after.as_str() {
+                "off" => None,
+                seconds => match seconds.parse::<u64>() {
+                    Ok(seconds) if seconds > 0 => Some(Duration::from_secs(seconds)),
+                    _ => return Err(format!("CLADE_DROP_IDLE_TRANSLATIONS_AFTER must be a number of seconds or off, not {seconds:?}")),
+                },
             };
         }
         Ok(config)

@@ -334,3 +334,57 @@ fn a_guest_stopped_by_a_full_host_disk_is_not_called_hung_and_runs_on_when_there
         vm.stop().await.unwrap();
     });
 }
+
+/// Under TCG a guest whose QEMU has been idle for the host's setting has
+/// its translations dropped and their memory freed (ADR 17), once per idle
+/// spell, and runs on with its files; a guest that keeps a core busy keeps
+/// them.
+#[test]
+fn an_idle_guest_gives_its_translations_back_and_a_busy_one_keeps_them() {
+    let Some(env) = vm_env() else { return };
+    if env.runtime.accel() != clade_host::Accel::Tcg {
+        eprintln!("skipped: only TCG translates guest code (KVM runs it natively)");
+        return;
+    }
+    let after = Duration::from_secs(2);
+    let config = clade_host::HostConfig { drop_idle_translations_after: Some(after), ..env.config.clone() };
+    let runtime = clade_host::VmRuntime::new(config).unwrap();
+    block_on(async {
+        let vm = runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
+        let pid = vm.vmm().pid;
+        let out = vm
+            .run(sh("echo kept > /var/tmp/kept && nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!"))
+            .await
+            .unwrap();
+        let spinner = out.stdout_str().trim().to_string();
+        assert!(!spinner.is_empty(), "{}", out.stderr_str());
+
+        // Busy: a guest spinning on a core is never idle, whatever it caches.
+        let flushes = common::jit_counter(&vm, "TB flush count").await;
+        tokio::time::sleep(after * 4).await;
+        assert_eq!(common::jit_counter(&vm, "TB flush count").await, flushes, "a busy guest's translations were dropped");
+        let cached = clade_host::vm::translation_cache_kib(pid).unwrap();
+
+        // Idle: the spinner gone, its QEMU falls quiet and the drop follows.
+        vm.run(sh(&format!("kill {spinner}"))).await.unwrap();
+        let killed = (tokio::time::Instant::now(), vm.vmm().cpu_time().unwrap());
+        while common::jit_counter(&vm, "TB flush count").await == flushes {
+            let (since, cpu) = (killed.0.elapsed(), vm.vmm().cpu_time().unwrap() - killed.1);
+            let share = cpu.as_secs_f64() / since.as_secs_f64() * 100.0;
+            assert!(since < Duration::from_secs(60), "an idle guest kept its translations for 60 s; its QEMU used {share:.1} % of a core");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // The drop runs on the vCPU soon after the command; the guest's idle
+        // path is translated again (a few MiB) while we look.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let left = clade_host::vm::translation_cache_kib(pid).unwrap();
+        assert!(left < cached / 2, "the translation cache kept {left} KiB of {cached} KiB");
+        // Once: what the still idle guest translates again is its own.
+        tokio::time::sleep(after * 4).await;
+        assert_eq!(common::jit_counter(&vm, "TB flush count").await, flushes + 1, "an idle guest's translations were dropped again");
+
+        let out = vm.run(sh("cat /var/tmp/kept")).await.unwrap();
+        assert_eq!(out.stdout_str(), "kept\n");
+        vm.stop().await.unwrap();
+    });
+}

@@ -956,13 +956,7 @@ fn anonymous_kib_of_mapping(pid: u32, file: &std::path::Path) -> Option<u64> {
 
 /// TCG's count of blocks translated so far and of blocks dropped.
 async fn translation_counts(vm: &clade_host::Vm) -> (u64, u64) {
-    let info = vm.qmp().execute("x-query-jit", None).await.unwrap();
-    let text = info["human-readable-text"].as_str().unwrap().to_string();
-    let count = |name: &str| {
-        let line = text.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("no {name} in {text}"));
-        line.trim().parse::<u64>().unwrap()
-    };
-    (count("TB count"), count("TB invalidate count"))
+    (common::jit_counter(vm, "TB count").await, common::jit_counter(vm, "TB invalidate count").await)
 }
 
 /// Under TCG a standby VMM runs the template's guest once and is rewound

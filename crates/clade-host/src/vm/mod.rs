@@ -7,10 +7,12 @@
 //! The disk is a qcow2 overlay over the image's read-only base. A monitor task
 //! per VM watches the QEMU process and pings the agent: a guest that dies
 //! (panic, reboot, crash) or stops answering becomes a [`VmFailure`] carrying
-//! the tail of its console, and its files are removed.
+//! the tail of its console, and its files are removed. Under TCG it also
+//! drops the translations of a guest gone idle ([`idle`], ADR 17).
 
 mod admission;
 mod delta;
+mod idle;
 mod launch;
 mod migrate;
 mod pagemap;
@@ -31,6 +33,7 @@ use clade_proto::{ExecRequest, RestoreRequest};
 use tokio::sync::watch;
 
 pub use admission::{Admission, AdmissionError};
+pub use idle::translation_cache_kib;
 pub use migrate::MigrateError;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
 pub use process::ProcessId;
@@ -260,6 +263,17 @@ impl VmRuntime {
         self.accel
     }
 
+    /// How long a running VM's QEMU must be idle before its translations
+    /// are dropped (ADR 17): the host's setting, under TCG only.
+    pub fn drops_idle_translations_after(&self) -> Option<Duration> {
+        self.config.drop_idle_translations_after.filter(|_| self.accel == Accel::Tcg)
+    }
+
+    /// How the monitor of each VM watches it: `watchdog` from its spec.
+    fn supervision(&self, watchdog: Option<Watchdog>) -> Supervision {
+        Supervision { watchdog, drop_idle_translations_after: self.drops_idle_translations_after() }
+    }
+
     /// Replaces the admission limits (tests, operators).
     pub fn with_admission(mut self, admission: Admission) -> Self {
         self.admission = admission;
@@ -444,7 +458,7 @@ impl VmRuntime {
             run_restore_hook(&agent, restore_request(&id, false), timeout).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, BootKind::Cold))
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), BootKind::Cold))
         }
         .await;
         if booted.is_err() {
@@ -498,7 +512,7 @@ impl VmRuntime {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, rehearsed, "created by restoring the template");
             let kind = BootKind::Restored { template: template.key.clone(), baked_now, standby: from_standby, rehearsed };
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), kind))
         }
         .await;
         if created.is_err() {
@@ -597,7 +611,7 @@ impl VmRuntime {
         if record.phase == Phase::Running {
             agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
         }
-        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, watchdog, BootKind::Adopted))
+        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, self.supervision(watchdog), BootKind::Adopted))
     }
 
     /// Brings a hibernated VM back: same id, disk, processes and memory.
@@ -689,7 +703,7 @@ impl VmRuntime {
         record.save(&dir).map_err(io_err("writing the VM record"))?;
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&memory_file);
-        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, watchdog, BootKind::Woken))
+        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, self.supervision(watchdog), BootKind::Woken))
     }
 
     /// Stops a VM in whatever state it is and deletes everything it has.
@@ -1070,7 +1084,7 @@ impl Vm {
         qmp: Qmp,
         agent: AgentClient,
         exited: watch::Receiver<Option<String>>,
-        watchdog: Option<Watchdog>,
+        supervision: Supervision,
         kind: BootKind,
     ) -> Self {
         let vmm = record.vmm.expect("an attached VM has a QEMU process");
@@ -1088,7 +1102,7 @@ impl Vm {
             exited: exited.clone(),
             failure: failure.clone(),
             state: state.clone(),
-            watchdog,
+            supervision,
             owner_alive: alive_rx,
         }));
         Self {
@@ -1461,8 +1475,18 @@ struct Monitor {
     exited: watch::Receiver<Option<String>>,
     failure: Arc<watch::Sender<Option<VmFailure>>>,
     state: Arc<Mutex<State>>,
-    watchdog: Option<Watchdog>,
+    supervision: Supervision,
     owner_alive: watch::Receiver<()>,
+}
+
+/// What a running VM's monitor does besides noticing QEMU's exit.
+#[derive(Debug, Clone, Copy)]
+struct Supervision {
+    /// Pings the agent: a guest that stops answering has failed.
+    watchdog: Option<Watchdog>,
+    /// Under TCG: drops the guest's translations once its QEMU was idle
+    /// this long ([`idle`], ADR 17).
+    drop_idle_translations_after: Option<Duration>,
 }
 
 async fn monitor(mut m: Monitor) {
@@ -1474,7 +1498,7 @@ async fn monitor(mut m: Monitor) {
     let state = m.state.clone();
     let (qmp, dir) = (m.qmp.clone(), m.dir.clone());
     let watchdog = async {
-        let Some(dog) = m.watchdog else { return std::future::pending().await };
+        let Some(dog) = m.supervision.watchdog else { return std::future::pending().await };
         // A paused, snapshotted or stopped guest cannot answer, and need not.
         let running = || *state.lock().expect("vm state lock") == State::Running;
         let mut missed = 0;
@@ -1536,9 +1560,17 @@ async fn monitor(mut m: Monitor) {
             }
         }
     };
+    let idle = async {
+        if let Some(after) = m.supervision.drop_idle_translations_after {
+            let running = || *m.state.lock().expect("vm state lock") == State::Running;
+            idle::drop_translations_when_idle(&m.qmp, m.vmm, after, running).await;
+        }
+        std::future::pending::<(FailureKind, String)>().await
+    };
     let (kind, reason) = tokio::select! {
         failure = exited => failure,
         failure = watchdog => failure,
+        failure = idle => failure,
         _ = m.owner_alive.changed() => return,
     };
     {

@@ -68,6 +68,13 @@ impl ProcessId {
         }
     }
 
+    /// The CPU time it has used (user and system, all threads), or `None`
+    /// once it is gone.
+    pub fn cpu_time(&self) -> Option<std::time::Duration> {
+        let stat = parse_stat(&std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?)?;
+        (stat.start_ticks == self.start_ticks).then(|| ticks(stat.cpu_ticks))
+    }
+
     /// Whether its command line mentions `path` (our VMs name their directory).
     pub fn cmdline_mentions(&self, path: &Path) -> bool {
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.pid)).unwrap_or_default();
@@ -81,24 +88,34 @@ fn start_ticks(pid: u32) -> Option<u64> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|s| s.start_ticks)
 }
 
+/// Clock ticks (/proc's unit, `USER_HZ`: 100 on Linux x86-64) as a duration.
+fn ticks(n: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(n * 10)
+}
+
 /// The fields of a /proc/PID/stat line that we read.
 #[derive(Debug, PartialEq, Eq)]
 struct Stat {
     state: char,
     parent: u32,
+    /// User and system time, in clock ticks.
+    cpu_ticks: u64,
     start_ticks: u64,
 }
 
 /// Parses a /proc/PID/stat line; the command name may hold spaces and parens.
 fn parse_stat(stat: &str) -> Option<Stat> {
     let rest = &stat[stat.rfind(')')? + 2..];
-    let mut fields = rest.split_whitespace();
-    // Fields 3 and 4 are the state and the parent; the start time is field
-    // 22, i.e. 18 fields after the parent.
-    let state = fields.next()?.chars().next()?;
-    let parent = fields.next()?.parse().ok()?;
-    let start_ticks = fields.nth(17)?.parse().ok()?;
-    Some(Stat { state, parent, start_ticks })
+    // The state is field 3 (index 0 here), the parent field 4, user and
+    // system time fields 14 and 15, the start time field 22.
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let number = |field: usize| fields.get(field - 3)?.parse::<u64>().ok();
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        parent: u32::try_from(number(4)?).ok()?,
+        cpu_ticks: number(14)? + number(15)?,
+        start_ticks: number(22)?,
+    })
 }
 
 #[cfg(test)]
@@ -131,6 +148,17 @@ mod tests {
     #[test]
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19";
-        assert_eq!(parse_stat(line), Some(Stat { state: 'S', parent: 1, start_ticks: 777 }));
+        assert_eq!(parse_stat(line), Some(Stat { state: 'S', parent: 1, cpu_ticks: 11 + 12, start_ticks: 777 }));
+    }
+
+    #[test]
+    fn cpu_time_grows_with_work_and_ends_with_the_process() {
+        let me = ProcessId::current();
+        let before = me.cpu_time().unwrap();
+        let spin = std::time::Instant::now();
+        while me.cpu_time().unwrap() < before + std::time::Duration::from_millis(50) {
+            assert!(spin.elapsed() < std::time::Duration::from_secs(30), "50 ms of work never showed in our CPU time");
+        }
+        assert_eq!(ProcessId { start_ticks: me.start_ticks + 1, ..me }.cpu_time(), None);
     }
 }

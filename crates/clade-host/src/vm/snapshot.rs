@@ -272,7 +272,7 @@ impl VmRuntime {
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let kind = BootKind::FromSnapshot { snapshot: snapshot_id.clone() };
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
+            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), kind))
         }
         .await;
         if created.is_err() {

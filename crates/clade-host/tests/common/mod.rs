@@ -36,3 +36,11 @@ pub fn sh(script: &str) -> ExecRequest {
 pub fn argv(args: &[&str]) -> ExecRequest {
     ExecRequest::new(Command::Argv(args.iter().map(|s| s.to_string()).collect()))
 }
+
+/// A counter of QEMU's `x-query-jit` (TCG only), e.g. "TB count".
+pub async fn jit_counter(vm: &Vm, name: &str) -> u64 {
+    let info = vm.qmp().execute("x-query-jit", None).await.unwrap();
+    let text = info["human-readable-text"].as_str().unwrap();
+    let line = text.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("no {name} in {text}"));
+    line.trim().parse().unwrap_or_else(|_| panic!("{name}: not a number in {line:?}"))
+}
