@@ -22,29 +22,39 @@ use crate::qmp::{Qmp, QmpError};
 /// loaded host makes them dearer.
 const IDLE_SHARE_OF_A_CORE: f64 = 0.02;
 
-/// A cache no larger than this is left alone: an idle guest's own path
-/// (timer interrupts, the agent answering pings) fills ~4.5 MiB again
-/// within seconds of a drop.
+/// A cache no larger than this is left alone.
 const DROP_ABOVE_KIB: u64 = 6 * 1024;
+
+/// After a drop, the cache is dropped again only once it has grown by this
+/// much past what it held at the first idle sample after the drop: an idle
+/// guest translates its own idle path again within a second or two of a
+/// drop (timer interrupts, the agent answering pings: ~4.6 MiB with one
+/// vCPU, more with several), and dropping that over and over would cost
+/// CPU for nothing.
+const GROWTH_KIB: u64 = 4 * 1024;
+
+/// No idle path is larger than this: a guest that ran a command between a
+/// drop and the next idle sample has that command's code in the cache too,
+/// which must not raise the bar for the next drop by as much.
+const IDLE_PATH_MAX_KIB: u64 = 12 * 1024;
 
 /// How often the QEMU's CPU time is read, at most.
 const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
 /// Drops the translations of the guest in `vmm` once it has been idle for
 /// `after` with more than [`DROP_ABOVE_KIB`] of them cached, and again
-/// only after it has worked (used 2 % of a core or more over a sample) and
-/// been idle for `after` once more: an idle guest translates its idle path
-/// again right after a drop, and dropping that over and over would cost a
-/// core's time for nothing. `running` says whether the guest runs at all:
-/// a paused or stopping one is left alone, and its idle time starts again
+/// whenever it has been idle for `after` with [`GROWTH_KIB`] more cached
+/// than its idle path. `running` says whether the guest runs at all: a
+/// paused or stopping one is left alone, and its idle time starts again
 /// when it runs. Returns when the process is gone or its QEMU has no such
 /// command (a QEMU not built by `scripts/build-qemu`).
 pub(super) async fn drop_translations_when_idle(qmp: &Qmp, vmm: ProcessId, after: Duration, running: impl Fn() -> bool) {
     let every = after.min(SAMPLE_EVERY);
     let (mut sampled_at, Some(mut cpu)) = (Instant::now(), vmm.cpu_time()) else { return };
     let mut idle_since = sampled_at;
-    // A new VM has just worked: its restore or boot.
-    let mut worked_since_drop = true;
+    let mut floor_kib = DROP_ABOVE_KIB;
+    // Set by a drop: the next idle sample measures the guest's idle path.
+    let mut measure_idle_path = false;
     loop {
         tokio::time::sleep(every).await;
         let now = Instant::now();
@@ -52,18 +62,26 @@ pub(super) async fn drop_translations_when_idle(qmp: &Qmp, vmm: ProcessId, after
         let used = cpu_now.saturating_sub(cpu).as_secs_f64();
         let idle = used < (now - sampled_at).as_secs_f64() * IDLE_SHARE_OF_A_CORE;
         (sampled_at, cpu) = (now, cpu_now);
-        worked_since_drop |= !idle;
         if !idle || !running() {
             idle_since = now;
             continue;
         }
-        if !worked_since_drop || now - idle_since < after || translation_cache_kib(vmm.pid).unwrap_or(0) <= DROP_ABOVE_KIB {
+        if now - idle_since < after && !measure_idle_path {
+            continue;
+        }
+        let cached = translation_cache_kib(vmm.pid).unwrap_or(0);
+        if measure_idle_path {
+            floor_kib = DROP_ABOVE_KIB.max(cached.min(IDLE_PATH_MAX_KIB) + GROWTH_KIB);
+            measure_idle_path = false;
+            continue;
+        }
+        if cached <= floor_kib {
             continue;
         }
         match qmp.execute("x-clade-drop-translations", None).await {
             Ok(_) => {
-                tracing::debug!(pid = vmm.pid, idle_for = ?now - idle_since, "dropped an idle guest's translations");
-                worked_since_drop = false;
+                tracing::debug!(pid = vmm.pid, cached_kib = cached, idle_for = ?now - idle_since, "dropped an idle guest's translations");
+                measure_idle_path = true;
             }
             Err(QmpError::Command { class, .. }) if class == "CommandNotFound" => {
                 tracing::debug!(pid = vmm.pid, "this QEMU cannot drop translations (not Clade's build)");
