@@ -34,10 +34,9 @@ pub async fn create_to_first_exec(
     Ok((to_hook, to_exec))
 }
 
-/// Guest code blocks QEMU translated (TCG; `None` under KVM, which runs
-/// guest code natively): a new QEMU process starts with no translations, so
-/// each VM translates the code it runs first anew.
-/// Blocks TCG translated around a create's first command.
+/// Guest code blocks TCG translated around a create's first command. A new
+/// QEMU process starts with no translations, so each VM translates the code
+/// it runs first anew (KVM runs guest code natively and translates none).
 #[derive(Debug, Clone, Copy)]
 pub struct Translated {
     /// In the created VM's cache after the restore and post-restore hook.

@@ -1496,11 +1496,12 @@ async fn monitor(mut m: Monitor) {
     };
     let agent = m.agent.clone();
     let state = m.state.clone();
+    // A paused, snapshotted or stopped guest cannot answer, and need not;
+    // nor are its translations dropped.
+    let running = || *state.lock().expect("vm state lock") == State::Running;
     let (qmp, dir) = (m.qmp.clone(), m.dir.clone());
     let watchdog = async {
         let Some(dog) = m.supervision.watchdog else { return std::future::pending().await };
-        // A paused, snapshotted or stopped guest cannot answer, and need not.
-        let running = || *state.lock().expect("vm state lock") == State::Running;
         let mut missed = 0;
         let mut waiting_for_room = false;
         loop {
@@ -1562,7 +1563,6 @@ async fn monitor(mut m: Monitor) {
     };
     let idle = async {
         if let Some(after) = m.supervision.drop_idle_translations_after {
-            let running = || *m.state.lock().expect("vm state lock") == State::Running;
             idle::drop_translations_when_idle(&m.qmp, m.vmm, after, running).await;
         }
         std::future::pending::<(FailureKind, String)>().await
