@@ -4,8 +4,9 @@ They steer generated requests so that the run reaches real handlers without
 wrecking its own fixture: most sandbox-scoped requests target the real
 sandbox named by CLADE_FUZZ_SANDBOX (the rest keep their random id: 404s),
 file operations stay under /tmp/fuzz in the guest, commands time out within
-10 s, the real sandbox keeps an idle TTL of at least an hour, and logs are
-not followed (a followed log never ends). Deleting the real sandbox is left
+10 s, the real sandbox keeps an idle TTL of at least an hour and limits its
+commands can run under, and logs and events are not followed (a followed
+stream never ends). Deleting the real sandbox is left
 to random ids, and so is revoking the admin key (schemathesis reuses values
 from earlier answers, such as the key prefixes `GET /v1/me/tokens` lists,
 and a key may revoke itself). Each steer keeps the value's kind (an out-of-range or
@@ -14,6 +15,9 @@ wrong-typed value still goes out as generated).
 
 from __future__ import annotations
 
+import atexit
+import collections
+import json
 import os
 import zlib
 
@@ -49,7 +53,7 @@ def before_call(context, case, kwargs):
     if query is not None:
         if path.startswith("/v1/sandboxes/{id}/fs") and isinstance(query.get("path"), str) and query["path"].startswith("/"):
             query["path"] = FS_ROOT + query["path"]
-        if path.endswith("/logs") and "follow" in query:
+        if path.endswith(("/logs", "/events")) and "follow" in query:
             query["follow"] = "0"
     body = case.body if isinstance(case.body, dict) else None
     if body is not None:
@@ -60,6 +64,12 @@ def before_call(context, case, kwargs):
         ttl = body.get("ttl_seconds")
         if path.endswith("/lifecycle") and isinstance(ttl, int) and not isinstance(ttl, bool) and 0 < ttl < 3600:
             body["ttl_seconds"] = 3600
+        # Limits the real sandbox's later commands can live with (in range, still set).
+        if path.endswith("/limits"):
+            for key, least in (("memory_mb", 128), ("max_processes", 64)):
+                value = body.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and 0 < value < least:
+                    body[key] = least
 
 
 # The 5xx the API documents as refusals, not failures: 503 from the
@@ -72,9 +82,23 @@ ALLOWED_5XX = {
 }
 
 
+# Every status this run received, written at exit to CLADE_FUZZ_STATS for
+# the test's summary (the checks below see every response).
+STATUSES: "collections.Counter[int]" = collections.Counter()
+STATS = os.environ.get("CLADE_FUZZ_STATS", "")
+
+
+@atexit.register
+def _write_statuses() -> None:
+    if STATS:
+        with open(STATS, "w") as out:
+            json.dump({str(status): count for status, count in sorted(STATUSES.items())}, out)
+
+
 @schemathesis.check
 def no_undocumented_server_error(ctx, response, case):
     status = response.status_code
+    STATUSES[status] += 1
     if status < 500:
         return None
     allowed = ALLOWED_5XX.get(status)

@@ -2,7 +2,8 @@
 (§4.5)."""
 
 import pytest
-from pandastack import Candidate, NotFoundError
+import requests
+from pandastack import Candidate, NotFoundError, PandastackError
 
 
 def test_fork_copies_memory_and_disk(client, fresh_sandbox):
@@ -97,3 +98,28 @@ def test_explore_with_three_candidates(client, fresh_sandbox):
         assert parent.exec("cat /work/n").stdout == "10\n"
     finally:
         winner.kill()
+
+
+def test_promote_of_a_sandbox_in_no_tree_is_a_conflict(fresh_sandbox):
+    for kwargs in ({}, {"cleanup_siblings": True}):
+        with pytest.raises(PandastackError) as refused:
+            fresh_sandbox.promote(**kwargs)
+        assert "is not in a fork tree" in str(refused.value), refused.value
+
+
+def test_fork_tree_lists_its_failed_children_as_errors(server, fresh_sandbox):
+    # The shape PY's _children_from_fork_tree_response and OSS agree on: {children, errors: [{index, err}]}.
+    answer = requests.post(
+        f"{server.url}/v1/sandboxes/{fresh_sandbox.id}/fork-tree",
+        json={"count": 2},
+        headers={"Authorization": f"Bearer {server.admin_key}"},
+        timeout=300,
+    )
+    assert answer.status_code == 201, answer.text
+    tree = answer.json()
+    try:
+        assert tree["errors"] == [], tree["errors"]
+        assert [c["metadata"]["fork_index"] for c in tree["children"]] == ["0", "1"]
+    finally:
+        for child in tree["children"]:
+            requests.delete(f"{server.url}/v1/sandboxes/{child['id']}", headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=60)

@@ -37,3 +37,11 @@ def test_logs_follow_yields_new_lines(sandbox):
     assert not errors, errors
     assert any(marker in line for line in seen)
     assert all("\n" not in line for line in seen)
+
+
+def test_logs_stream_picks_the_console_or_the_vmms_errors(sandbox):
+    marker = "clade-sdk-stream-marker"
+    sandbox.exec(f"echo {marker} > /dev/console")
+    assert any(marker in line for line in sandbox.logs(stream="stdout"))
+    assert any(marker in line for line in sandbox.logs(stream="both"))
+    assert not any(marker in line for line in sandbox.logs(stream="stderr")), "the VMM's own errors only"

@@ -9,7 +9,8 @@ Checks (tests/sdk/openapi_fuzz_hooks.py):
 - response schema conformance: a documented status answers with the
   documented body.
 
-Bounded for a 2-core TCG host: FUZZ_EXAMPLES cases per operation (default
+It prints how many test cases it generated and every status it received
+(the count goes in the notes). Bounded for a 2-core TCG host: FUZZ_EXAMPLES cases per operation (default
 20; about 1300 requests, 1.5 min here), one worker at 20 requests/s, and `--max-running 1` with one real sandbox already
 running, so random creates and forks are refused (503) instead of booting
 VMs. The hooks point most sandbox-scoped requests at that sandbox so they
@@ -19,6 +20,7 @@ replays one.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,8 +61,9 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
         "--seed", SEED,
         "--request-timeout", "120",
         "--suppress-health-check", "all",
-        "--report", "junit",
+        "--report", "junit,json",
         "--report-dir", str(tmp_path / "report"),
+        "--report-json-path", str(tmp_path / "report" / "run.json"),
     ]
     env = {
         **os.environ,
@@ -68,6 +71,7 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
         "CLADE_FUZZ_SANDBOX": sandbox.id,
         "CLADE_FUZZ_ADMIN_PREFIX": me["key"]["prefix"],
+        "CLADE_FUZZ_STATS": str(tmp_path / "statuses.json"),
         "NO_COLOR": "1",
     }
     started = time.monotonic()
@@ -76,5 +80,13 @@ def test_schemathesis_finds_no_server_error(start_server, tmp_path):
     printable = [c if not c.startswith("Authorization:") else "Authorization: Bearer <admin key>" for c in cmd]
     print(f"\n$ {' '.join(printable)}\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}\nschemathesis ran {elapsed:.0f} s")
     assert run.returncode == 0, f"schemathesis found failures (exit {run.returncode}):\n{run.stdout[-8000:]}\n{run.stderr[-2000:]}"
+    # What the run tried, and what it got: the figure the issue asks to report.
+    cases = json.loads((tmp_path / "report" / "run.json").read_text())["test_cases"]
+    statuses = {int(k): v for k, v in json.loads((tmp_path / "statuses.json").read_text()).items()}
+    server_errors = {status: n for status, n in statuses.items() if status >= 500}
+    print(f"schemathesis: {cases['generated']} test cases, {sum(statuses.values())} responses "
+          f"({', '.join(f'{s}: {n}' for s, n in sorted(statuses.items()))}); "
+          f"5xx all documented refusals: {server_errors or 'none'}; cases with failures: {cases['with_failures']}")
+    assert cases["generated"] > 0 and cases["with_failures"] == 0, cases
     # The seeded sandbox took the requests: the server is still sound.
     assert server.alive(), "the server died during the run"

@@ -29,6 +29,12 @@ pub enum SandboxCommand {
         /// Make it from a snapshot (`clade sandbox snapshot`).
         #[arg(long)]
         from_snapshot: Option<String>,
+        /// Memory of all its commands together, MiB (default: its memory less what its agent keeps).
+        #[arg(long)]
+        memory_limit: Option<u64>,
+        /// Processes of all its commands together (default 1024).
+        #[arg(long)]
+        max_processes: Option<u64>,
     },
     /// List the sandboxes of your workspace.
     #[command(alias = "list")]
@@ -51,12 +57,35 @@ pub enum SandboxCommand {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
-    /// The sandbox's console log.
+    /// The sandbox's output: its console (stdout), its VMM's errors (stderr), or both.
     Logs {
         id: String,
         /// Keep printing new lines until interrupted.
         #[arg(long, short)]
         follow: bool,
+        /// stdout, stderr or both.
+        #[arg(long, default_value = "both")]
+        stream: String,
+    },
+    /// What happened to the sandbox (created, exec, forked, …), oldest first.
+    Events {
+        id: String,
+        /// Keep printing new events until the sandbox is deleted or interrupted.
+        #[arg(long, short)]
+        follow: bool,
+        /// Only the last this many.
+        #[arg(long)]
+        tail: Option<u32>,
+    },
+    /// Show the limits of the sandbox's commands, or change them.
+    Limits {
+        id: String,
+        /// Memory of all its commands together, MiB.
+        #[arg(long)]
+        memory_mb: Option<u64>,
+        /// Processes of all its commands together.
+        #[arg(long)]
+        max_processes: Option<u64>,
     },
     /// Copy-on-write children of a running sandbox; prints their ids.
     Fork {
@@ -97,7 +126,7 @@ pub enum SandboxCommand {
 
 pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> anyhow::Result<ExitCode> {
     match command {
-        SandboxCommand::Create { template, ttl, persistent, metadata, from_snapshot } => {
+        SandboxCommand::Create { template, ttl, persistent, metadata, from_snapshot, memory_limit, max_processes } => {
             let mut body = Map::new();
             if let Some(template) = template {
                 body.insert("template".into(), json!(template));
@@ -113,6 +142,9 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             if let Some(snapshot) = from_snapshot {
                 body.insert("from_snapshot".into(), json!(snapshot));
+            }
+            if memory_limit.is_some() || max_processes.is_some() {
+                body.insert("limits".into(), json!({ "memory_mb": memory_limit, "max_processes": max_processes }));
             }
             let sandbox = {
                 let _progress = Progress::start("creating sandbox");
@@ -165,7 +197,23 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
         }
         SandboxCommand::Exec { id, timeout, command } => return exec(client, &id, timeout, &command, json_out).await,
         SandboxCommand::Shell { id, command } => return crate::shell::run(client, &id, &command).await,
-        SandboxCommand::Logs { id, follow } => logs(client, &id, follow, json_out).await?,
+        SandboxCommand::Logs { id, follow, stream } => logs(client, &id, follow, &stream, json_out).await?,
+        SandboxCommand::Events { id, follow, tail } => events(client, &id, follow, tail, json_out).await?,
+        SandboxCommand::Limits { id, memory_mb, max_processes } => {
+            let request = if memory_mb.is_none() && max_processes.is_none() {
+                client.request(Method::GET, &["sandboxes", &id, "limits"])
+            } else {
+                let body = json!({ "memory_mb": memory_mb, "max_processes": max_processes });
+                client.request(Method::PUT, &["sandboxes", &id, "limits"]).json(&body)
+            };
+            let limits = client.json(request).await?;
+            if json_out {
+                output::json(&limits);
+            } else {
+                println!("memory_mb      {}", output::field(&limits, "memory_mb"));
+                println!("max_processes  {}", output::field(&limits, "max_processes"));
+            }
+        }
         SandboxCommand::Ports { id } => return crate::ports::list(client, &id, json_out).await,
         SandboxCommand::PortForward { id, mapping } => return crate::ports::forward(client, &id, &mapping).await,
         SandboxCommand::Fork { id, count, metadata } => {
@@ -376,9 +424,39 @@ async fn exec_blocking(client: &Client, id: &str, body: &Value, json_out: bool) 
     Ok(exit_code(code))
 }
 
-async fn logs(client: &Client, id: &str, follow: bool, json_out: bool) -> anyhow::Result<()> {
+/// One event as `clade sandbox events` prints it: time, type, payload.
+fn event_line(event: &Value) -> String {
+    format!("{}  {:<12} {}", output::field(event, "time"), output::field(event, "type"), event["payload"])
+}
+
+async fn events(client: &Client, id: &str, follow: bool, tail: Option<u32>, json_out: bool) -> anyhow::Result<()> {
+    let mut query = vec![("follow", if follow { "1" } else { "0" }.to_string())];
+    if let Some(tail) = tail {
+        query.push(("tail", tail.to_string()));
+    }
+    let request = client.request(Method::GET, &["sandboxes", id, "events"]).query(&query);
+    let mut stdout = std::io::stdout().lock();
     if !follow {
-        let text = client.bytes(client.request(Method::GET, &["sandboxes", id, "logs"]).query(&[("follow", "false")])).await?;
+        let answer = client.json(request).await?;
+        for event in answer["events"].as_array().map(Vec::as_slice).unwrap_or_default() {
+            writeln!(stdout, "{}", if json_out { event.to_string() } else { event_line(event) })?;
+        }
+        return Ok(());
+    }
+    let mut events = SseReader::new(client.send(request.header(reqwest::header::ACCEPT, "text/event-stream")).await?);
+    while let Some(event) = events.next().await? {
+        let parsed: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+        writeln!(stdout, "{}", if json_out { parsed.to_string() } else { event_line(&parsed) })?;
+        stdout.flush()?;
+    }
+    Ok(())
+}
+
+async fn logs(client: &Client, id: &str, follow: bool, stream: &str, json_out: bool) -> anyhow::Result<()> {
+    if !follow {
+        let text = client
+            .bytes(client.request(Method::GET, &["sandboxes", id, "logs"]).query(&[("follow", "false"), ("stream", stream)]))
+            .await?;
         let text = String::from_utf8_lossy(&text);
         if json_out {
             output::json(&json!({ "lines": text.lines().collect::<Vec<_>>() }));
@@ -392,7 +470,7 @@ async fn logs(client: &Client, id: &str, follow: bool, json_out: bool) -> anyhow
     }
     let request = client
         .request(Method::GET, &["sandboxes", id, "logs"])
-        .query(&[("follow", "true")])
+        .query(&[("follow", "true"), ("stream", stream)])
         .header(reqwest::header::ACCEPT, "text/event-stream");
     let mut events = SseReader::new(client.send(request).await?);
     let mut stdout = std::io::stdout().lock();

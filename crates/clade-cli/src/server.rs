@@ -37,8 +37,10 @@ pub struct ServerArgs {
     #[arg(long, env = "CLADE_DNS_UPSTREAM")]
     dns_upstream: Option<SocketAddr>,
     /// Preview hosts are `{port}-{id}.SUFFIX` on this listener (point a
-    /// wildcard DNS name at it; `localhost` needs none). Env: CLADE_PREVIEW_SUFFIX.
-    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = clade_server::preview::DEFAULT_SUFFIX)]
+    /// wildcard DNS name at it). Unset: the host each request came to,
+    /// without a leading `api.` (as the SDKs derive it; `localhost` for an
+    /// IP address, which needs no DNS). Env: CLADE_PREVIEW_SUFFIX.
+    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = "")]
     preview_suffix: String,
 }
 

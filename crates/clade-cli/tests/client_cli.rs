@@ -206,6 +206,19 @@ fn logs_fork_and_snapshots_through_the_cli() {
     let followed = follow_until(clade(&["sandbox", "logs", "--follow", "--json", &id]), "clade-log-marker");
     let line: Value = serde_json::from_str(&followed).unwrap_or_else(|e| panic!("not JSON ({e}): {followed}"));
     assert!(line["line"].as_str().unwrap().contains("clade-log-marker"), "{line}");
+    let vmm_errors = text(&ok(&mut clade(&["sandbox", "logs", "--stream", "stderr", &id])));
+    assert!(!vmm_errors.contains("clade-log-marker"), "{vmm_errors}");
+
+    // Events, as lines and followed; limits, shown and changed.
+    let events = text(&ok(&mut clade(&["sandbox", "events", &id])));
+    assert!(events.lines().any(|l| l.contains("created")) && events.lines().any(|l| l.contains("exec")), "{events}");
+    let followed = follow_until(clade(&["sandbox", "events", "--follow", "--json", &id]), "\"exec\"");
+    let event: Value = serde_json::from_str(&followed).unwrap_or_else(|e| panic!("not JSON ({e}): {followed}"));
+    assert_eq!(event["sandbox_id"], id.as_str(), "{event}");
+    let limits = ok_json(&mut clade(&["sandbox", "limits", "--json", &id, "--max-processes", "300"]));
+    assert_eq!(limits["max_processes"], 300, "{limits}");
+    let shown = text(&ok(&mut clade(&["sandbox", "limits", &id])));
+    assert!(shown.contains("max_processes  300"), "{shown}");
 
     // Fork: one child (--json), then a tree of two (ids, one per line); each
     // child has the parent's files and answers an exec.

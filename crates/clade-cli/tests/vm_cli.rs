@@ -427,3 +427,34 @@ fn images_prune_dry_run_lists_old_images_and_removes_nothing() {
     assert!(stderr.contains("would remove 1 image(s)"), "{stderr}");
     assert!(old.join("rootfs.ext4").is_file());
 }
+
+/// A VM adopted by a process that did not start it (a restart) and then
+/// killed is reported with the signal that ended it: its status is read
+/// from the zombie before its parent reaps it. Here the parent is this
+/// test (a subreaper, as init would be), which reaps only at the end.
+#[test]
+fn an_adopted_vm_that_is_killed_is_reported_with_its_signal() {
+    let Some(env) = vm_env() else { return };
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    // `clade vm create` starts the QEMU and exits: the QEMU comes to us.
+    let id = succeed(clade(&env).args(["vm", "create"]));
+    let vmm = VmRecord::load(&env.data_dir().join("vms").join(&id)).and_then(|r| r.vmm).expect("a running VM's QEMU");
+    let mut exec = clade(&env)
+        .args(["vm", "exec", &id, "--", "sh", "-c", "echo started; sleep 60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut exec_stdout = exec.stdout.take().unwrap();
+    let mut first = [0u8; 8];
+    std::io::Read::read_exact(&mut exec_stdout, &mut first).expect("the adopted VM runs the command");
+    assert_eq!(&first, b"started\n");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(vmm.pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut exec.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_ne!(exec.wait().unwrap().code(), Some(0));
+    nix::sys::prctl::set_child_subreaper(false).unwrap();
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(vmm.pid as i32), None);
+    assert!(stderr.contains("QEMU exited (signal: 9 (SIGKILL))"), "{stderr}");
+    let _ = output(clade(&env).args(["vm", "rm", &id]));
+}

@@ -79,6 +79,8 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    #[error("writing the command to a file")]
+    Script(#[source] std::io::Error),
 }
 
 impl ExecError {
@@ -91,10 +93,69 @@ impl ExecError {
             Self::User(UsersError::Unknown(_)) => ErrorKind::InvalidInput,
             Self::CwdNotADirectory(_) => ErrorKind::NotADirectory,
             Self::Cwd { path, source } => return GuestError::from_io(source, path),
+            Self::Spawn { source, .. } if source.raw_os_error() == Some(libc::E2BIG) => {
+                return GuestError::new(ErrorKind::InvalidInput, argument_limits_message());
+            }
+            Self::Spawn { source, .. } if matches!(source.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) => {
+                let message = format!(
+                    "the sandbox's commands are at their limit of processes or memory ({source}): end some, or raise \
+                     the limits (PUT /v1/sandboxes/{{id}}/limits)"
+                );
+                return GuestError::new(ErrorKind::LimitReached, message);
+            }
             Self::Spawn { program, source } => return GuestError::from_io(source, program),
+            Self::Script(source) => return GuestError::from_io(source, "the command's script file"),
             Self::User(_) | Self::Pty(_) | Self::Cgroup(_) | Self::Stdio(_) => ErrorKind::Io,
         };
         GuestError::new(kind, crate::error_chain(self))
+    }
+}
+
+/// The kernel's limit on one argument or environment string (`MAX_ARG_STRLEN`: 32 pages).
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+
+/// Why an exec was refused with `E2BIG`, with the limits that apply.
+fn argument_limits_message() -> String {
+    let all = nix::unistd::sysconf(nix::unistd::SysconfVar::ARG_MAX).ok().flatten().unwrap_or(2 << 20);
+    format!(
+        "argument list too long: each argument and environment entry must be under {} KiB, and all of them \
+         together under {} KiB; pass long input on stdin or in a file (a shell command of any length is run from a file)",
+        MAX_ARG_STRLEN / 1024,
+        all / 1024
+    )
+}
+
+
+/// A shell command longer than one argument may be (`MAX_ARG_STRLEN`),
+/// written to a file that `sh -c '. FILE'` reads: the same shell, the same
+/// `$0` and positional parameters as `sh -c COMMAND`. Removed when the
+/// exec ends (the shell has read what it runs by then).
+struct ScriptFile {
+    path: std::path::PathBuf,
+}
+
+impl ScriptFile {
+    /// Writes `script` into `dir` (made if missing), readable by `owner` only.
+    fn write(dir: &Path, script: &str, owner: &User) -> std::io::Result<Self> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        std::fs::DirBuilder::new().recursive(true).mode(0o711).create(dir)?;
+        let path = dir.join(format!("exec-{:016x}.sh", rand::random::<u64>()));
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+        let written = std::io::Write::write_all(&mut file, script.as_bytes())
+            .and_then(|()| std::os::unix::fs::fchown(&file, Some(owner.uid), Some(owner.gid)));
+        match written {
+            Ok(()) => Ok(Self { path }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for ScriptFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -122,6 +183,8 @@ struct Running {
     exit: oneshot::Receiver<ProcessExit>,
     io: ChildIo,
     cgroup: Option<ExecCgroup>,
+    /// A long shell command's file, kept until the exec ends.
+    script: Option<ScriptFile>,
 }
 
 enum ChildIo {
@@ -135,12 +198,22 @@ enum ChildIo {
 
 async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> {
     let user = users::lookup(req.user.as_deref())?;
+    let mut script_file = None;
     let (program, args): (String, Vec<String>) = match &req.command {
         Command::Argv(argv) => match argv.split_first() {
             Some((program, args)) => (program.clone(), args.to_vec()),
             None => return Err(ExecError::EmptyCommand),
         },
-        Command::Shell(script) => ("/bin/sh".into(), vec!["-c".into(), script.clone()]),
+        Command::Shell(script) if script.len() < MAX_ARG_STRLEN => ("/bin/sh".into(), vec!["-c".into(), script.clone()]),
+        Command::Shell(script) => {
+            if script.contains('\0') {
+                return Err(ExecError::NulByte);
+            }
+            let file = ScriptFile::write(&agent.run_dir().join("scripts"), script, &user).map_err(ExecError::Script)?;
+            let source = format!(". {}", file.path.display());
+            script_file = Some(file);
+            ("/bin/sh".into(), vec!["-c".into(), source])
+        }
     };
     if program.contains('\0') || args.iter().any(|a| a.contains('\0')) {
         return Err(ExecError::NulByte);
@@ -208,8 +281,8 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
     let (pid, exit) = match spawned {
         Ok(spawned) => spawned,
         Err(source) => {
-            if let Some(cgroup) = cgroup {
-                cgroup.remove().await;
+            if let (Some(cgroup), Some(cgroups)) = (cgroup, agent.cgroups()) {
+                cgroup.remove(cgroups).await;
             }
             return Err(ExecError::Spawn { program, source });
         }
@@ -231,8 +304,8 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
                 },
                 (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
                     kill_everything(Pid::from_raw(pid), cgroup.as_ref());
-                    if let Some(cgroup) = cgroup {
-                        cgroup.remove().await;
+                    if let (Some(cgroup), Some(cgroups)) = (cgroup, agent.cgroups()) {
+                        cgroup.remove(cgroups).await;
                     }
                     return Err(ExecError::Stdio(e));
                 }
@@ -245,6 +318,7 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
         exit,
         io,
         cgroup,
+        script: script_file,
     })
 }
 
@@ -329,6 +403,7 @@ async fn supervise<R, W>(
         mut exit,
         io,
         cgroup,
+        script,
     } = running;
     let pgid = Pid::from_raw(pid);
 
@@ -488,6 +563,8 @@ async fn supervise<R, W>(
         feeder.abort();
     }
     drop(terminal);
+    // The shell that read it has exited.
+    drop(script);
 
     let last = match exited {
         Some(exit) => GuestFrame::Exited(ExitStatus {
@@ -506,15 +583,13 @@ async fn supervise<R, W>(
     let _ = frames.send(last).await;
     drop(frames);
     let _ = writer.await;
-    if let Some(cgroup) = cgroup {
+    if let (Some(cgroup), Some(cgroups)) = (cgroup, agent.cgroups()) {
         if killed {
-            cgroup.remove().await;
+            cgroup.remove(cgroups).await;
         } else {
             // Background processes may still live in it; empty ones are
             // pruned when later execs create theirs.
-            if let Some(cgroups) = agent.cgroups() {
-                cgroup.release(cgroups);
-            }
+            cgroup.release(cgroups);
         }
     }
     // Keep reading until the host closes the substream: a host still
@@ -676,6 +751,32 @@ mod tests {
 
     fn argv(args: &[&str]) -> ExecRequest {
         ExecRequest::new(Command::Argv(args.iter().map(|s| s.to_string()).collect()))
+    }
+
+    /// Past the kernel's limit on one argument, a shell command runs from
+    /// a file — as the same shell, with the same `$0` — which is gone after.
+    #[tokio::test]
+    async fn a_shell_command_longer_than_an_argument_may_be_runs_whole() {
+        let h = Harness::start().await;
+        let filler = format!(": '{}'\n", "x".repeat(MAX_ARG_STRLEN));
+        let out = h.exec(shell(&format!("{filler}echo \"$0 $#\"; echo long >&2; exit 4"))).await;
+        assert_eq!((out.stdout.as_slice(), out.stderr.as_slice()), (b"/bin/sh 0\n".as_slice(), b"long\n".as_slice()));
+        assert_eq!(out.exited().code, Some(4));
+        let scripts = std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())).join("scripts");
+        let left: Vec<_> = std::fs::read_dir(&scripts).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        assert!(left.is_empty(), "the script files are removed: {left:?}");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn an_argument_over_the_kernels_limit_is_refused_with_the_limits() {
+        let h = Harness::start().await;
+        let long = "y".repeat(MAX_ARG_STRLEN + 1);
+        let out = h.exec(argv(&["echo", &long])).await;
+        let error = out.error.expect("refused");
+        assert_eq!(error.kind, ErrorKind::InvalidInput, "{error}");
+        assert!(error.message.starts_with("argument list too long: each argument and environment entry must be under 128 KiB"), "{error}");
+        h.shutdown().await;
     }
 
     #[tokio::test]
@@ -1051,6 +1152,7 @@ mod tests {
         let config = crate::AgentConfig {
             reap_scope: crate::reaper::ReapScope::AnyChild,
             cgroup_root: crate::testing::host_cgroup_root(),
+            ..crate::AgentConfig::unprivileged()
         };
         let h = std::sync::Arc::new(Harness::with_config(config).await);
         let mut tasks = Vec::new();

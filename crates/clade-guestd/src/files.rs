@@ -91,21 +91,64 @@ pub fn file_stat(path: &Path, meta: &Metadata) -> FileStat {
     }
 }
 
+/// Opens what `path` names for reading — following links, without ever
+/// waiting: a FIFO opens at once (`O_NONBLOCK`) rather than when a writer
+/// comes, a terminal does not become ours (`O_NOCTTY`) — and refuses
+/// anything but a regular file, judged on the opened descriptor (so a link
+/// to a FIFO or a device is refused like the thing itself). The descriptor
+/// stays non-blocking: a `/proc` or `/sys` file that has nothing to give
+/// (`/proc/kmsg`) fails with `EAGAIN` instead of holding a thread for ever.
+fn open_regular(path: &Path, shown: &str) -> Result<(fs::File, Metadata), FilesError> {
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(io_err(path))?;
+    let meta = file.metadata().map_err(io_err(path))?;
+    if meta.is_dir() {
+        return Err(GuestError::new(ErrorKind::IsADirectory, format!("{shown}: is a directory")).into());
+    }
+    if !meta.is_file() {
+        let what = special_kind(&meta);
+        let msg = format!("{shown}: not a regular file (a {what}): it may never end or never answer; read it with exec");
+        return Err(GuestError::new(ErrorKind::InvalidInput, msg).into());
+    }
+    Ok((file, meta))
+}
+
+/// What a file that is not a regular file or a directory is.
+fn special_kind(meta: &Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    if kind.is_fifo() {
+        "FIFO"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_block_device() {
+        "block device"
+    } else if kind.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
 /// `ReadFile`: `FileInfo`, then `Chunk`s from `offset` for `length` bytes (or to EOF), then `End`.
+/// Only regular files (see [`open_regular`]); the read ends when the host
+/// goes away (the next chunk cannot be sent).
 pub async fn read_file<W: AsyncWrite + Unpin>(
     w: &mut W,
     req: ReadFileRequest,
 ) -> Result<(), FilesError> {
     let path = absolute(&req.path)?;
-    let mut file = tokio::fs::File::open(&path).await.map_err(io_err(&path))?;
-    let meta = file.metadata().await.map_err(io_err(&path))?;
-    if meta.is_dir() {
-        return Err(GuestError::new(
-            ErrorKind::IsADirectory,
-            format!("{}: is a directory", req.path),
-        )
-        .into());
-    }
+    let opened = {
+        let (path, shown) = (path.clone(), req.path.clone());
+        tokio::task::spawn_blocking(move || open_regular(&path, &shown))
+            .await
+            .map_err(|e| GuestError::new(ErrorKind::Io, format!("open task: {e}")))??
+    };
+    let (file, meta) = opened;
+    let mut file = tokio::fs::File::from_std(file);
     write_frame(w, &GuestFrame::FileInfo(file_stat(&path, &meta))).await?;
     if req.offset > 0 {
         file.seek(SeekFrom::Start(req.offset))
@@ -116,7 +159,15 @@ pub async fn read_file<W: AsyncWrite + Unpin>(
     let mut buf = vec![0u8; CHUNK_SIZE];
     while remaining > 0 {
         let want = (remaining.min(CHUNK_SIZE as u64)) as usize;
-        let n = file.read(&mut buf[..want]).await.map_err(io_err(&path))?;
+        let n = match file.read(&mut buf[..want]).await {
+            Ok(n) => n,
+            // A `/proc` or `/sys` file with nothing to give now (the descriptor does not wait).
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let msg = format!("{}: nothing to read now, and it would wait for more; read it with exec", req.path);
+                return Err(GuestError::new(ErrorKind::InvalidInput, msg).into());
+            }
+            Err(e) => return Err(io_err(&path)(e)),
+        };
         if n == 0 {
             break;
         }
@@ -152,6 +203,12 @@ pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(
                 format!("{}: is a directory", req.path),
             )
             .into())
+        }
+        // Opening a FIFO to append would wait for a reader; a device is no file to add to.
+        Ok(meta) if req.append && !meta.is_file() => {
+            let what = special_kind(&meta);
+            let msg = format!("{}: not a regular file (a {what}): write to it with exec", req.path);
+            return Err(GuestError::new(ErrorKind::InvalidInput, msg).into());
         }
         Ok(meta) => Some(meta),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -577,6 +634,42 @@ mod tests {
             read(&h, "relative".into(), 0, None).await.unwrap_err().kind,
             ErrorKind::InvalidInput
         );
+        h.shutdown().await;
+    }
+
+    /// Whatever a read names — directly, by a link, by `/proc/self/fd` —
+    /// is judged after the links are followed: nothing but a regular file
+    /// is read, and nothing waits.
+    #[tokio::test]
+    async fn special_files_are_refused_at_once_however_they_are_named() {
+        let h = Harness::start().await;
+        let dir = temp_dir();
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::os::unix::fs::symlink(&fifo, dir.path().join("to-fifo")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join("to-zero")).unwrap();
+        // A FIFO held open for writing by us: its reader would wait for data, not for a writer.
+        let writer = fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+        let by_fd = format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&writer));
+        let cases = [
+            (p(&dir, "fifo"), "FIFO"),
+            (p(&dir, "to-fifo"), "FIFO"),
+            (p(&dir, "to-zero"), "character device"),
+            ("/dev/zero".to_string(), "character device"),
+            (by_fd, "FIFO"),
+        ];
+        for (path, kind) in cases {
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), read(&h, path.clone(), 0, None));
+            let error = read.await.unwrap_or_else(|_| panic!("reading {path} waited")).unwrap_err();
+            assert_eq!(error.kind, ErrorKind::InvalidInput, "{path}: {error}");
+            assert!(error.message.contains(&format!("not a regular file (a {kind})")), "{path}: {error}");
+        }
+        drop(writer);
+        // A regular file behind a link is read as itself.
+        fs::write(dir.path().join("real"), "content").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("real"), dir.path().join("to-real")).unwrap();
+        let (stat, data) = read(&h, p(&dir, "to-real"), 0, None).await.unwrap();
+        assert_eq!((stat.kind, data.as_slice()), (FileKind::File, b"content".as_slice()));
         h.shutdown().await;
     }
 

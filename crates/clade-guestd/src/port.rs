@@ -841,15 +841,10 @@ mod tests {
 
     #[tokio::test]
     async fn hosts_can_come_and_go() {
-        use crate::reaper::ReapScope;
         use crate::server::AgentConfig;
         use clade_proto::{handshake, mux::MuxClient, write_frame, GuestFrame, Reply, Request};
 
-        let agent = Agent::new(AgentConfig {
-            reap_scope: ReapScope::Registered,
-            cgroup_root: None,
-        })
-        .unwrap();
+        let agent = Agent::new(AgentConfig { cgroup_root: None, ..AgentConfig::unprivileged() }).unwrap();
         let (connect, hosts) = tokio::sync::mpsc::unbounded_channel();
         let loop_task = tokio::spawn(async move {
             let mut port = FakePort {

@@ -45,6 +45,11 @@ pub struct AgentConfig {
     pub reap_scope: ReapScope,
     /// Where a cgroup v2 hierarchy may be mounted; execs get a cgroup each when it is.
     pub cgroup_root: Option<PathBuf>,
+    /// Holds user commands to limits (see `cgroup`): only the guest's own
+    /// agent, whose cgroup tree is the guest's.
+    pub limit_user_commands: bool,
+    /// The agent's own files (long commands' scripts): a tmpfs in the guest.
+    pub run_dir: PathBuf,
 }
 
 impl AgentConfig {
@@ -53,6 +58,8 @@ impl AgentConfig {
         Self {
             reap_scope: ReapScope::AnyChild,
             cgroup_root: Some("/sys/fs/cgroup".into()),
+            limit_user_commands: true,
+            run_dir: "/run/clade".into(),
         }
     }
 
@@ -61,6 +68,8 @@ impl AgentConfig {
         Self {
             reap_scope: ReapScope::Registered,
             cgroup_root: Some("/sys/fs/cgroup".into()),
+            limit_user_commands: false,
+            run_dir: std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())),
         }
     }
 }
@@ -70,6 +79,7 @@ pub struct Agent {
     version: String,
     reaper: Reaper,
     cgroups: Option<Cgroups>,
+    run_dir: PathBuf,
     /// Environment set by the post-restore hook, under each command's own.
     default_env: std::sync::Mutex<Vec<(String, String)>>,
 }
@@ -81,13 +91,20 @@ impl Agent {
             Some(root) => Cgroups::detect(root)?,
             None => None,
         };
-        if cgroups.is_none() {
-            tracing::info!("no cgroup v2 hierarchy: execs are tracked by process group only");
+        match &cgroups {
+            None => tracing::info!("no cgroup v2 hierarchy: execs are tracked by process group only"),
+            Some(cgroups) if config.limit_user_commands => match cgroups.limit_user_commands() {
+                Ok(limits) => tracing::debug!(?limits, "user commands are limited"),
+                // The agent still serves; commands run unlimited, as before limits existed.
+                Err(e) => tracing::warn!("user commands run without limits: {}", crate::error_chain(&e)),
+            },
+            Some(_) => {}
         }
         Ok(Arc::new(Self {
             version: crate::VERSION.to_string(),
             reaper: Reaper::start(config.reap_scope)?,
             cgroups,
+            run_dir: config.run_dir,
             default_env: std::sync::Mutex::default(),
         }))
     }
@@ -102,6 +119,10 @@ impl Agent {
 
     pub(crate) fn cgroups(&self) -> Option<&Cgroups> {
         self.cgroups.as_ref()
+    }
+
+    pub(crate) fn run_dir(&self) -> &std::path::Path {
+        &self.run_dir
     }
 
     pub(crate) fn default_env(&self) -> Vec<(String, String)> {
@@ -223,6 +244,21 @@ async fn handle_substream(
             .await
             {
                 Ok(info) => reply(&mut stream, Reply::Info(info)).await,
+                Err(e) => Err(e.into()),
+            }
+        }
+        Request::SetLimits(limits) => {
+            let agent = agent.clone();
+            let set = blocking(move || match agent.cgroups() {
+                Some(cgroups) => cgroups.set_limits(limits).map_err(|e| match e {
+                    CgroupError::OutOfRange(message) => GuestError::new(ErrorKind::InvalidInput, message),
+                    other => GuestError::new(ErrorKind::Io, crate::error_chain(&other)),
+                }),
+                None if limits == clade_proto::UserLimits::default() => Ok(limits),
+                None => Err(GuestError::new(ErrorKind::InvalidInput, "this guest has no cgroup v2 hierarchy to limit commands with")),
+            });
+            match set.await {
+                Ok(limits) => reply(&mut stream, Reply::Limits(limits)).await,
                 Err(e) => Err(e.into()),
             }
         }
@@ -386,11 +422,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_channel_before_any_hello_is_reported_as_closed() {
-        let agent = Agent::new(AgentConfig {
-            reap_scope: ReapScope::Registered,
-            cgroup_root: None,
-        })
-        .unwrap();
+        let agent = Agent::new(AgentConfig { cgroup_root: None, ..AgentConfig::unprivileged() }).unwrap();
         let (host, guest) = tokio::io::duplex(64);
         drop(host);
         let err = serve_connection(&agent, guest).await.unwrap_err();

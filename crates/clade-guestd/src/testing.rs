@@ -10,7 +10,6 @@ use clade_proto::{
     read_frame, write_frame, ExecRequest, ExitStatus, GuestFrame, HostFrame, Request,
 };
 
-use crate::reaper::ReapScope;
 use crate::server::{serve_connection, Agent, AgentConfig};
 
 pub struct Harness {
@@ -37,11 +36,7 @@ impl Harness {
     }
 
     pub async fn with_cgroups(cgroup_root: Option<PathBuf>) -> Self {
-        Self::with_config(AgentConfig {
-            reap_scope: ReapScope::Registered,
-            cgroup_root,
-        })
-        .await
+        Self::with_config(AgentConfig { cgroup_root, ..AgentConfig::unprivileged() }).await
     }
 
     pub async fn with_config(config: AgentConfig) -> Self {

@@ -13,7 +13,7 @@ use clade_proto::mux::{MuxClient, MuxError, Substream};
 use clade_proto::{
     read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame,
     GuestInfo, HostFrame, ListeningPort, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest,
-    WriteFileRequest, CHUNK_SIZE,
+    UserLimits, WriteFileRequest, CHUNK_SIZE,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
@@ -30,6 +30,13 @@ const HANDSHAKE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// session (`HelloWatch` in guestd); waiting longer only lengthens every
 /// snapshot, fork, pause and hibernation.
 pub(crate) const QUIESCE_SETTLE: Duration = Duration::from_millis(20);
+
+/// How long a file or metadata operation may go without an answer (for a
+/// transfer: without its next chunk) before the host stops waiting and
+/// closes its substream, which ends it in the guest. A guest that answers
+/// pings but not the operation (a read stuck in a driver, a hung FUSE
+/// file) must not hold its caller for ever.
+pub const FILE_OP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How long a guest may take to sync its filesystems for a snapshot. One
 /// that takes longer (a stuck disk, a hung agent) is saved unquiesced, as
@@ -171,6 +178,25 @@ fn expect_pong(reply: Reply) -> Result<(), AgentError> {
     match reply {
         Reply::Pong { .. } => Ok(()),
         other => Err(AgentError::Unexpected { expected: "pong", got: format!("{other:?}") }),
+    }
+}
+
+/// `operation`, or [`AgentError::Timeout`] once `limit` has passed (the
+/// operation, and with it its substream, is dropped).
+async fn within<T>(limit: Duration, operation: impl std::future::Future<Output = Result<T, AgentError>>) -> Result<T, AgentError> {
+    tokio::time::timeout(limit, operation).await.unwrap_or(Err(AgentError::Timeout(limit)))
+}
+
+/// Copies a read's chunks into `sink` until `End`, each within [`FILE_OP_TIMEOUT`].
+async fn receive_chunks<W: AsyncWrite + Unpin>(stream: &mut AgentStream, sink: &mut W) -> Result<(), AgentError> {
+    loop {
+        match within(FILE_OP_TIMEOUT, async { Ok(read_frame::<_, GuestFrame>(stream).await?) }).await? {
+            Some(GuestFrame::Chunk(data)) => sink.write_all(&data).await.map_err(AgentError::Local)?,
+            Some(GuestFrame::End) => return Ok(()),
+            Some(GuestFrame::Error(e)) => return Err(e.into()),
+            Some(other) => return Err(AgentError::unexpected("a chunk", &other)),
+            None => return Err(AgentError::Eof),
+        }
     }
 }
 
@@ -317,8 +343,9 @@ impl AgentClient {
         Ok(stream)
     }
 
+    /// A request answered by one reply, within [`FILE_OP_TIMEOUT`].
     async fn simple(&self, request: Request) -> Result<Reply, AgentError> {
-        read_reply(&mut self.open(&request).await?).await
+        within(FILE_OP_TIMEOUT, async { read_reply(&mut self.open(&request).await?).await }).await
     }
 
     /// Round trip to the agent; returns the time it took.
@@ -375,39 +402,46 @@ impl AgentClient {
         Ok(out)
     }
 
-    /// At most the first `max` bytes of a file: bounded even for files that
-    /// never end (`/dev/zero`, some of `/proc`).
-    pub async fn read_file_head(&self, path: &str, max: u64) -> Result<Vec<u8>, AgentError> {
-        let mut out = Vec::new();
-        self.read_range_to(path, Some(max), &mut out).await?;
-        Ok(out)
-    }
-
     /// Streams a file into `sink`; returns its metadata.
     pub async fn read_file_to<W: AsyncWrite + Unpin>(&self, path: &str, sink: &mut W) -> Result<FileStat, AgentError> {
         self.read_range_to(path, None, sink).await
     }
 
-    async fn read_range_to<W: AsyncWrite + Unpin>(&self, path: &str, length: Option<u64>, sink: &mut W) -> Result<FileStat, AgentError> {
-        let request = Request::ReadFile(ReadFileRequest { path: path.to_string(), offset: 0, length });
-        let mut stream = self.open(&request).await?;
-        let stat = match read_frame::<_, GuestFrame>(&mut stream).await? {
-            Some(GuestFrame::FileInfo(stat)) => stat,
-            Some(GuestFrame::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(AgentError::unexpected("file info", &other)),
-            None => return Err(AgentError::Eof),
-        };
-        loop {
-            match read_frame::<_, GuestFrame>(&mut stream).await? {
-                Some(GuestFrame::Chunk(data)) => sink.write_all(&data).await.map_err(AgentError::Local)?,
-                Some(GuestFrame::End) => break,
-                Some(GuestFrame::Error(e)) => return Err(e.into()),
-                Some(other) => return Err(AgentError::unexpected("a chunk", &other)),
-                None => return Err(AgentError::Eof),
-            }
+    /// A whole file of at most `limit` bytes, or `None` when it is larger:
+    /// by its size (nothing of it is read), or — a `/proc` file whose size
+    /// says 0 — by what it gave. Only regular files are read (the guest
+    /// refuses FIFOs, devices and sockets, and links to them).
+    pub async fn read_file_within(&self, path: &str, limit: u64) -> Result<Option<Vec<u8>>, AgentError> {
+        let (mut stream, stat) = self.start_read(path, Some(limit.saturating_add(1))).await?;
+        if stat.size > limit {
+            return Ok(None); // dropping the substream ends the read in the guest
         }
+        let mut data = Vec::with_capacity(stat.size as usize);
+        receive_chunks(&mut stream, &mut data).await?;
+        Ok((data.len() as u64 <= limit).then_some(data))
+    }
+
+    async fn read_range_to<W: AsyncWrite + Unpin>(&self, path: &str, length: Option<u64>, sink: &mut W) -> Result<FileStat, AgentError> {
+        let (mut stream, stat) = self.start_read(path, length).await?;
+        receive_chunks(&mut stream, sink).await?;
         sink.flush().await.map_err(AgentError::Local)?;
         Ok(stat)
+    }
+
+    /// Starts a read: the substream, its chunks to come, and the file's
+    /// metadata (of what the path resolves to).
+    async fn start_read(&self, path: &str, length: Option<u64>) -> Result<(AgentStream, FileStat), AgentError> {
+        let request = Request::ReadFile(ReadFileRequest { path: path.to_string(), offset: 0, length });
+        within(FILE_OP_TIMEOUT, async {
+            let mut stream = self.open(&request).await?;
+            match read_frame::<_, GuestFrame>(&mut stream).await? {
+                Some(GuestFrame::FileInfo(stat)) => Ok((stream, stat)),
+                Some(GuestFrame::Error(e)) => Err(e.into()),
+                Some(other) => Err(AgentError::unexpected("file info", &other)),
+                None => Err(AgentError::Eof),
+            }
+        })
+        .await
     }
 
     /// Writes a file (atomically replacing it), creating missing parents.
@@ -431,15 +465,18 @@ impl AgentClient {
                 if n == 0 {
                     break;
                 }
-                write_frame(&mut writer, &HostFrame::Chunk(buf[..n].to_vec())).await?;
+                // A guest that stops taking chunks stops the upload (flow control).
+                within(FILE_OP_TIMEOUT, async { Ok(write_frame(&mut writer, &HostFrame::Chunk(buf[..n].to_vec())).await?) }).await?;
             }
-            write_frame(&mut writer, &HostFrame::End).await?;
-            Ok(())
+            within(FILE_OP_TIMEOUT, async { Ok(write_frame(&mut writer, &HostFrame::End).await?) }).await
         }
         .await;
         // The guest may have refused early (e.g. a directory in the way): its
         // answer explains a failed send better than the send error does.
-        let answer = read_frame::<_, GuestFrame>(&mut reader).await;
+        let answer = match tokio::time::timeout(FILE_OP_TIMEOUT, read_frame::<_, GuestFrame>(&mut reader)).await {
+            Ok(answer) => answer,
+            Err(_) => return Err(AgentError::Timeout(FILE_OP_TIMEOUT)),
+        };
         match (answer, sent) {
             (Ok(Some(GuestFrame::Reply(Reply::Written { bytes }))), Ok(())) => Ok(bytes),
             (Ok(Some(GuestFrame::Error(e))), _) => Err(e.into()),
@@ -484,6 +521,15 @@ impl AgentClient {
         match self.simple(Request::Info).await? {
             Reply::Info(info) => Ok(info),
             other => Err(AgentError::Unexpected { expected: "info", got: format!("{other:?}") }),
+        }
+    }
+
+    /// Changes the limits of the guest's user commands (the fields set) and
+    /// answers those in force; `UserLimits::default()` only asks.
+    pub async fn set_limits(&self, limits: UserLimits) -> Result<UserLimits, AgentError> {
+        match self.simple(Request::SetLimits(limits)).await? {
+            Reply::Limits(limits) => Ok(limits),
+            other => Err(AgentError::Unexpected { expected: "limits", got: format!("{other:?}") }),
         }
     }
 

@@ -25,6 +25,10 @@ pub struct HostConfig {
     /// translations are dropped and their memory freed (ADR 17); `None`:
     /// never. Its next command is translated again.
     pub drop_idle_translations_after: Option<Duration>,
+    /// What share of a guest disk's growth admission promises: its size
+    /// divided by this (1: a guest can never fill the host's disk; see
+    /// `vm::admission`).
+    pub disk_overcommit: f64,
 }
 
 impl Default for HostConfig {
@@ -37,6 +41,7 @@ impl Default for HostConfig {
             guestd: None,
             rehearse_standby: true,
             drop_idle_translations_after: Some(Duration::from_secs(30)),
+            disk_overcommit: crate::vm::DEFAULT_DISK_OVERCOMMIT,
         }
     }
 }
@@ -44,7 +49,8 @@ impl Default for HostConfig {
 impl HostConfig {
     /// Defaults overridden by `CLADE_DATA_DIR`, `CLADE_CACHE_DIR`, `CLADE_ACCEL`,
     /// `CLADE_QEMU`, `CLADE_GUESTD`, `CLADE_STANDBY_REHEARSAL` (`on` or `off`)
-    /// and `CLADE_DROP_IDLE_TRANSLATIONS_AFTER` (seconds, or `off`).
+    /// `CLADE_DROP_IDLE_TRANSLATIONS_AFTER` (seconds, or `off`) and
+    /// `CLADE_DISK_OVERCOMMIT` (a ratio of at least 1).
     pub fn from_env() -> Result<Self, String> {
         let mut config = Self::default();
         if let Some(dir) = std::env::var_os("CLADE_DATA_DIR") {
@@ -76,6 +82,12 @@ impl HostConfig {
                     Ok(seconds) if seconds > 0 => Some(Duration::from_secs(seconds)),
                     _ => return Err(format!("CLADE_DROP_IDLE_TRANSLATIONS_AFTER must be a number of seconds or off, not {seconds:?}")),
                 },
+            };
+        }
+        if let Ok(ratio) = std::env::var("CLADE_DISK_OVERCOMMIT") {
+            config.disk_overcommit = match ratio.parse::<f64>() {
+                Ok(ratio) if ratio >= 1.0 && ratio.is_finite() => ratio,
+                _ => return Err(format!("CLADE_DISK_OVERCOMMIT must be a ratio of at least 1, not {ratio:?}")),
             };
         }
         Ok(config)

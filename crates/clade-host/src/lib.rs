@@ -24,4 +24,4 @@ pub use accel::{Accel, AccelChoice};
 pub use agent::{AgentClient, AgentError, ExecEvent, ExecOutput, ExecSession};
 pub use config::HostConfig;
 pub use image::{GuestImage, ImageError, ImageStore};
-pub use vm::{Lifetime, Phase, Vm, VmError, VmFailure, VmRecord, VmRuntime, VmSpec};
+pub use vm::{DiskUsage, Lifetime, Phase, Vm, VmError, VmFailure, VmRecord, VmRuntime, VmSpec};

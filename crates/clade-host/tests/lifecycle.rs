@@ -162,6 +162,7 @@ fn racing_creates_on_a_host_with_room_for_one_make_one_and_refuse_the_other() {
             overcommit: f64::from(spec.memory_mb) / (available_mb as f64 * 0.6),
             host_reserve_mb: 0,
             disk_reserve_mb: 0,
+            ..Admission::default()
         });
         let (first, second) = tokio::join!(tight.create(spec.clone()), tight.create(spec.clone()));
         let made = first.expect("the first create is admitted");

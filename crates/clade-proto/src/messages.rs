@@ -44,6 +44,22 @@ pub enum Request {
     Connect { port: u16 },
     /// Answered with [`Reply::ListeningPorts`]: the guest's listening TCP sockets.
     ListeningPorts,
+    /// Changes the limits of user commands (the fields that are set) and
+    /// answers [`Reply::Limits`] with those in force; all unset only asks.
+    SetLimits(UserLimits),
+}
+
+/// Limits on the processes of user commands, all of them together (every
+/// exec and what it started), inside the guest. The agent runs outside
+/// them, with what they leave of the guest's memory, so a command that
+/// forks or allocates without end is contained and the agent answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserLimits {
+    /// Memory, MiB (page cache and kernel memory of the processes included);
+    /// beyond it the guest's OOM killer ends one of them.
+    pub memory_mb: Option<u64>,
+    /// Processes and threads; beyond it `fork` fails with `EAGAIN`.
+    pub max_processes: Option<u64>,
 }
 
 /// What a guest must change when it wakes up as a copy of a snapshot: its
@@ -213,6 +229,8 @@ pub enum Reply {
     Done,
     Info(GuestInfo),
     ListeningPorts(Vec<ListeningPort>),
+    /// The limits in force (`None`: none, e.g. no cgroup v2 in the guest).
+    Limits(UserLimits),
 }
 
 /// A listening TCP socket of the guest (from /proc/net/tcp and tcp6).
@@ -282,6 +300,9 @@ pub enum ErrorKind {
     Protocol,
     /// `Connect`: nothing accepts connections on that port.
     ConnectionRefused,
+    /// The user commands' limits (`SetLimits`) leave no room for this one:
+    /// no process can be started, or no memory is left to start it with.
+    LimitReached,
 }
 
 /// An operation's failure, as the guest reports it.

@@ -65,9 +65,11 @@ pub enum ApiError {
     /// 502: the sandbox's port did not answer (nothing listens, or it hung up).
     #[error("{0}")]
     BadGateway(String),
-    /// 504 whose message says `timeout` and `deadline exceeded`, as the SDKs expect (§2.4).
+    /// 504: a command ran past its timeout (its message says `timeout` and
+    /// `deadline exceeded`, as the SDKs expect, §2.4), or the guest did not
+    /// answer an operation in time.
     #[error("{0}")]
-    ExecTimeout(String),
+    Timeout(String),
     /// 500: `public` is shown, `cause` is logged.
     #[error("{public}")]
     Internal {
@@ -107,7 +109,7 @@ impl ApiError {
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
             Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
-            Self::ExecTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

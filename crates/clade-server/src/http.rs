@@ -121,7 +121,9 @@ pub fn human_bytes(n: u64) -> String {
 
 /// A JSON request body. An empty body (the SDKs send none, or `""` with
 /// `text/plain`, where every field is optional) reads as `T::default()`; the
-/// content type is not checked (§2.2).
+/// content type is not checked (§2.2). Every struct in it must be a JSON
+/// object: serde's array form of structs (`[false]` for `{"internet":
+/// false}`, `[]` for all defaults) is refused ([`crate::strict_json`]).
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
@@ -134,7 +136,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for JsonBody<
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Self(T::default()));
         }
-        serde_json::from_slice(&bytes).map(Self).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+        crate::strict_json::from_slice(&bytes).map(Self).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
     }
 }
 
@@ -206,6 +208,32 @@ mod tests {
         let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
         let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(body["error"], "the JSON body is larger than the limit of 1 MiB");
+    }
+
+    /// Every route's body goes through `JsonBody`: its structs are objects or nothing.
+    #[tokio::test]
+    async fn a_struct_body_given_as_an_array_is_refused() {
+        #[derive(Debug, Default, serde::Deserialize)]
+        #[allow(dead_code)] // read by the extractor only
+        struct Policy {
+            internet: Option<bool>,
+        }
+        let app = Router::new().route(
+            "/policy",
+            axum::routing::put(|JsonBody(p): JsonBody<Policy>| async move { format!("{:?}", p.internet) }),
+        );
+        for body in ["[false]", "[]", "[null]"] {
+            let request = Request::builder().method("PUT").uri("/policy").body(Body::from(body)).unwrap();
+            let response = with_middleware(app.clone()).oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            let error: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            let error = error["error"].as_str().unwrap().to_string();
+            assert!(error.starts_with("invalid JSON body: invalid type: sequence, expected struct Policy"), "{body}: {error}");
+        }
+        let request = Request::builder().method("PUT").uri("/policy").body(Body::from(r#"{"internet": false}"#)).unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
     }
 
     #[tokio::test]

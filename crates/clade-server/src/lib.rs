@@ -26,6 +26,7 @@ pub mod preview;
 mod routes;
 pub mod sandbox;
 pub mod sse;
+mod strict_json;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -82,7 +83,8 @@ pub struct ServerConfig {
     /// Per-sandbox networking (namespaces, egress policy, DNS); none: VMs
     /// have no network at all.
     pub network: Option<clade_host::net::NetConfig>,
-    /// Preview hosts are `{port}-{id}.{preview_suffix}` (default `localhost`).
+    /// Preview hosts are `{port}-{id}.{preview_suffix}`; empty (the default):
+    /// the suffix of each request's own host, as the SDKs derive it.
     pub preview_suffix: String,
 }
 
@@ -95,7 +97,7 @@ impl ServerConfig {
             limits: Limits::default(),
             sandboxes: SandboxSettings::default(),
             network: None,
-            preview_suffix: preview::DEFAULT_SUFFIX.to_string(),
+            preview_suffix: String::new(),
         }
     }
 

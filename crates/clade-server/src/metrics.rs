@@ -102,6 +102,7 @@ pub const ROUTES: &[&str] = &[
     "/v1/sandboxes/{id}/start",
     "/v1/sandboxes/{id}/lifecycle",
     "/v1/sandboxes/{id}/network",
+    "/v1/sandboxes/{id}/limits",
     "/v1/sandboxes/{id}/snapshots",
     "/v1/sandboxes/{id}/fork",
     "/v1/sandboxes/{id}/fork-tree",

@@ -11,8 +11,8 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use crate::routes::{
-    exec, exec_stream, files, fork, lifecycle, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots, terminal,
-    tokens,
+    exec, exec_stream, files, fork, lifecycle, limits, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots,
+    terminal, tokens,
 };
 
 /// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).
@@ -60,6 +60,8 @@ const API_KEY: &str = "api_key";
         lifecycle::patch,
         network::get,
         network::put,
+        limits::get,
+        limits::put,
         snapshots::create,
         snapshots::list,
         snapshots::get,
@@ -82,9 +84,9 @@ const API_KEY: &str = "api_key";
     tags(
         (name = "meta", description = "Health, version, metrics, the caller, templates"),
         (name = "tokens", description = "The workspace's API keys"),
-        (name = "sandboxes", description = "Create, list, get, delete; the event log"),
+        (name = "sandboxes", description = "Create, list, get, delete; the event log; limits of their commands"),
         (name = "exec", description = "Commands, to completion or streamed"),
-        (name = "logs", description = "The serial console"),
+        (name = "logs", description = "The machine's output: its serial console and the VMM's errors"),
         (name = "files", description = "The sandbox's filesystem"),
         (name = "lifecycle", description = "Pause, resume, hibernate, wake; idle settings"),
         (name = "network", description = "Egress policy (internet, CIDR and domain lists, connection cap) and traffic counters"),

@@ -23,34 +23,43 @@ pub const TOKEN_QUERY: &str = "clade_token";
 pub const TOKEN_COOKIE: &str = "clade_token";
 pub const TOKEN_HEADER: &str = "x-clade-preview-token";
 
-/// The suffix of preview hosts when none is configured: `http://8000-{id}.localhost:8080/`
-/// works in a browser on the server's machine with no DNS set up.
-pub const DEFAULT_SUFFIX: &str = "localhost";
+/// The suffix of preview hosts for a server reached by an IP address (which
+/// has no subdomains): `http://8000-{id}.localhost:8080` works in a
+/// browser on the server's machine with no DNS set up.
+pub const LOCAL_SUFFIX: &str = "localhost";
 
 /// The preview settings and the token key, loaded once.
 #[derive(Debug)]
 pub struct Previews {
-    suffix: String,
+    /// Configured; `None`: derived from each request's `Host` as the SDKs
+    /// derive it from their API URL ([`derived_suffix`]).
+    suffix: Option<String>,
     key: OnceCell<Vec<u8>>,
 }
 
 impl Previews {
-    /// `suffix` is normalised: lowercase, without leading or trailing dots.
+    /// `suffix` is normalised: lowercase, without leading or trailing dots;
+    /// empty means derived per request.
     pub fn new(suffix: &str) -> Self {
         let suffix = suffix.trim().trim_matches('.').to_ascii_lowercase();
-        let suffix = if suffix.is_empty() {
-            DEFAULT_SUFFIX.to_string()
-        } else {
-            suffix
-        };
         Self {
-            suffix,
+            suffix: (!suffix.is_empty()).then_some(suffix),
             key: OnceCell::new(),
         }
     }
 
-    pub fn suffix(&self) -> &str {
-        &self.suffix
+    /// The suffix of the preview hosts in answers to a request that came
+    /// with `request_host` (its `Host` header).
+    pub fn suffix_for(&self, request_host: Option<&str>) -> String {
+        match &self.suffix {
+            Some(suffix) => suffix.clone(),
+            None => derived_suffix(request_host.unwrap_or_default()),
+        }
+    }
+
+    /// The sandbox and port `host` names, if it is a preview host (see [`parse_host`]).
+    pub fn recognise(&self, host: &str) -> Option<Result<PreviewHost, String>> {
+        parse_host(host, self.suffix.as_deref())
     }
 
     /// The token key, made on first use and kept in the store.
@@ -76,19 +85,46 @@ pub struct PreviewHost {
     pub sandbox_id: String,
 }
 
-/// `Some` when `host` (a `Host` header, with or without `:port`) is a
-/// preview host under `suffix`: `{port}-{id}.{suffix}` with one label before
-/// the suffix; `Some(Err)` when it has that shape but an impossible port.
-pub fn parse_host(host: &str, suffix: &str) -> Option<Result<PreviewHost, String>> {
+/// The host name of a `Host` header, without its port, lowercase.
+fn host_name(host: &str) -> String {
     let host = host.trim().to_ascii_lowercase();
-    let name = match host.rsplit_once(':') {
-        Some((name, port)) if !name.ends_with(']') && port.bytes().all(|b| b.is_ascii_digit()) => {
-            name
-        }
-        _ => host.as_str(),
+    let name = match host.strip_prefix('[') {
+        // An IPv6 literal, with or without a port.
+        Some(v6) => v6.split_once(']').map_or(v6, |(address, _)| address),
+        None => match host.rsplit_once(':') {
+            Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => host.as_str(),
+        },
     };
-    let name = name.trim_end_matches('.');
-    let label = name.strip_suffix(suffix)?.strip_suffix('.')?;
+    name.trim_end_matches('.').to_string()
+}
+
+/// The preview suffix the PandaStack SDKs derive from an API URL whose host
+/// is `request_host` (`preview_url()` is string formatting, §3.10): its
+/// host name without a leading `api.`. A server reached by an IP address
+/// (no subdomains) or by no name at all uses [`LOCAL_SUFFIX`].
+pub fn derived_suffix(request_host: &str) -> String {
+    let name = host_name(request_host);
+    if name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() {
+        return LOCAL_SUFFIX.to_string();
+    }
+    match name.strip_prefix("api.") {
+        Some(rest) if !rest.is_empty() => rest.to_string(),
+        _ => name,
+    }
+}
+
+/// `Some` when `host` (a `Host` header, with or without `:port`) is a
+/// preview host: `{port}-{id}.{suffix}` with one label before the suffix —
+/// under `suffix` when one is configured, under any suffix otherwise (each
+/// request's own, [`derived_suffix`]); `Some(Err)` when it has that shape
+/// but an impossible port.
+pub fn parse_host(host: &str, suffix: Option<&str>) -> Option<Result<PreviewHost, String>> {
+    let name = host_name(host);
+    let label = match suffix {
+        Some(suffix) => name.strip_suffix(suffix)?.strip_suffix('.')?,
+        None => name.split_once('.').filter(|(_, rest)| !rest.is_empty())?.0,
+    };
     if label.contains('.') {
         return None;
     }
@@ -108,7 +144,8 @@ pub fn parse_host(host: &str, suffix: &str) -> Option<Result<PreviewHost, String
     })
 }
 
-/// `{scheme}://{port}-{id}.{suffix}[:listen_port]/`.
+/// `{scheme}://{port}-{id}.{suffix}[:listen_port]`: what the SDKs'
+/// `preview_url(port)` formats (with no path).
 pub fn url(
     scheme: &str,
     suffix: &str,
@@ -120,7 +157,7 @@ pub fn url(
         (_, None) | ("http", Some(80)) | ("https", Some(443)) => String::new(),
         (_, Some(p)) => format!(":{p}"),
     };
-    format!("{scheme}://{port}-{sandbox_id}.{suffix}{listen}/")
+    format!("{scheme}://{port}-{sandbox_id}.{suffix}{listen}")
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -229,26 +266,18 @@ mod tests {
                 sandbox_id: id.into(),
             }))
         };
-        assert_eq!(
-            parse_host("8000-abc123.localhost:8080", "localhost"),
-            ok(8000, "abc123")
-        );
-        assert_eq!(
-            parse_host("8000-ABC123.Localhost", "localhost"),
-            ok(8000, "abc123")
-        );
-        assert_eq!(
-            parse_host("3000-a-b.preview.example.com.", "preview.example.com"),
-            ok(3000, "a-b")
-        );
-        assert!(matches!(
-            parse_host("99999-abc.localhost", "localhost"),
-            Some(Err(_))
-        ));
-        assert!(matches!(
-            parse_host("0-abc.localhost", "localhost"),
-            Some(Err(_))
-        ));
+        let local = Some("localhost");
+        assert_eq!(parse_host("8000-abc123.localhost:8080", local), ok(8000, "abc123"));
+        assert_eq!(parse_host("8000-ABC123.Localhost", local), ok(8000, "abc123"));
+        assert_eq!(parse_host("3000-a-b.preview.example.com.", Some("preview.example.com")), ok(3000, "a-b"));
+        assert!(matches!(parse_host("99999-abc.localhost", local), Some(Err(_))));
+        assert!(matches!(parse_host("0-abc.localhost", local), Some(Err(_))));
+        // Unconfigured: whatever the request reached the server by.
+        assert_eq!(parse_host("8000-abc123.localhost:8080", None), ok(8000, "abc123"));
+        assert_eq!(parse_host("8000-abc123.example.com", None), ok(8000, "abc123"));
+        for host in ["api.example.com", "localhost:8080", "127.0.0.1:8080", "8000-abc123", "8000-abc123.", "x.8000-abc.example.com"] {
+            assert_eq!(parse_host(host, None), None, "{host}");
+        }
         for host in [
             "localhost:8080",
             "127.0.0.1:8080",
@@ -261,24 +290,31 @@ mod tests {
             "8000-abc.localhost.evil",
             "[::1]:8080",
         ] {
-            assert_eq!(parse_host(host, "localhost"), None, "{host}");
+            assert_eq!(parse_host(host, Some("localhost")), None, "{host}");
         }
+    }
+
+    /// As `pandastack`'s `_preview_host_suffix` derives it from the API URL.
+    #[test]
+    fn derived_suffixes_are_the_sdks() {
+        assert_eq!(derived_suffix("api.example.com"), "example.com");
+        assert_eq!(derived_suffix("API.Example.com:443"), "example.com");
+        assert_eq!(derived_suffix("sandboxes.example.com"), "sandboxes.example.com");
+        assert_eq!(derived_suffix("localhost:8080"), "localhost");
+        assert_eq!(derived_suffix("api.localhost:8080"), "localhost");
+        assert_eq!(derived_suffix("127.0.0.1:8080"), "localhost");
+        assert_eq!(derived_suffix("[::1]:8080"), "localhost");
+        assert_eq!(derived_suffix(""), "localhost");
+        let previews = Previews::new("");
+        assert_eq!(previews.suffix_for(Some("api.example.com")), "example.com");
+        assert_eq!(Previews::new(".Preview.Example.com.").suffix_for(Some("api.example.com")), "preview.example.com");
     }
 
     #[test]
     fn urls() {
-        assert_eq!(
-            url("http", "localhost", Some(8080), 8000, "abc"),
-            "http://8000-abc.localhost:8080/"
-        );
-        assert_eq!(
-            url("https", "p.example.com", Some(443), 80, "abc"),
-            "https://80-abc.p.example.com/"
-        );
-        assert_eq!(
-            url("http", "localhost", None, 80, "abc"),
-            "http://80-abc.localhost/"
-        );
+        assert_eq!(url("http", "localhost", Some(8080), 8000, "abc"), "http://8000-abc.localhost:8080");
+        assert_eq!(url("https", "p.example.com", Some(443), 80, "abc"), "https://80-abc.p.example.com");
+        assert_eq!(url("http", "localhost", None, 80, "abc"), "http://80-abc.localhost");
     }
 
     #[test]

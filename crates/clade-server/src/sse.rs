@@ -23,14 +23,16 @@ pub const PING: &[u8] = b": ping\n\n";
 #[derive(utoipa::ToSchema)]
 #[allow(dead_code)] // a schema, never constructed
 pub struct SseEvent {
-    /// `stdout`, `stderr`, then `exit` or `error` (exec/stream); `line` (logs).
+    /// `stdout`, `stderr`, then `exit` or `error` (exec/stream); `line` (logs); `event` (events).
     event: String,
-    /// One line of JSON: `{"chunk": "…"}`, `{"exit_code": N}`, `{"error": "…"}`, `{"line": "…"}`.
+    /// One line of JSON: `{"chunk": "…"}`, `{"exit_code": N}`, `{"error": "…"}`, `{"line": "…"}`, an `Event`.
     data: String,
 }
 
 /// One event. `data` is serialised on one line (JSON escapes newlines).
-pub fn event(name: &str, data: &serde_json::Value) -> Bytes {
+pub fn event(name: &str, data: &impl serde::Serialize) -> Bytes {
+    // Serializing a value to a string fails only for maps with non-string keys.
+    let data = serde_json::to_string(data).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }).to_string());
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
 

@@ -348,7 +348,7 @@ async fn the_proxy_preview_hosts_streams_websockets_and_labels() {
     );
     assert_eq!(
         added["preview_url"],
-        format!("http://{}/", host_of(&api, 8000, &id))
+        format!("http://{}", host_of(&api, 8000, &id))
     );
     let later = api
         .post(

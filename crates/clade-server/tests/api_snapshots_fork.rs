@@ -101,6 +101,10 @@ async fn fork_fork_tree_and_promote_as_explore_uses_them() {
     reply.expect(201);
     api.delete(&format!("/v1/sandboxes/{}", reply.json()["sandbox"]["id"].as_str().unwrap())).await.expect(204);
 
+    // Each verb names itself in its cap.
+    let reply = api.post(&format!("/v1/sandboxes/{parent}/fork"), json!({ "count": 17 })).await;
+    reply.expect(400);
+    assert_eq!(reply.error(), "fork count capped at 16");
     // Fork-tree as explore() asks for it.
     let reply = api.post(&format!("/v1/sandboxes/{parent}/fork-tree"), json!({ "count": 17 })).await;
     reply.expect(400);
@@ -123,10 +127,13 @@ async fn fork_fork_tree_and_promote_as_explore_uses_them() {
         assert_eq!(api.exec(c, &format!("cat /root/f; echo {i} > /root/branch")).await["stdout"], "parent\n");
     }
 
+    // A sandbox in no fork tree cannot be promoted, whatever the body says.
+    for body in [json!({}), json!({ "cleanup_siblings": true }), json!({ "tree_id": tree_id })] {
+        let reply = api.post(&format!("/v1/sandboxes/{parent}/promote"), body.clone()).await;
+        reply.expect(409);
+        assert!(reply.error().contains("is not in a fork tree"), "{body}: {}", reply.error());
+    }
     // Promote without tree_id: the tree is the winner's.
-    let reply = api.post(&format!("/v1/sandboxes/{parent}/promote"), json!({ "cleanup_siblings": true })).await;
-    reply.expect(400);
-    assert!(reply.error().starts_with("tree_id required"), "{}", reply.error());
     let reply = api.post(&format!("/v1/sandboxes/{}/promote", ids[1]), json!({ "cleanup_siblings": true, "tree_id": "tree-other" })).await;
     reply.expect(400);
     let promoted = api.post(&format!("/v1/sandboxes/{}/promote", ids[1]), json!({ "cleanup_siblings": true })).await.expect(200).json();

@@ -166,6 +166,14 @@ async fn console_logs_as_text_and_followed_and_a_paused_sandbox_resumes_on_use()
         }
     }
     api.get("/v1/sandboxes/nope/logs").await.expect(404);
+    // `stream`: the console is the machine's stdout; the VMM's errors its stderr.
+    let console = api.get(&format!("{logs}?stream=stdout")).await;
+    assert!(String::from_utf8_lossy(&console.expect(200).bytes).contains("first-marker"));
+    let vmm = api.get(&format!("{logs}?stream=stderr")).await;
+    assert!(!String::from_utf8_lossy(&vmm.expect(200).bytes).contains("first-marker"));
+    let reply = api.get(&format!("{logs}?stream=errors")).await;
+    reply.expect(400);
+    assert_eq!(reply.error(), "stream must be stdout, stderr or both, not \"errors\"");
 
     // Paused: any use resumes it.
     api.post_empty(&format!("/v1/sandboxes/{id}/pause")).await.expect(204);
@@ -177,5 +185,33 @@ async fn console_logs_as_text_and_followed_and_a_paused_sandbox_resumes_on_use()
     assert_eq!(resumed["payload"]["auto"], true);
 
     api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    server.shutdown().await;
+}
+
+/// `GET …/events?follow=1` (§3.19): the last events, then each new one as
+/// it happens, as `event` events; the stream ends after `deleted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_are_followed_until_the_sandbox_is_deleted() {
+    let Some(env) = clade_host::testing::vm_env() else { return };
+    let server = start(&env.config).await;
+    let api = Api::new(server.addr(), server.admin_key());
+    let id = create(&api).await;
+    api.exec(&id, "true").await;
+    let mut events = Events::open(&api, &format!("/v1/sandboxes/{id}/events?follow=1&tail=1"), reqwest::Method::GET, None).await;
+    let (name, first) = events.next().await.expect("the replayed event");
+    assert_eq!((name.as_str(), first["type"].as_str(), first["sandbox_id"].as_str()), ("event", Some("exec"), Some(id.as_str())));
+    assert!(first["time"].is_string() && first["payload"].is_object(), "{first}");
+    api.exec(&id, "echo followed").await;
+    let (_, next) = events.next().await.expect("the new event");
+    assert_eq!((next["type"].as_str(), next["payload"]["cmd"].as_str()), (Some("exec"), Some("echo followed")));
+    api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    let mut kinds = Vec::new();
+    while let Some((_, event)) = events.next().await {
+        kinds.push(event["type"].as_str().unwrap().to_string());
+    }
+    assert_eq!(kinds.last().map(String::as_str), Some("deleted"), "the stream ends after deleted: {kinds:?}");
+    let other_ws = server.store().create_workspace("other").await.unwrap();
+    let other = api.with_key(&server.store().create_key(&other_ws.id, "k").await.unwrap().secret);
+    other.get(&format!("/v1/sandboxes/{id}/events?follow=1")).await.expect(404);
     server.shutdown().await;
 }

@@ -65,4 +65,26 @@ impl Store {
         events.reverse();
         Ok(events)
     }
+
+    /// A sandbox's events after the one with id `after`, in order, at most
+    /// `limit` of them: what a follower has not seen yet.
+    pub async fn events_after(
+        &self,
+        workspace_id: &str,
+        sandbox_id: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, sandbox_id, workspace_id, kind, detail, at FROM events \
+             WHERE sandbox_id = $1 AND workspace_id = $2 AND id > $3 ORDER BY id LIMIT $4",
+        )
+        .bind(sandbox_id)
+        .bind(workspace_id)
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Event::from_row).collect()
+    }
 }

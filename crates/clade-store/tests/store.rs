@@ -199,6 +199,12 @@ async fn events_and_snapshots_round_trip() {
         assert_eq!(events[2].detail, serde_json::json!({ "n": 3 }));
         assert!(events.windows(2).all(|w| w[0].id < w[1].id));
         assert!(store.events(&b.id, "sb1", 10).await.unwrap().is_empty(), "{}", db.name());
+        // A follower's next page: after the one it saw, in order, another workspace's never.
+        let after = store.events_after(&a.id, "sb1", events[0].id, 10).await.unwrap();
+        assert_eq!(after.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), ["hibernated", "woken"]);
+        assert_eq!(store.events_after(&a.id, "sb1", events[0].id, 1).await.unwrap().len(), 1);
+        assert!(store.events_after(&a.id, "sb1", events[2].id, 10).await.unwrap().is_empty());
+        assert!(store.events_after(&b.id, "sb1", 0, 10).await.unwrap().is_empty());
 
         for (id, at) in [("s1", 1000), ("s2", 2000)] {
             let row = SnapshotRow {

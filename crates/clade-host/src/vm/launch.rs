@@ -88,7 +88,13 @@ pub const MACHINE: &str = "microvm";
 /// reads itself (disk I/O, its own page cache and, under TCG, their code
 /// translated anew) for bitmaps ext4 loads anyway when a group is first
 /// written to.
-pub const ROOT_MOUNT_ARGS: [&str; 4] = ["root=/dev/vda", "rw", "rootfstype=ext4", "rootflags=no_prefetch_block_bitmaps"];
+///
+/// `discard`: the blocks of a file the guest deletes are given back to its
+/// disk at once (the next journal commit), and through QEMU (`discard:
+/// unmap` down to the layer's file, [`chain_blockdev`]) to the host's
+/// disk: a guest that filled its disk and cleaned up holds no space on the
+/// host for it, without waiting for an `fstrim` nobody runs.
+pub const ROOT_MOUNT_ARGS: [&str; 4] = ["root=/dev/vda", "rw", "rootfstype=ext4", "rootflags=no_prefetch_block_bitmaps,discard"];
 
 /// The most memory, MiB, TCG may fill with translated code per VM. QEMU
 /// never returns what it translated: without a cap, a long-lived sandbox's
@@ -240,7 +246,7 @@ pub fn qemu_args(spec: &LaunchSpec, fds: &Fds) -> Vec<OsString> {
         match &spec.disk {
             Disk::Chain(_) => root_blockdev(&fds.disk).to_string(),
             Disk::Deferred { bytes } => format!(
-                r#"{{"driver":"raw","node-name":"root","file":{{"driver":"null-co","node-name":"placeholder","size":{bytes},"read-zeroes":true}}}}"#
+                r#"{{"driver":"raw","node-name":"root","discard":"unmap","file":{{"driver":"null-co","node-name":"placeholder","size":{bytes},"read-zeroes":true}}}}"#
             ),
         },
         "-device".into(),
@@ -322,8 +328,10 @@ pub fn chain_blockdev(node: &str, files: &[(String, qcow2::Format)]) -> serde_js
     }
     let mut top = below.unwrap_or_else(|| serde_json::json!({}));
     top["node-name"] = node.into();
-    // The guest's trims free space in its own layer.
+    // The guest's trims free space in its own layer, and the layer's
+    // freed clusters are punched out of its file on the host.
     top["discard"] = "unmap".into();
+    top["file"]["discard"] = "unmap".into();
     top
 }
 
@@ -634,7 +642,7 @@ mod tests {
             blockdev,
             serde_json::json!({
                 "driver": "qcow2", "node-name": "root", "discard": "unmap",
-                "file": { "driver": "file", "filename": "/dev/fdset/2" },
+                "file": { "driver": "file", "filename": "/dev/fdset/2", "discard": "unmap" },
                 "backing": { "driver": "raw", "file": { "driver": "file", "filename": "/dev/fdset/3" } },
             })
         );
@@ -647,7 +655,7 @@ mod tests {
         let tcg = kernel_cmdline(&spec(Accel::Tcg));
         assert!(tcg.contains("tsc_early_khz=2596000") && tcg.contains("tsc=reliable"), "{tcg}");
         assert!(tcg.contains("init=/sbin/clade-guestd"));
-        assert!(tcg.contains("root=/dev/vda rw rootfstype=ext4 rootflags=no_prefetch_block_bitmaps"), "{tcg}");
+        assert!(tcg.contains("root=/dev/vda rw rootfstype=ext4 rootflags=no_prefetch_block_bitmaps,discard"), "{tcg}");
         let kvm = kernel_cmdline(&spec(Accel::Kvm));
         assert!(!kvm.contains("tsc"), "{kvm}");
         let accel = |accel| {

@@ -32,7 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clade_proto::{ExecRequest, RestoreRequest};
 use tokio::sync::watch;
 
-pub use admission::{Admission, AdmissionError};
+pub use admission::{Admission, AdmissionError, DEFAULT_DISK_OVERCOMMIT};
 pub use idle::translation_cache_kib;
 pub use migrate::MigrateError;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
@@ -248,15 +248,33 @@ impl VmRuntime {
             vms_dir,
             templates_dir,
             images,
-            admission: Admission::default(),
+            admission: Admission { disk_overcommit: config.disk_overcommit, ..Admission::default() },
             promises: Arc::default(),
             standby: Default::default(),
             network: None,
             config,
         };
-        runtime.collect_snapshot_layers();
-        runtime.collect_templates();
+        runtime.collect_layers();
         Ok(runtime)
+    }
+
+    /// Removes what only ended VMs held: deleted snapshots that no VM or
+    /// snapshot is backed by any more, and superseded templates nothing
+    /// uses. Every path by which a VM ends calls it (or
+    /// [`Self::release_layers`]): a fork's snapshot layer is needed only as
+    /// long as its parent's and children's VMs are.
+    pub fn collect_layers(&self) {
+        self.collect_snapshot_layers();
+        self.collect_templates();
+    }
+
+    /// [`Self::collect_layers`] off the runtime's workers (it reads and
+    /// removes directories).
+    pub async fn release_layers(&self) {
+        let runtime = self.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || runtime.collect_layers()).await {
+            tracing::warn!("collecting disk layers: {e}");
+        }
     }
 
     pub fn accel(&self) -> Accel {
@@ -369,8 +387,45 @@ impl VmRuntime {
     /// Admits `count` VMs of `memory_mb` made together; the promise lasts as
     /// long as the returned value (see [`admission`]): hold it until they
     /// are made or given up.
-    fn admit(&self, count: u32, memory_mb: u32) -> Result<admission::Admitted, VmError> {
-        Ok(self.admission.admit(&self.promises, count, memory_mb, &self.config.data_dir)?)
+    /// Admits `count` VMs of `memory_mb` with disks of `disk_bytes` (0: a
+    /// VM whose disk is on the host already, a wake) against the host's
+    /// memory and disk (see `admission`).
+    fn admit(&self, count: u32, memory_mb: u32, disk_bytes: u64) -> Result<admission::Admitted, VmError> {
+        let claims = self.admission.disk_claims(self.disk_uses());
+        Ok(self.admission.admit(&self.promises, count, memory_mb, disk_bytes, &self.config.data_dir, claims)?)
+    }
+
+    /// The VMs of this data directory as disk admission counts them: those
+    /// made, running or not (being made ones are promised, standby ones
+    /// hold an empty layer that a create takes over).
+    fn disk_uses(&self) -> Vec<admission::DiskUse> {
+        let vms = std::fs::read_dir(&self.vms_dir).into_iter().flatten().flatten();
+        vms.filter_map(|entry| {
+            let dir = entry.path();
+            let record = VmRecord::load(&dir)?;
+            let memory_mb = match record.phase {
+                Phase::Running | Phase::Paused => u64::from(record.memory_mb),
+                Phase::Hibernated | Phase::Waking => 0,
+                Phase::Creating | Phase::Standby => return None,
+            };
+            let (disk_bytes, layer_bytes) = disk_use(&dir.join(DISK_LAYER))?;
+            Some(admission::DiskUse { disk_bytes, layer_bytes, memory_mb })
+        })
+        .collect()
+    }
+
+    /// How much of its disk VM `id` uses on this host: its disk's size (what
+    /// its guest sees) and what its own layer takes of the host's disk
+    /// (what it wrote since its template or snapshot; deleted files give
+    /// theirs back). `None` when the VM is not on this host.
+    pub fn disk_usage(&self, id: &str) -> Option<DiskUsage> {
+        let (size_bytes, used_bytes) = disk_use(&self.vms_dir.join(id).join(DISK_LAYER))?;
+        Some(DiskUsage { size_bytes, used_bytes })
+    }
+
+    /// The disk of a VM made from `image`, bytes: its root filesystem's size.
+    fn image_disk_bytes(image: &GuestImage) -> u64 {
+        std::fs::metadata(&image.rootfs).map_or(0, |m| m.len())
     }
 
     /// Whether the template for this VM shape is baked already.
@@ -438,7 +493,7 @@ impl VmRuntime {
 
     /// Cold-boots a VM and waits until its agent answers.
     pub async fn boot(&self, spec: VmSpec) -> Result<Vm, VmError> {
-        let _admitted = self.admit(1, spec.memory_mb)?;
+        let _admitted = self.admit(1, spec.memory_mb, Self::image_disk_bytes(&spec.image))?;
         let (id, dir, mut record) = self.new_vm(&spec, None).await?;
         let booted = async {
             create_overlay(&spec.image.rootfs, "raw", &dir.join("disk.qcow2"), None).await?;
@@ -458,7 +513,7 @@ impl VmRuntime {
             run_restore_hook(&agent, restore_request(&id, false), timeout).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), BootKind::Cold))
+            Ok(Vm::attach(self, record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, BootKind::Cold))
         }
         .await;
         if booted.is_err() {
@@ -472,7 +527,7 @@ impl VmRuntime {
     /// the current time and its own identity before anything else runs.
     pub async fn create(&self, spec: VmSpec) -> Result<Vm, VmError> {
         let create_started = std::time::Instant::now();
-        let _admitted = self.admit(1, spec.memory_mb)?;
+        let _admitted = self.admit(1, spec.memory_mb, Self::image_disk_bytes(&spec.image))?;
         let (template, baked_now) = self.template(&spec).await?;
         let standby = self.standby.take(&template, spec.lifetime);
         self.refill_standby(&template, &spec);
@@ -512,7 +567,7 @@ impl VmRuntime {
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             tracing::info!(vm = %id, template = %template.key, baked_now, from_standby, rehearsed, "created by restoring the template");
             let kind = BootKind::Restored { template: template.key.clone(), baked_now, standby: from_standby, rehearsed };
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), kind))
+            Ok(Vm::attach(self, record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
         .await;
         if created.is_err() {
@@ -611,7 +666,7 @@ impl VmRuntime {
         if record.phase == Phase::Running {
             agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
         }
-        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, self.supervision(watchdog), BootKind::Adopted))
+        Ok(Vm::attach(self, record, dir, qmp, agent, exit_rx, watchdog, BootKind::Adopted))
     }
 
     /// Brings a hibernated VM back: same id, disk, processes and memory.
@@ -637,7 +692,7 @@ impl VmRuntime {
                 .map_err(|e| VmError::Config(format!("settling task: {e}")))?;
             (_, record) = self.load_record(id)?;
         }
-        let _admitted = self.admit(1, record.memory_mb)?;
+        let _admitted = self.admit(1, record.memory_mb, 0)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
         let template = Template { dir: self.templates_dir.join(&key), key };
         let image = self
@@ -703,7 +758,7 @@ impl VmRuntime {
         record.save(&dir).map_err(io_err("writing the VM record"))?;
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&memory_file);
-        Ok(Vm::attach(record, dir, qmp, agent, exit_rx, self.supervision(watchdog), BootKind::Woken))
+        Ok(Vm::attach(self, record, dir, qmp, agent, exit_rx, watchdog, BootKind::Woken))
     }
 
     /// Stops a VM in whatever state it is and deletes everything it has.
@@ -713,8 +768,7 @@ impl VmRuntime {
         // Killing and waiting for QEMU, and file removal, block: not on a runtime worker.
         tokio::task::spawn_blocking(move || {
             record::stop_leftover(&dir);
-            runtime.collect_snapshot_layers();
-            runtime.collect_templates();
+            runtime.collect_layers();
         })
         .await
         .map_err(|e| VmError::Config(format!("removal task: {e}")))
@@ -881,14 +935,17 @@ fn spawn_qemu(
     Ok((vmm, exit_rx))
 }
 
-/// Exit reports for a QEMU we did not start (an adopted VM): polled.
+/// Exit reports for a QEMU we did not start (an adopted VM). Its status
+/// goes to its parent, not to us: it is read from the zombie the moment it
+/// exits, while its parent has not reaped it yet.
 fn watch_foreign_process(vmm: ProcessId) -> watch::Receiver<Option<String>> {
     let (exit_tx, exit_rx) = watch::channel(None::<String>);
     std::thread::spawn(move || {
-        while vmm.is_alive() && !exit_tx.is_closed() {
-            std::thread::sleep(Duration::from_millis(100));
+        if !vmm.wait_exit(|| exit_tx.is_closed()) {
+            return;
         }
-        let _ = exit_tx.send(Some("exited".into()));
+        let status = vmm.zombie_status().unwrap_or_else(|| "its status went to its parent process before it could be read".into());
+        let _ = exit_tx.send(Some(status));
     });
     exit_rx
 }
@@ -1073,20 +1130,25 @@ struct Inner {
     exited: watch::Receiver<Option<String>>,
     failure: Arc<watch::Sender<Option<VmFailure>>>,
     state: Arc<Mutex<State>>,
+    /// Its runtime, to release the layers only this VM still needed when it ends.
+    runtime: VmRuntime,
     /// Dropped with the VM: tells the monitor to stop.
     _owner_alive: watch::Sender<()>,
 }
 
 impl Vm {
+    #[allow(clippy::too_many_arguments)]
     fn attach(
+        runtime: &VmRuntime,
         record: VmRecord,
         dir: PathBuf,
         qmp: Qmp,
         agent: AgentClient,
         exited: watch::Receiver<Option<String>>,
-        supervision: Supervision,
+        watchdog: Option<Watchdog>,
         kind: BootKind,
     ) -> Self {
+        let supervision = runtime.supervision(watchdog);
         let vmm = record.vmm.expect("an attached VM has a QEMU process");
         let initial = if record.phase == Phase::Paused { State::Paused } else { State::Running };
         let state = Arc::new(Mutex::new(initial));
@@ -1104,6 +1166,7 @@ impl Vm {
             state: state.clone(),
             supervision,
             owner_alive: alive_rx,
+            runtime: runtime.clone(),
         }));
         Self {
             inner: Arc::new(Inner {
@@ -1116,6 +1179,7 @@ impl Vm {
                 exited,
                 failure,
                 state,
+                runtime: runtime.clone(),
                 _owner_alive: alive_tx,
             }),
         }
@@ -1421,6 +1485,7 @@ impl Vm {
         crate::net::release_for(&self.inner.dir);
         let removed = std::fs::remove_dir_all(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
+        self.inner.runtime.release_layers().await;
         match removed {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_err("removing the VM directory")(e)),
             _ => Ok(()),
@@ -1434,6 +1499,7 @@ impl Drop for Inner {
         let lifetime = self.record.lock().expect("record lock").lifetime;
         if lifetime == Lifetime::Ephemeral && !matches!(state, State::Stopped | State::Failed) {
             record::stop_leftover(&self.dir);
+            self.runtime.collect_layers();
         }
     }
 }
@@ -1477,6 +1543,7 @@ struct Monitor {
     state: Arc<Mutex<State>>,
     supervision: Supervision,
     owner_alive: watch::Receiver<()>,
+    runtime: VmRuntime,
 }
 
 /// What a running VM's monitor does besides noticing QEMU's exit.
@@ -1586,6 +1653,7 @@ async fn monitor(mut m: Monitor) {
     let _ = tokio::time::timeout(Duration::from_secs(5), m.exited.wait_for(Option::is_some)).await;
     crate::net::release_for(&m.dir);
     let _ = std::fs::remove_dir_all(&m.dir);
+    m.runtime.release_layers().await;
     m.failure.send_replace(Some(VmFailure { kind, reason, console_tail }));
 }
 
@@ -1633,6 +1701,23 @@ async fn create_overlay(base: &Path, base_format: &str, overlay: &Path, size: Op
 }
 
 /// The virtual size recorded in a qcow2 image's header.
+/// A VM's own disk layer, in its directory.
+const DISK_LAYER: &str = "disk.qcow2";
+
+/// See [`VmRuntime::disk_usage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskUsage {
+    pub size_bytes: u64,
+    pub used_bytes: u64,
+}
+
+/// A disk layer's size as its guest sees it and the host space it takes, bytes.
+fn disk_use(layer: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let disk_bytes = crate::qcow2::read_header(layer).ok()?.virtual_size;
+    Some((disk_bytes, layer.metadata().ok()?.blocks() * 512))
+}
+
 fn qcow2_virtual_size(path: &Path) -> Result<u64, VmError> {
     Ok(crate::qcow2::read_header(path).map_err(io_err("reading the disk layer's header"))?.virtual_size)
 }

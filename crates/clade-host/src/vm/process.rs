@@ -61,6 +61,56 @@ impl ProcessId {
         })
     }
 
+    /// How it ended, in the words of `std::process::ExitStatus` ("signal: 9
+    /// (SIGKILL)", "exit status: 1"), while it is a zombie that its parent
+    /// has not reaped yet; `None` when it runs or is gone.
+    pub fn zombie_status(&self) -> Option<String> {
+        use std::os::unix::process::ExitStatusExt;
+        let stat = parse_stat(&std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?)?;
+        if stat.start_ticks != self.start_ticks || stat.state != 'Z' {
+            return None;
+        }
+        Some(std::process::ExitStatus::from_raw(stat.exit_code?).to_string())
+    }
+
+    /// Blocks until it has exited (a zombie or gone), however far it is
+    /// from us — a pidfd wakes us the moment it does (Linux 5.3+; older
+    /// kernels are polled) — or until `give_up` says so (asked every
+    /// second). Whether it exited.
+    pub fn wait_exit(&self, give_up: impl Fn() -> bool) -> bool {
+        let pidfd = self.pidfd();
+        while self.is_alive() {
+            if give_up() {
+                return false;
+            }
+            match &pidfd {
+                Some(pidfd) => {
+                    let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(pidfd), nix::poll::PollFlags::POLLIN)];
+                    let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(1000u16));
+                }
+                None => std::thread::sleep(std::time::Duration::from_millis(100)),
+            }
+        }
+        true
+    }
+
+    /// A descriptor that becomes readable when the process exits.
+    fn pidfd(&self) -> Option<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new
+        // descriptor or -1; no memory of ours is involved.
+        #[allow(unsafe_code)]
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, self.pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` was just returned by the kernel and is owned by no one else.
+        #[allow(unsafe_code)]
+        let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        // The pid may have been recycled between our check and the open.
+        self.is_alive().then_some(pidfd)
+    }
+
     /// SIGKILL, only if it is still the same process.
     pub fn kill(&self) {
         if self.is_alive() {
@@ -101,6 +151,8 @@ struct Stat {
     /// User and system time, in clock ticks.
     cpu_ticks: u64,
     start_ticks: u64,
+    /// A zombie's wait status (field 52, Linux 3.5+).
+    exit_code: Option<i32>,
 }
 
 /// Parses a /proc/PID/stat line; the command name may hold spaces and parens.
@@ -115,6 +167,7 @@ fn parse_stat(stat: &str) -> Option<Stat> {
         parent: u32::try_from(number(4)?).ok()?,
         cpu_ticks: number(14)? + number(15)?,
         start_ticks: number(22)?,
+        exit_code: number(52).and_then(|code| i32::try_from(code).ok()),
     })
 }
 
@@ -148,7 +201,26 @@ mod tests {
     #[test]
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19";
-        assert_eq!(parse_stat(line), Some(Stat { state: 'S', parent: 1, cpu_ticks: 11 + 12, start_ticks: 777 }));
+        assert_eq!(
+            parse_stat(line),
+            Some(Stat { state: 'S', parent: 1, cpu_ticks: 11 + 12, start_ticks: 777, exit_code: None })
+        );
+    }
+
+    #[test]
+    fn a_killed_process_is_told_apart_from_one_that_exited_while_it_is_a_zombie() {
+        let mut killed = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let mut exited = std::process::Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
+        let (killed_id, exited_id) = (ProcessId::of(killed.id()).unwrap(), ProcessId::of(exited.id()).unwrap());
+        assert_eq!(killed_id.zombie_status(), None, "a running process has no status");
+        killed_id.kill();
+        // Waits as for a process that is not ours: the zombie stays until we reap it.
+        assert!(killed_id.wait_exit(|| false) && exited_id.wait_exit(|| false));
+        assert_eq!(killed_id.zombie_status().as_deref(), Some("signal: 9 (SIGKILL)"));
+        assert_eq!(exited_id.zombie_status().as_deref(), Some("exit status: 3"));
+        killed.wait().unwrap();
+        exited.wait().unwrap();
+        assert_eq!(killed_id.zombie_status(), None, "reaped: gone");
     }
 
     #[test]

@@ -54,9 +54,15 @@ use super::{
 /// Under the data directory: one directory per snapshot.
 pub(super) const SNAPSHOTS_DIR: &str = "snapshots";
 const RECORD: &str = "snapshot.json";
-/// The process taking a snapshot, until its record makes it complete: an
-/// incomplete snapshot whose taker is dead is removed at once.
+/// The process taking a snapshot, until its record makes it complete (a
+/// fork's: until its children are recorded): an incomplete snapshot whose
+/// taker is dead is removed at once.
 const TAKER: &str = "taker.json";
+
+/// The process recorded as taking the snapshot in `dir`, if any.
+fn taker(dir: &Path) -> Option<ProcessId> {
+    serde_json::from_slice(&std::fs::read(dir.join(TAKER)).ok()?).ok()
+}
 const CHILD_LAYER: &str = "child.qcow2";
 const MEMORY: &str = "memory";
 
@@ -175,7 +181,8 @@ impl VmRuntime {
         network: Option<EgressPolicy>,
     ) -> Result<Vm, VmError> {
         let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
-        let _admitted = self.admit(1, snap.memory_mb)?;
+        let disk_bytes = super::disk_use(&snap_dir.join(super::DISK_LAYER)).map_or(0, |(disk, _)| disk);
+        let _admitted = self.admit(1, snap.memory_mb, disk_bytes)?;
         self.restore_snapshot(&snap_dir, &snap, lifetime, watchdog, network, None).await
     }
 
@@ -272,7 +279,7 @@ impl VmRuntime {
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let kind = BootKind::FromSnapshot { snapshot: snapshot_id.clone() };
-            Ok(Vm::attach(record.clone(), dir.clone(), qmp, agent, exit_rx, self.supervision(spec.watchdog), kind))
+            Ok(Vm::attach(self, record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, kind))
         }
         .await;
         if created.is_err() {
@@ -292,13 +299,19 @@ impl VmRuntime {
         let _ = std::fs::remove_file(dir.join("ram"));
         let _ = std::fs::remove_file(dir.join(MEMORY));
         let _ = std::fs::remove_file(dir.join(CHILD_LAYER));
-        self.collect_snapshot_layers();
-        self.collect_templates();
+        self.collect_layers();
         Ok(())
     }
 
-    /// Removes deleted (and never completed) snapshots that nothing needs.
+    /// Removes deleted (and never completed) snapshots that nothing needs,
+    /// to the end of their chains: a snapshot whose last user was another
+    /// removed one goes in the same call.
     pub fn collect_snapshot_layers(&self) {
+        while self.collect_snapshot_layers_once() > 0 {}
+    }
+
+    /// One pass of [`Self::collect_snapshot_layers`]; the number removed.
+    fn collect_snapshot_layers_once(&self) -> usize {
         let snapshots_dir = self.snapshots_dir();
         let records: Vec<(PathBuf, Option<SnapshotRecord>)> = std::fs::read_dir(&snapshots_dir)
             .into_iter()
@@ -308,21 +321,25 @@ impl VmRuntime {
             .collect();
         let mut needed: Vec<String> = self.list().into_iter().filter_map(|(r, _)| r.backing_snapshot).collect();
         needed.extend(records.iter().filter_map(|(_, r)| r.as_ref()?.backing_snapshot.clone()));
+        let mut removed = 0;
         for (dir, record) in &records {
             let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             let removable = match record {
-                Some(r) => r.deleted && !needed.contains(&id),
+                // A fork's snapshot is written deleted before its children
+                // have records that name it: its taker keeps it till then.
+                Some(r) => r.deleted && !needed.contains(&id) && !taker(dir).is_some_and(|t| t.is_alive()),
                 // Incomplete: a snapshot whose taker died, or (taken by an
                 // older Clade, which did not record it) old enough to be sure.
-                None => match std::fs::read(dir.join(TAKER)).ok().and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok()) {
+                None => match taker(dir) {
                     Some(taker) => !taker.is_alive(),
                     None => dir.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > Duration::from_secs(600)),
                 },
             };
-            if removable {
-                let _ = std::fs::remove_dir_all(dir);
+            if removable && std::fs::remove_dir_all(dir).is_ok() {
+                removed += 1;
             }
         }
+        removed
     }
 }
 
@@ -342,11 +359,13 @@ impl Vm {
             let memory = dir.join(MEMORY);
             super::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
-            let (record, dir) = (record.clone(), dir.clone());
-            tokio::task::spawn_blocking(move || record.save_durably(&dir))
+            let (record, record_dir) = (record.clone(), dir.clone());
+            tokio::task::spawn_blocking(move || record.save_durably(&record_dir))
                 .await
                 .map_err(|e| VmError::Config(format!("record task: {e}")))?
-                .map_err(io_err("writing the snapshot record"))
+                .map_err(io_err("writing the snapshot record"))?;
+            let _ = std::fs::remove_file(dir.join(TAKER));
+            Ok(())
         }
         .await;
         match outcome {
@@ -447,16 +466,43 @@ impl Vm {
 
     /// Forks the VM into `count` new VMs (1–16): each has this VM's files,
     /// memory and running processes as of now, and writes only to itself.
+    /// All or nothing: when one child fails, the others are stopped and
+    /// the failure returned.
+    pub async fn fork(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Vm>, VmError> {
+        let mut made = Vec::with_capacity(count);
+        let mut failure = None;
+        for child in self.fork_each(runtime, count, lifetime).await? {
+            match child {
+                Ok(vm) => made.push(vm),
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        match failure {
+            None => Ok(made),
+            Some(e) => {
+                for vm in made {
+                    let _ = vm.stop().await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Forks the VM into `count` new VMs (1–16), each child's outcome on
+    /// its own, in order: a child that fails (its restore, a network slot)
+    /// leaves the others running. Fails as a whole, with no child, only
+    /// when the parent could not be captured or run again.
     ///
     /// A snapshot that is never listed: its pages go into a memory file
     /// while this VM resumes, and the children share them (see the
     /// module's description).
-    pub async fn fork(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Vm>, VmError> {
+    pub async fn fork_each(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         if !(1..=16).contains(&count) {
             return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
         let memory_mb = self.inner.record.lock().expect("record lock").memory_mb;
-        let _admitted = runtime.admit(count as u32, memory_mb)?;
+        let disk_bytes = super::disk_use(&self.inner.dir.join(super::DISK_LAYER)).map_or(0, |(disk, _)| disk);
+        let _admitted = runtime.admit(count as u32, memory_mb, disk_bytes)?;
         let started = std::time::Instant::now();
         let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
         // Never listed; its disk layer stays while a child needs it.
@@ -497,33 +543,33 @@ impl Vm {
         for file in ["state", CHILD_LAYER] {
             let _ = std::fs::remove_file(dir.join(file));
         }
-        let mut failure = resumed.err();
-        let children = match made {
-            Ok((children, children_ready)) => {
+        // The children that started are recorded as backed by it; it goes
+        // with the last of them, or now if none is kept.
+        let _ = std::fs::remove_file(dir.join(TAKER));
+        let children = match (resumed, made) {
+            (Ok(()), Ok((children, children_ready))) => {
                 tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
                 children
             }
-            Err(e) => {
-                failure = Some(e);
-                Vec::new()
+            // The parent did not run again: no child is kept.
+            (Err(e), Ok((children, _))) => {
+                for vm in children.into_iter().flatten() {
+                    let _ = vm.stop().await;
+                }
+                runtime.release_layers().await;
+                return Err(e);
+            }
+            (_, Err(e)) => {
+                runtime.release_layers().await;
+                return Err(e);
             }
         };
-        let mut made = Vec::new();
-        for child in children {
-            match child {
-                Ok(vm) => made.push(vm),
-                Err(e) => failure = Some(e),
-            }
+        if children.iter().any(Result::is_err) {
+            // The failed children's layers are gone; the snapshot's stays
+            // only while a child that started needs it.
+            runtime.release_layers().await;
         }
-        if let Some(e) = failure {
-            // All or nothing: a fork that made only some children made none.
-            for vm in made {
-                let _ = vm.stop().await;
-            }
-            runtime.collect_snapshot_layers();
-            return Err(e);
-        }
-        Ok(made)
+        Ok(children)
     }
 }
 

@@ -227,7 +227,7 @@ impl VmRuntime {
     async fn start_standby(&self, template: &Template, spec: &VmSpec, generation: u64) -> Result<Option<Standby>, VmError> {
         // A standby holds no guest memory, but the create that takes it will:
         // none is started on a host that could not admit that create.
-        let _admitted = self.admit(1, spec.memory_mb)?;
+        let _admitted = self.admit(1, spec.memory_mb, Self::image_disk_bytes(&spec.image))?;
         let starting = std::time::Instant::now();
         let (id, dir, mut record) = self.new_vm(spec, Some(template)).await?;
         let started = async {
@@ -407,7 +407,8 @@ pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer], replace
     let mut commands = vec![("blockdev-add", Some(super::launch::chain_blockdev(node, &named)))];
     // QEMU keeps the files it opened from the sets.
     commands.extend(held.iter().map(|set| ("remove-fd", Some(json!({ "fdset-id": set.fdset_id })))));
-    commands.push(("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "file": node }] }))));
+    // `discard` as at launch: the guest's trims reach the layer.
+    commands.push(("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "discard": "unmap", "file": node }] }))));
     if let Some(replaced) = replaced {
         commands.push(("blockdev-del", Some(json!({ "node-name": replaced }))));
     }

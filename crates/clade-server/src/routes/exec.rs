@@ -1,7 +1,7 @@
 //! `POST /v1/sandboxes/{id}/exec` (§3.3): one shell command to completion,
 //! its timeout enforced in the guest (which kills the whole process group).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::Json;
@@ -13,7 +13,8 @@ use utoipa::ToSchema;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::vm_error;
+use crate::sandbox::{vm_error, Running};
+use clade_host::VmError;
 use crate::{AppState, Limits};
 
 /// A shell command (`sh -c`) and its timeout.
@@ -67,13 +68,41 @@ impl ExecBody {
 /// Characters of a command kept in its event.
 pub(super) const EVENT_CMD_CHARS: usize = 200;
 
+/// How long past a command's timeout the host waits for the guest to have
+/// killed it and said so. A guest too busy to (a fork bomb on a loaded
+/// host) does not hold the caller: the host ends the exec itself — its
+/// substream closes, and the guest kills the group once it gets to it.
+pub(super) const EXEC_GRACE: Duration = Duration::from_secs(10);
+
+/// The 504 of a command that ran past its timeout (§2.4: the SDKs look
+/// for `timeout` and `deadline exceeded`).
+pub(super) fn timeout_message(timeout_s: u64) -> String {
+    format!("exec timeout: context deadline exceeded (the command ran longer than {timeout_s} s and was killed)")
+}
+
+/// An exec that failed once started: the sandbox is deleted, failed, or
+/// its guest stopped answering — each said with the sandbox's state.
+pub(super) fn exec_failure(running: &Running, id: &str, error: VmError) -> ApiError {
+    if running.entry.is_deleting() {
+        return ApiError::conflict(format!("sandbox {id} was deleted while the command ran"));
+    }
+    match error {
+        VmError::Failed(failure) => ApiError::conflict(format!("sandbox {id} failed while the command ran: {}", failure.reason)),
+        VmError::Agent(e) if e.is_session_lost() => ApiError::Unavailable {
+            message: format!("sandbox {id} is running but its guest stopped answering during the command; try again"),
+            retry_after: Some(5),
+        },
+        other => vm_error("exec", other),
+    }
+}
+
 #[utoipa::path(post, operation_id = "exec", path = "/v1/sandboxes/{id}/exec", tag = "exec", params(("id" = String, Path, description = "A sandbox id")), request_body = ExecBody,
     responses(
         (status = 200, description = "The command ran to completion", body = ExecResult),
-        (status = 400, description = "No command, or a timeout out of range", body = ErrorBody),
+        (status = 400, description = "No command, an argument list the guest's kernel refuses, or a timeout out of range", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
-        (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state, its commands are at their limits (processes, memory), or it was deleted or failed while the command ran", body = ErrorBody),
+        (status = 503, description = "Waking the sandbox failed, or its guest stopped answering during the command (Retry-After)", body = ErrorBody),
         (status = 504, description = "The command ran longer than its timeout and was killed", body = ErrorBody),
     ))]
 pub async fn exec(
@@ -91,13 +120,20 @@ pub async fn exec(
         ..ExecRequest::new(Command::Shell(cmd.clone()))
     };
     let started = Instant::now();
-    let output = running.vm.run(request).await.map_err(|e| {
-        if running.entry.is_deleting() {
-            ApiError::conflict(format!("sandbox {id} was deleted while the command ran"))
-        } else {
-            vm_error("exec", e)
+    let deadline = Duration::from_secs(timeout_s) + EXEC_GRACE;
+    let output = match tokio::time::timeout(deadline, running.vm.run(request)).await {
+        Ok(output) => output.map_err(|e| exec_failure(&running, &id, e))?,
+        Err(_) => {
+            let detail = json!({
+                "cmd": cmd.chars().take(EVENT_CMD_CHARS).collect::<String>(),
+                "duration_ms": started.elapsed().as_millis() as u64,
+                "timed_out": true,
+                "outcome": "ended by the host: the guest did not end it in time",
+            });
+            state.service.record(&running.entry, "exec", detail).await;
+            return Err(ApiError::Timeout(timeout_message(timeout_s)));
         }
-    })?;
+    };
     let duration_ms = started.elapsed().as_millis() as u64;
     let status = output.status.clone().ok_or_else(|| ApiError::internal("exec failed", "the guest reported no exit status"))?;
     let exit_code = output.exit_code();
@@ -109,9 +145,7 @@ pub async fn exec(
     });
     state.service.record(&running.entry, "exec", detail).await;
     if status.timed_out {
-        return Err(ApiError::ExecTimeout(format!(
-            "exec timeout: context deadline exceeded (the command ran longer than {timeout_s} s and was killed)"
-        )));
+        return Err(ApiError::Timeout(timeout_message(timeout_s)));
     }
     let truncated = (status.stdout_dropped > 0 || status.stderr_dropped > 0).then(|| Truncated {
         limit_bytes: limits.exec_output_bytes,

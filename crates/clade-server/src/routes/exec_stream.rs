@@ -7,7 +7,7 @@
 //! session, and the guest kills the command's whole process group. A quiet
 //! command is noticed within two keep-alives (`sse::KEEPALIVE`).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::response::Response;
@@ -24,7 +24,7 @@ use crate::sandbox::{agent_error, Running, SandboxService};
 use crate::sse::{self, SseEvent, Utf8Decoder};
 use crate::AppState;
 
-use super::exec::{ExecBody, EVENT_CMD_CHARS};
+use super::exec::{timeout_message, ExecBody, EVENT_CMD_CHARS, EXEC_GRACE};
 
 /// Output a streamed command may send per stream: nothing is kept in
 /// memory, so this only bounds a runaway command.
@@ -36,7 +36,8 @@ const STREAM_OUTPUT_LIMIT: u64 = 1 << 30;
             then `exit` `{\"exit_code\": N}` or `error` `{\"error\": \"…\"}`; `: ping` comments every 2 s", content_type = "text/event-stream", body = SseEvent),
         (status = 400, description = "No command, or a timeout out of range", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox cannot run commands in its state", body = ErrorBody),
+        (status = 409, description = "The sandbox cannot run commands in its state, or its commands are at their limits (processes, memory)", body = ErrorBody),
+        (status = 504, description = "The guest did not start the command within its timeout", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
     ))]
 pub async fn exec_stream(
@@ -52,15 +53,21 @@ pub async fn exec_stream(
         output_limit: Some(STREAM_OUTPUT_LIMIT),
         ..ExecRequest::new(Command::Shell(cmd.clone()))
     };
-    let session = running.vm.agent().exec(request).await.map_err(|e| agent_error("exec", e, None))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s) + EXEC_GRACE;
+    let session = match tokio::time::timeout_at(deadline, running.vm.agent().exec(request)).await {
+        Ok(session) => session.map_err(|e| agent_error("exec", e, None))?,
+        Err(_) => return Err(ApiError::Timeout(timeout_message(timeout_s))),
+    };
     let (tx, rx) = mpsc::channel::<Bytes>(32);
-    tokio::spawn(pump(state.service.clone(), running, session, tx, cmd, timeout_s));
+    tokio::spawn(pump(state.service.clone(), running, session, tx, cmd, timeout_s, deadline));
     Ok(sse::response(rx, state.stopping.clone()))
 }
 
 /// How a streamed command ended.
 enum End {
     Exited { exit_code: i32, timed_out: bool },
+    /// Past its timeout and the grace, the guest had not ended it: the host did.
+    Overdue,
     /// The client went away; the command was cancelled.
     Disconnected,
     Failed(String),
@@ -68,7 +75,15 @@ enum End {
 
 /// Moves the command's output into the response until it exits or the
 /// client goes away; holds the sandbox (no lifecycle change) meanwhile.
-async fn pump(service: SandboxService, running: Running, mut session: ExecSession, tx: mpsc::Sender<Bytes>, cmd: String, timeout_s: u64) {
+async fn pump(
+    service: SandboxService,
+    running: Running,
+    mut session: ExecSession,
+    tx: mpsc::Sender<Bytes>,
+    cmd: String,
+    timeout_s: u64,
+    deadline: tokio::time::Instant,
+) {
     let started = Instant::now();
     let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
     let send = |chunk: Bytes| {
@@ -79,6 +94,7 @@ async fn pump(service: SandboxService, running: Running, mut session: ExecSessio
         let event = tokio::select! {
             event = session.next() => event,
             () = tx.closed() => break End::Disconnected,
+            () = tokio::time::sleep_until(deadline) => break End::Overdue,
         };
         let (name, text) = match event {
             Ok(Some(ExecEvent::Stdout(data))) => ("stdout", stdout.decode(&data)),
@@ -103,10 +119,7 @@ async fn pump(service: SandboxService, running: Running, mut session: ExecSessio
         }
     };
     let terminal = match &end {
-        End::Exited { timed_out: true, .. } => Some(sse::event(
-            "error",
-            &json!({ "error": format!("exec timeout: context deadline exceeded (the command ran longer than {timeout_s} s and was killed)") }),
-        )),
+        End::Exited { timed_out: true, .. } | End::Overdue => Some(sse::event("error", &json!({ "error": timeout_message(timeout_s) }))),
         End::Exited { exit_code, .. } => Some(sse::event("exit", &json!({ "exit_code": exit_code }))),
         End::Failed(message) => Some(sse::event("error", &json!({ "error": message }))),
         End::Disconnected => None,
@@ -114,13 +127,14 @@ async fn pump(service: SandboxService, running: Running, mut session: ExecSessio
     if let Some(terminal) = terminal {
         send(terminal).await;
     }
-    if matches!(end, End::Disconnected) {
+    if matches!(end, End::Disconnected | End::Overdue) {
         // Dropping the session cancels the command too; say it explicitly.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), session.input().cancel()).await;
     }
     drop(session);
     let (exit_code, timed_out, outcome) = match &end {
         End::Exited { exit_code, timed_out } => (Some(*exit_code), *timed_out, "exited"),
+        End::Overdue => (None, true, "ended by the host: the guest did not end it in time"),
         End::Disconnected => (None, false, "cancelled: the client disconnected"),
         End::Failed(_) => (None, false, "failed"),
     };

@@ -6,7 +6,8 @@ use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use clade_proto::{FileKind, FileStat};
+use clade_host::AgentError;
+use clade_proto::{ErrorKind, FileKind, FileStat};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
@@ -108,11 +109,12 @@ fn basename(path: &str) -> &str {
 #[utoipa::path(get, operation_id = "readFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
     responses(
         (status = 200, description = "The file's bytes", content_type = "application/octet-stream", body = FileBytes),
-        (status = 400, description = "No path, a relative path, not a regular file (a device, FIFO or socket), or a guest refusal (permission denied, an I/O error…)", body = ErrorBody),
+        (status = 400, description = "No path, a relative path, not a regular file (a device, FIFO or socket, or a link to one), or a guest refusal (permission denied, an I/O error…)", body = ErrorBody),
         (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
         (status = 413, description = "The file is larger than the read limit (64 MiB)", body = ErrorBody),
+        (status = 504, description = "The guest did not answer the read in time", body = ErrorBody),
     ))]
 pub async fn read(
     State(state): State<AppState>,
@@ -122,28 +124,21 @@ pub async fn read(
 ) -> Result<Response, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let agent = running.vm.agent();
-    let limit = state.limits.fs_read_bytes;
-    let stat = agent.stat(&path).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
-    if stat.kind == FileKind::Dir {
-        return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
-    }
-    // A device, FIFO or socket may never end, or block forever.
-    if stat.kind == FileKind::Other {
-        return Err(ApiError::bad_request(format!("not a regular file: {path} (read it with exec)")));
-    }
-    if stat.size > limit as u64 {
-        let (size, limit) = (stat.size, human_bytes(limit as u64));
-        return Err(ApiError::PayloadTooLarge(format!("{path} is {size} bytes, larger than the read limit of {limit}")));
-    }
-    // One byte past the limit tells a file that grew since the stat (or a
-    // `/proc` file whose size says 0) from one that fits.
-    let data =
-        agent.read_file_head(&path, limit as u64 + 1).await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
-    if data.len() > limit {
-        let limit = human_bytes(limit as u64);
-        return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
-    }
+    let limit = state.limits.fs_read_bytes as u64;
+    // The guest judges what the path resolves to (links followed): only a
+    // regular file is read; a device, FIFO or socket may never end, or
+    // never answer.
+    let data = match running.vm.agent().read_file_within(&path, limit).await {
+        Ok(Some(data)) => data,
+        Ok(None) => {
+            let limit = human_bytes(limit);
+            return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
+        }
+        Err(AgentError::Guest(e)) if e.kind == ErrorKind::IsADirectory => {
+            return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
+        }
+        Err(e) => return Err(agent_error("reading the file", e, Some(&path))),
+    };
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }
 

@@ -16,7 +16,7 @@ use super::sandboxes::Sandbox;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::{ForkParams, Forked};
+use crate::sandbox::{ChildError, ForkParams, Forked};
 use crate::AppState;
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -48,8 +48,9 @@ pub struct ForkTreeResult {
     /// RFC 3339: when the parent was captured.
     pub at: String,
     pub children: Vec<Sandbox>,
-    /// Always empty: a fork-tree makes all its children or none.
-    pub errors: Vec<String>,
+    /// The children that failed to start (their `fork_index` is missing
+    /// among `children`); the others run. Empty when all started.
+    pub errors: Vec<ChildError>,
 }
 
 /// The answer of a promote.
@@ -123,7 +124,7 @@ pub async fn fork(
 /// `POST /v1/sandboxes/{id}/fork-tree`: `count` children (0 → 2, at most 16).
 #[utoipa::path(post, operation_id = "forkTree", path = "/v1/sandboxes/{id}/fork-tree", tag = "forks", params(("id" = String, Path, description = "A sandbox id")), request_body = ForkBody,
     responses(
-        (status = 201, description = "The children, running, their metadata naming the tree", body = ForkTreeResult),
+        (status = 201, description = "The children that started, running, their metadata naming the tree; those that did not, in `errors`", body = ForkTreeResult),
         (status = 400, description = "Invalid body, or count out of range", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be forked in its state", body = ErrorBody),
@@ -142,7 +143,7 @@ pub async fn fork_tree(
     let children = children(&forked);
     Ok((
         StatusCode::CREATED,
-        Json(ForkTreeResult { tree_id: forked.tree_id, parent_id: forked.parent_id, at: rfc3339(forked.at), children, errors: Vec::new() }),
+        Json(ForkTreeResult { tree_id: forked.tree_id, parent_id: forked.parent_id, at: rfc3339(forked.at), children, errors: forked.errors }),
     ))
 }
 
@@ -157,8 +158,9 @@ pub struct PromoteBody {
 #[utoipa::path(post, operation_id = "promote", path = "/v1/sandboxes/{id}/promote", tag = "forks", params(("id" = String, Path, description = "A sandbox id")), request_body = PromoteBody,
     responses(
         (status = 200, description = "The sandbox is the tree's winner", body = PromoteResult),
-        (status = 400, description = "Invalid body, or the sandbox is not part of a fork tree", body = ErrorBody),
+        (status = 400, description = "Invalid body, or a `tree_id` other than the sandbox's own tree", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is not in a fork tree", body = ErrorBody),
     ))]
 pub async fn promote(
     State(state): State<AppState>,

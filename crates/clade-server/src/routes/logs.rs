@@ -1,9 +1,12 @@
-//! `GET /v1/sandboxes/{id}/logs` (§3.6): the VM's serial console, as text,
-//! or followed as server-sent events (`follow=true` or `follow=1`), one
-//! `line` event per line; the stream ends only when the client goes away
-//! (or the sandbox is deleted). `stream` (stdout/stderr/both) is accepted
-//! and ignored: the console is one stream. Reading logs does not wake a
-//! hibernated sandbox; its console up to hibernation is served.
+//! `GET /v1/sandboxes/{id}/logs` (§3.6): the machine's output, as text, or
+//! followed as server-sent events (`follow=true` or `follow=1`), one `line`
+//! event per line; the stream ends only when the client goes away (or the
+//! sandbox is deleted). `stream` picks what: `stdout` is the guest's serial
+//! console (its kernel, init and agent), `stderr` the VMM's own errors and
+//! warnings (QEMU's standard error: why a machine would not start or died),
+//! `both` (the default) the console, then the VMM's lines. Reading logs
+//! does not wake a hibernated sandbox; its output up to hibernation is
+//! served.
 
 use std::io::SeekFrom;
 use std::path::PathBuf;
@@ -35,19 +38,35 @@ const POLL: Duration = Duration::from_millis(200);
 pub struct LogsQuery {
     /// `1` or `true`: follow as server-sent events.
     follow: Option<String>,
-    /// `stdout`, `stderr` or `both`: accepted and ignored (the console is one stream).
-    #[allow(dead_code)] // accepted for the SDKs; the console is one stream
+    /// `stdout` (the guest's console), `stderr` (the VMM's errors) or `both` (the default).
+    #[param(pattern = "^(stdout|stderr|both)$")]
     stream: Option<String>,
 }
 
-fn wants_follow(value: Option<&str>) -> bool {
+/// The files of a VM directory that `stream` names, in the order served.
+fn streams(stream: Option<&str>) -> Result<&'static [&'static str], ApiError> {
+    match stream.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("" | "both") => Ok(&[CONSOLE, VMM_LOG]),
+        Some("stdout") => Ok(&[CONSOLE]),
+        Some("stderr") => Ok(&[VMM_LOG]),
+        Some(other) => Err(ApiError::bad_request(format!("stream must be stdout, stderr or both, not {other:?}"))),
+    }
+}
+
+/// The guest's serial console, in the VM's directory.
+const CONSOLE: &str = "console.log";
+/// QEMU's standard output and error.
+const VMM_LOG: &str = "qemu.log";
+
+pub(super) fn wants_follow(value: Option<&str>) -> bool {
     matches!(value.map(str::to_ascii_lowercase).as_deref(), Some("1" | "true" | "yes"))
 }
 
 #[utoipa::path(get, operation_id = "logs", path = "/v1/sandboxes/{id}/logs", tag = "logs", params(("id" = String, Path, description = "A sandbox id"), LogsQuery),
     responses(
-        (status = 200, description = "The serial console (its last MiB) as text; with `follow`, server-sent `line` events \
+        (status = 200, description = "The `stream` asked for (the last MiB of each file) as text; with `follow`, server-sent `line` events \
             `{\"line\": \"…\"}` until the client goes away", content((String = "text/plain"), (SseEvent = "text/event-stream"))),
+        (status = 400, description = "A `stream` other than stdout, stderr or both", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn logs(
@@ -56,16 +75,27 @@ pub async fn logs(
     Path(id): Path<String>,
     Query(query): Query<LogsQuery>,
 ) -> Result<Response, ApiError> {
+    let files = streams(query.stream.as_deref())?;
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
-    let path = state.service.runtime().vms_dir().join(&row.id).join("console.log");
+    let dir = state.service.runtime().vms_dir().join(&row.id);
     if !wants_follow(query.follow.as_deref()) {
-        let (text, _) = read_tail(&path, TEXT_TAIL_BYTES).await?;
+        let mut text = Vec::new();
+        for file in files {
+            let (mut tail, _) = read_tail(&dir.join(file), TEXT_TAIL_BYTES).await?;
+            if !tail.is_empty() && !tail.ends_with(b"\n") {
+                tail.push(b'\n');
+            }
+            text.extend(tail);
+        }
         let text = String::from_utf8_lossy(&text).into_owned();
         return Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response());
     }
-    let (replay, offset) = read_tail(&path, FOLLOW_REPLAY_BYTES).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    tokio::spawn(follow(path, replay, offset, tx));
+    for file in files {
+        let path = dir.join(file);
+        let (replay, offset) = read_tail(&path, FOLLOW_REPLAY_BYTES).await?;
+        tokio::spawn(follow(path, replay, offset, tx.clone()));
+    }
     Ok(sse::response(rx, state.stopping.clone()))
 }
 
@@ -130,6 +160,15 @@ async fn follow(path: PathBuf, replay: Vec<u8>, mut offset: u64, tx: mpsc::Sende
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stream_names_the_files_and_refuses_anything_else() {
+        assert_eq!(streams(None).unwrap(), [CONSOLE, VMM_LOG]);
+        assert_eq!(streams(Some("both")).unwrap(), [CONSOLE, VMM_LOG]);
+        assert_eq!(streams(Some("stdout")).unwrap(), [CONSOLE]);
+        assert_eq!(streams(Some("STDERR")).unwrap(), [VMM_LOG]);
+        assert_eq!(streams(Some("errors")).unwrap_err().to_string(), "stream must be stdout, stderr or both, not \"errors\"");
+    }
 
     #[test]
     fn follow_accepts_both_spellings() {

@@ -7,6 +7,7 @@ pub(crate) mod exec_stream;
 pub(crate) mod files;
 pub(crate) mod fork;
 pub(crate) mod lifecycle;
+pub(crate) mod limits;
 pub(crate) mod logs;
 pub(crate) mod meta;
 pub(crate) mod metrics;
@@ -55,6 +56,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/exec/pty", get(terminal::terminal))
         .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch))
         .route("/sandboxes/{id}/network", get(network::get).put(network::put))
+        .route("/sandboxes/{id}/limits", get(limits::get).put(limits::put))
         .route("/sandboxes/{id}/ports", get(ports::list).post(ports::add))
         .route("/sandboxes/{id}/ports/{port}", axum::routing::delete(ports::remove))
         .route("/sandboxes/{id}/ports/{port}/connect", get(ports::connect))

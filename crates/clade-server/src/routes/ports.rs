@@ -41,7 +41,7 @@ pub struct PortInfo {
     pub source: &'static str,
     /// The authenticated proxy: `/v1/sandboxes/{id}/proxy/{port}/`.
     pub proxy_url: String,
-    /// The preview host: `http://{port}-{id}.{suffix}/` (public unless the sandbox has `preview_auth`).
+    /// The preview host: `http://{port}-{id}.{suffix}` (public unless the sandbox has `preview_auth`).
     pub preview_url: String,
     /// The address it listens on (`0.0.0.0`, `127.0.0.1`, `::`…).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -55,6 +55,8 @@ pub struct PortInfo {
 /// server's port, as the caller reached it.
 pub(crate) struct UrlBase {
     scheme: String,
+    /// The `Host` the request came with.
+    host: Option<String>,
     listen_port: Option<u16>,
 }
 
@@ -66,25 +68,14 @@ impl UrlBase {
             .filter(|s| matches!(*s, "http" | "https"))
             .unwrap_or("http")
             .to_string();
-        let listen_port = headers
-            .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|h| h.rsplit_once(':'))
-            .and_then(|(_, port)| port.parse().ok());
-        Self {
-            scheme,
-            listen_port,
-        }
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let listen_port = host.as_deref().and_then(|h| h.rsplit_once(':')).and_then(|(_, port)| port.parse().ok());
+        Self { scheme, host, listen_port }
     }
 
     pub(crate) fn preview_url(&self, state: &AppState, port: u16, id: &str) -> String {
-        preview::url(
-            &self.scheme,
-            state.previews.suffix(),
-            self.listen_port,
-            port,
-            id,
-        )
+        let suffix = state.previews.suffix_for(self.host.as_deref());
+        preview::url(&self.scheme, &suffix, self.listen_port, port, id)
     }
 }
 

@@ -49,7 +49,7 @@ pub(crate) async fn route_host(State(state): State<AppState>, mut request: Reque
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .or_else(|| request.uri().authority().map(|a| a.to_string()));
-    if let Some(found) = host.and_then(|h| preview::parse_host(&h, state.previews.suffix())) {
+    if let Some(found) = host.and_then(|h| state.previews.recognise(&h)) {
         let uri = request.uri().clone();
         request
             .extensions_mut()
@@ -222,7 +222,7 @@ pub async fn create_token(
     let token = preview::sign(key, &row.id, port, expires);
     let url = port.map(|p| {
         format!(
-            "{}?{TOKEN_QUERY}={token}",
+            "{}/?{TOKEN_QUERY}={token}",
             UrlBase::of(&headers).preview_url(&state, p, &row.id)
         )
     });

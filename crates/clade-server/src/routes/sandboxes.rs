@@ -4,8 +4,11 @@ use std::collections::BTreeMap;
 
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
+use bytes::Bytes;
 use clade_store::SandboxRow;
+use tokio::sync::mpsc;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
@@ -15,6 +18,7 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::{not_found, CreateParams};
+use crate::sse::{self, SseEvent};
 use crate::AppState;
 
 /// Templates are images: `base` unless the create names another.
@@ -52,6 +56,26 @@ pub struct Sandbox {
     /// `cold`, `standby`, `template` or `snapshot` (answers of create and fork only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boot_mode: Option<String>,
+    /// Its disk: its size and what it takes of the host's (get and list;
+    /// absent once deleted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<SandboxDisk>,
+}
+
+/// A sandbox's disk.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+pub struct SandboxDisk {
+    /// What the guest sees.
+    pub size_bytes: u64,
+    /// What its own writes take on the host (files it deleted give theirs back).
+    pub used_bytes: u64,
+}
+
+impl SandboxDisk {
+    fn of(state: &AppState, id: &str) -> Option<Self> {
+        let usage = state.service.runtime().disk_usage(id)?;
+        Some(Self { size_bytes: usage.size_bytes, used_bytes: usage.used_bytes })
+    }
 }
 
 impl Sandbox {
@@ -73,6 +97,7 @@ impl Sandbox {
             error: row.state_reason.clone(),
             boot_ms: None,
             boot_mode: None,
+            disk: None,
         }
     }
 }
@@ -98,6 +123,9 @@ pub struct CreateBody {
     volumes: Option<Vec<Value>>,
     /// Preview hosts need a signed token (default: public, as in PandaStack).
     preview_auth: Option<bool>,
+    /// Limits of its commands (default: its memory less what its agent
+    /// keeps, 1024 processes); see `PUT /v1/sandboxes/{id}/limits`.
+    limits: Option<super::limits::Limits>,
     // `cpu` and `memory_mb` are deprecated in the SDK and ignored (§3.2).
 }
 
@@ -130,6 +158,7 @@ impl CreateBody {
             from_snapshot,
             preview_auth: self.preview_auth.unwrap_or(false),
             network,
+            limits: self.limits.map(super::limits::Limits::to_user_limits).filter(|l| *l != Default::default()),
         })
     }
 }
@@ -158,14 +187,14 @@ pub async fn create(
     responses((status = 200, description = "The workspace's sandboxes", body = Vec<Sandbox>)))]
 pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Vec<Sandbox>>, ApiError> {
     let rows = state.store.list_sandboxes(&caller.workspace.id).await?;
-    Ok(Json(rows.iter().map(Sandbox::from_row).collect()))
+    Ok(Json(rows.iter().map(|row| Sandbox { disk: SandboxDisk::of(&state, &row.id), ..Sandbox::from_row(row) }).collect()))
 }
 
 #[utoipa::path(get, operation_id = "getSandbox", path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id")),
     responses((status = 200, description = "The sandbox", body = Sandbox), (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
-    Ok(Json(Sandbox::from_row(&row)))
+    Ok(Json(Sandbox { disk: SandboxDisk::of(&state, &row.id), ..Sandbox::from_row(&row) }))
 }
 
 /// The settings of a sandbox that can change; at least one field.
@@ -206,9 +235,17 @@ pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Pat
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct EventsQuery {
-    /// The last this many events (default 1000, at most 10000).
+    /// The last this many events (default 1000, at most 10000); with
+    /// `follow`, those are sent first.
     tail: Option<u32>,
+    /// `1` or `true`: server-sent `event` events, the new ones as they
+    /// happen, until the client goes away or the sandbox is deleted.
+    follow: Option<String>,
 }
+
+/// How often a follower asks the store for new events. The store, not
+/// this process, is where every server of a cluster records them.
+const EVENT_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// One entry of a sandbox's event log (§3.19).
 #[derive(Debug, Serialize, ToSchema)]
@@ -228,21 +265,60 @@ pub struct Events {
     pub events: Vec<Event>,
 }
 
+impl Event {
+    fn from_stored(event: clade_store::Event) -> Self {
+        Self { time: rfc3339(event.at), sandbox_id: event.sandbox_id, kind: event.kind, payload: event.detail }
+    }
+}
+
 #[utoipa::path(get, operation_id = "listEvents", path = "/v1/sandboxes/{id}/events", tag = "sandboxes", params(("id" = String, Path, description = "A sandbox id"), EventsQuery),
-    responses((status = 200, description = "The sandbox's events, oldest first", body = Events),
+    responses((status = 200, description = "The sandbox's events, oldest first; with `follow`, server-sent `event` events \
+            whose data is one `Event`, the stream ending after `deleted`", content((Events = "application/json"), (SseEvent = "text/event-stream"))),
         (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn events(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<EventsQuery>,
-) -> Result<Json<Events>, ApiError> {
+) -> Result<Response, ApiError> {
     let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
     let events = state.store.events(&caller.workspace.id, &row.id, query.tail.unwrap_or(1000).min(10_000)).await?;
-    let events = events
-        .into_iter()
-        .map(|e| Event { time: rfc3339(e.at), sandbox_id: e.sandbox_id, kind: e.kind, payload: e.detail })
-        .collect();
-    Ok(Json(Events { events }))
+    if !super::logs::wants_follow(query.follow.as_deref()) {
+        return Ok(Json(Events { events: events.into_iter().map(Event::from_stored).collect() }).into_response());
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(follow_events(state.store.clone(), caller.workspace.id.clone(), row.id, events, tx));
+    Ok(sse::response(rx, state.stopping.clone()))
+}
+
+/// Sends `replay`, then each event recorded after it, until the client goes
+/// away or the sandbox's `deleted` event has been sent.
+async fn follow_events(
+    store: clade_store::Store,
+    workspace_id: String,
+    sandbox_id: String,
+    replay: Vec<clade_store::Event>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut after = 0;
+    let mut pending = replay;
+    loop {
+        for event in pending.drain(..) {
+            after = event.id;
+            let deleted = event.kind == "deleted";
+            if tx.send(sse::event("event", &Event::from_stored(event))).await.is_err() || deleted {
+                return;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(EVENT_POLL) => {}
+            () = tx.closed() => return,
+        }
+        match store.events_after(&workspace_id, &sandbox_id, after, 1000).await {
+            Ok(events) => pending = events,
+            // A store that fails now may answer at the next poll.
+            Err(e) => tracing::warn!(sandbox = %sandbox_id, "following events: {e}"),
+        }
+    }
 }
 

@@ -27,6 +27,8 @@ pub struct CreateParams {
     pub network: Option<EgressPolicy>,
     /// Its preview hosts need a signed token.
     pub preview_auth: bool,
+    /// Limits of its commands other than the guest's defaults.
+    pub limits: Option<clade_proto::UserLimits>,
 }
 
 /// The template of a create that names none.
@@ -70,6 +72,15 @@ impl SandboxService {
             }
             None => self.create_vm(&params.template, params.network.clone()).await?,
         };
+        if let Some(limits) = params.limits {
+            // One more round trip, only for a create that asks for its own limits.
+            if let Err(e) = vm.agent().set_limits(limits).await {
+                if let Err(stop) = vm.stop().await {
+                    tracing::error!(vm = %vm.id(), "removing a sandbox whose limits were refused: {}", chain(&stop));
+                }
+                return Err(super::agent_error("setting the limits", e, None));
+            }
+        }
         self.adopt_new(workspace, params, vm, started).await
     }
 

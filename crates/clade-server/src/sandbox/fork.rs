@@ -1,5 +1,7 @@
 //! Fork, fork-tree and promote (§3.9). A fork is the host's: one live
-//! snapshot of the parent and 1–16 VMs made from it, all or nothing. The
+//! snapshot of the parent and 1–16 VMs made from it; a fork is all or
+//! nothing, a fork-tree keeps the children that started and reports the
+//! others in `errors`. The
 //! children get rows (and, in a tree, `fork_tree_id` in the row and in
 //! their metadata, as `explore()` reads it); promote keeps a winner and,
 //! when asked, deletes the rest of its tree, which it infers from the
@@ -8,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use clade_host::Lifetime;
+use clade_host::{Lifetime, Vm, VmError};
 use clade_store::{now_ms, NewSandbox, SandboxRow, SandboxState, UnixMillis, Workspace};
 
 use super::{not_found, not_usable, vm_error, Entry, SandboxService, Slot};
@@ -30,8 +32,40 @@ pub struct Forked {
     pub parent_id: String,
     pub tree_id: Option<String>,
     pub children: Vec<SandboxRow>,
+    /// The children of a tree that failed to start.
+    pub errors: Vec<ChildError>,
     pub boot_ms: u64,
     pub at: UnixMillis,
+}
+
+/// The decision of [`SandboxService::keep_children`], on each child's
+/// outcome in order: the children kept (with their index) and the failed
+/// ones' errors; or, when the fork fails as a whole, the children to stop
+/// and the error to answer (the first child's).
+#[allow(clippy::type_complexity)]
+fn sort_children<T>(outcomes: Vec<Result<T, ApiError>>, tree: bool) -> Result<(Vec<(usize, T)>, Vec<ChildError>), (Vec<T>, ApiError)> {
+    let mut made = Vec::with_capacity(outcomes.len());
+    let mut failures = Vec::new();
+    for (index, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(child) => made.push((index, child)),
+            Err(e) => failures.push((index, e)),
+        }
+    }
+    if failures.is_empty() || (tree && !made.is_empty()) {
+        let errors = failures.into_iter().map(|(index, e)| ChildError { index, err: e.to_string() }).collect();
+        return Ok((made, errors));
+    }
+    Err((made.into_iter().map(|(_, child)| child).collect(), failures.remove(0).1))
+}
+
+/// A child of a fork-tree that did not start: its index among the
+/// requested children (§3.9 `errors`).
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct ChildError {
+    pub index: usize,
+    /// Why, as the API would have answered it.
+    pub err: String,
 }
 
 #[derive(Debug, Clone)]
@@ -51,7 +85,8 @@ impl SandboxService {
 
     async fn fork_task(&self, workspace: &Workspace, id: &str, params: ForkParams) -> Result<Forked, ApiError> {
         if !(1..=MAX_FORK_CHILDREN).contains(&params.count) {
-            return Err(ApiError::bad_request(format!("fork-tree count capped at {MAX_FORK_CHILDREN}")));
+            let verb = if params.tree { "fork-tree" } else { "fork" };
+            return Err(ApiError::bad_request(format!("{verb} count capped at {MAX_FORK_CHILDREN}")));
         }
         let started = Instant::now();
         let entry = self.entry(&workspace.id, id)?;
@@ -64,11 +99,10 @@ impl SandboxService {
             (SandboxState::Running, Some(vm)) => vm.clone(),
             (state, _) => return Err(not_usable(id, state, slot.reason.as_deref())),
         };
-        let vms = vm
-            .fork(self.runtime(), params.count, Lifetime::Persistent)
-            .await
-            .map_err(|e| vm_error("forking the sandbox", e))?;
+        let outcomes =
+            vm.fork_each(self.runtime(), params.count, Lifetime::Persistent).await.map_err(|e| vm_error("forking the sandbox", e))?;
         drop(slot);
+        let (vms, errors) = self.keep_children(id, outcomes, params.tree).await?;
         let tree_id = params.tree.then(|| format!("tree-{:016x}", rand::random::<u64>()));
         // `explore()` asks for its orphans to go after `explore_ttl` idle seconds.
         let ttl_seconds = params
@@ -78,7 +112,7 @@ impl SandboxService {
             .unwrap_or(parent.ttl_seconds);
         let mut children = Vec::with_capacity(vms.len());
         let mut failed = None;
-        for (index, vm) in vms.iter().enumerate() {
+        for (index, vm) in &vms {
             let mut metadata = params.metadata.clone();
             metadata.insert("fork_parent_id".into(), parent.id.clone());
             metadata.insert("workspace".into(), workspace.name.clone());
@@ -119,7 +153,7 @@ impl SandboxService {
         }
         if let Some(e) = failed {
             // All or nothing: no child without a row, no row without a VM.
-            for vm in &vms {
+            for (_, vm) in &vms {
                 if let Err(stop) = vm.stop().await {
                     tracing::error!(vm = %vm.id(), "removing a child of a failed fork: {}", chain(&stop));
                 }
@@ -130,7 +164,7 @@ impl SandboxService {
             return Err(e.into());
         }
         let boot_ms = started.elapsed().as_millis() as u64;
-        for (vm, row) in vms.into_iter().zip(&children) {
+        for ((_, vm), row) in vms.into_iter().zip(&children) {
             let slot = Slot { state: SandboxState::Running, reason: None, vm: None, watcher: None };
             let child = Entry::new(&row.id, &workspace.id, slot, row.created_at);
             {
@@ -144,9 +178,39 @@ impl SandboxService {
             self.record(&child, "created", detail).await;
         }
         let ids: Vec<&str> = children.iter().map(|c| c.id.as_str()).collect();
-        self.record(&entry, "forked", serde_json::json!({ "children": ids, "tree_id": tree_id })).await;
-        tracing::info!(sandbox = %id, children = children.len(), boot_ms, "sandbox forked");
-        Ok(Forked { parent_id: parent.id, tree_id, children, boot_ms, at: now_ms() })
+        let failed: Vec<serde_json::Value> = errors.iter().map(|e| serde_json::json!({ "index": e.index, "err": e.err })).collect();
+        self.record(&entry, "forked", serde_json::json!({ "children": ids, "tree_id": tree_id, "errors": failed })).await;
+        tracing::info!(sandbox = %id, children = children.len(), failed = errors.len(), boot_ms, "sandbox forked");
+        Ok(Forked { parent_id: parent.id, tree_id, children, errors, boot_ms, at: now_ms() })
+    }
+
+    /// The children a fork keeps, with their index, and why the others
+    /// failed. A tree keeps whatever started (§3.9: partial success is
+    /// still a success); a plain fork, like a tree none of whose children
+    /// started, is all or nothing and fails with the first child's error.
+    async fn keep_children(
+        &self,
+        id: &str,
+        outcomes: Vec<Result<Vm, VmError>>,
+        tree: bool,
+    ) -> Result<(Vec<(usize, Vm)>, Vec<ChildError>), ApiError> {
+        let outcomes = outcomes.into_iter().enumerate().map(|(index, outcome)| {
+            outcome.map_err(|e| {
+                tracing::warn!(sandbox = %id, index, "a fork child failed: {}", chain(&e));
+                vm_error("starting the fork child", e)
+            })
+        });
+        match sort_children(outcomes.collect(), tree) {
+            Ok(kept) => Ok(kept),
+            Err((made, error)) => {
+                for vm in made {
+                    if let Err(stop) = vm.stop().await {
+                        tracing::error!(vm = %vm.id(), "removing a child of a failed fork: {}", chain(&stop));
+                    }
+                }
+                Err(error)
+            }
+        }
     }
 
     /// Keeps `id` and, with `cleanup_siblings`, deletes the other sandboxes
@@ -176,16 +240,13 @@ impl SandboxService {
             (Some(asked), Some(own)) if asked != own => {
                 return Err(ApiError::bad_request(format!("sandbox {id} is not in fork tree {asked} (it is in {own})")));
             }
-            (Some(asked), None) => {
-                return Err(ApiError::bad_request(format!("sandbox {id} is not in fork tree {asked}: it was not made by a fork-tree")));
-            }
             (_, Some(own)) => own,
-            (None, None) if cleanup_siblings => {
-                return Err(ApiError::bad_request(format!(
-                    "tree_id required: sandbox {id} was not made by a fork-tree, so it has no siblings to clean up"
+            // Nothing to promote it over, whatever the body asks.
+            (_, None) => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is not in a fork tree: only a child of POST /v1/sandboxes/{{id}}/fork-tree can be promoted"
                 )));
             }
-            (None, None) => String::new(),
         };
         let mut deleted = Vec::new();
         let mut failures = BTreeMap::new();
@@ -208,5 +269,33 @@ impl SandboxService {
             self.record(&entry, "promoted", serde_json::json!({ "tree_id": tree_id, "deleted": deleted })).await;
         }
         Ok(Promoted { winner: id.to_string(), tree_id, deleted, failures })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcomes(pattern: &str) -> Vec<Result<char, ApiError>> {
+        pattern.chars().map(|c| if c == 'x' { Err(ApiError::bad_request(format!("no slot for {c}"))) } else { Ok(c) }).collect()
+    }
+
+    #[test]
+    fn a_tree_keeps_the_children_that_started_and_names_the_others() {
+        let (kept, errors) = sort_children(outcomes("axbx"), true).unwrap();
+        assert_eq!(kept, [(0, 'a'), (2, 'b')]);
+        let errors: Vec<(usize, &str)> = errors.iter().map(|e| (e.index, e.err.as_str())).collect();
+        assert_eq!(errors, [(1, "no slot for x"), (3, "no slot for x")]);
+        let (kept, errors) = sort_children(outcomes("ab"), true).unwrap();
+        assert_eq!((kept.len(), errors.len()), (2, 0));
+    }
+
+    #[test]
+    fn a_fork_or_a_tree_of_failures_fails_whole_and_stops_what_started() {
+        let (stop, error) = sort_children(outcomes("axb"), false).unwrap_err();
+        assert_eq!((stop, error.to_string()), (vec!['a', 'b'], "no slot for x".to_string()));
+        let (stop, _) = sort_children(outcomes("xx"), true).unwrap_err();
+        assert!(stop.is_empty());
+        assert_eq!(sort_children(outcomes("a"), false).unwrap().0, [(0, 'a')]);
     }
 }

@@ -34,7 +34,7 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio::task::AbortHandle;
 
 pub use create::CreateParams;
-pub use fork::{ForkParams, Forked, Promoted};
+pub use fork::{ChildError, ForkParams, Forked, Promoted};
 pub use snapshot::snapshot_not_found;
 
 /// The tag of the VMs this server makes (`VmSpec::tag`): at start-up, a VM
@@ -410,6 +410,7 @@ pub fn vm_error(what: &str, err: VmError) -> ApiError {
 pub fn agent_error(what: &str, err: AgentError, path: Option<&str>) -> ApiError {
     match err {
         AgentError::Guest(e) => guest_error(e, path),
+        AgentError::Timeout(limit) => ApiError::Timeout(format!("{what}: timeout: the guest did not answer within {limit:?}")),
         other => ApiError::internal(format!("{what} failed"), other),
     }
 }
@@ -428,6 +429,7 @@ fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
         // /proc/self/mem) is about that path, not a failure of the server.
         ErrorKind::Io if path.is_some() => ApiError::bad_request(e.message),
         ErrorKind::ConnectionRefused => ApiError::BadGateway(e.message),
+        ErrorKind::LimitReached => ApiError::conflict(e.message),
         ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
     }
 }
