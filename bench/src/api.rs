@@ -166,8 +166,7 @@ async fn api_creates_per_second(api: &Api, concurrency: usize, total: usize) -> 
     let start = Instant::now();
     let workers: Vec<_> = (0..concurrency)
         .map(|_| {
-            let (api, next, made, no_capacity, no_room) =
-                (api.clone(), next.clone(), made.clone(), no_capacity.clone(), no_room.clone());
+            let (api, next, made, no_capacity, no_room) = (api.clone(), next.clone(), made.clone(), no_capacity.clone(), no_room.clone());
             tokio::spawn(async move {
                 while next.fetch_add(1, Ordering::Relaxed) < total {
                     match api.create().await? {
@@ -242,11 +241,8 @@ impl Api {
             let status = response.status();
             if status == StatusCode::TOO_MANY_REQUESTS {
                 self.throttled.fetch_add(1, Ordering::Relaxed);
-                let wait = response
-                    .headers()
-                    .get(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-                    .unwrap_or(1);
+                let wait =
+                    response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).unwrap_or(1);
                 tokio::time::sleep(Duration::from_secs(wait)).await;
                 continue;
             }
@@ -260,9 +256,7 @@ impl Api {
     async fn create(&self) -> anyhow::Result<Result<String, StatusCode>> {
         let (status, body) = self.call(Method::POST, "sandboxes", Some(json!({}))).await?;
         match status {
-            StatusCode::CREATED | StatusCode::OK => {
-                Ok(Ok(body["id"].as_str().context("create answer without an id")?.to_string()))
-            }
+            StatusCode::CREATED | StatusCode::OK => Ok(Ok(body["id"].as_str().context("create answer without an id")?.to_string())),
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::INSUFFICIENT_STORAGE => Ok(Err(status)),
             _ => anyhow::bail!("create: HTTP {status}: {body}"),
         }
@@ -317,12 +311,8 @@ impl ServerProcess {
             .stderr(std::fs::File::create(&log)?)
             .spawn()
             .with_context(|| format!("starting {}", clade.display()))?;
-        let api = Api {
-            http: reqwest::Client::new(),
-            base: format!("http://127.0.0.1:{port}"),
-            key: String::new(),
-            throttled: Arc::default(),
-        };
+        let api =
+            Api { http: reqwest::Client::new(), base: format!("http://127.0.0.1:{port}"), key: String::new(), throttled: Arc::default() };
         let mut server = Self { child: Some(child), clade: clade.to_path_buf(), data_dir: data_dir.to_path_buf(), log, api };
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
@@ -368,12 +358,8 @@ impl ServerProcess {
         }
         self.terminate().await;
         let vms = self.data_dir.join("vms");
-        let left: Vec<String> = std::fs::read_dir(&vms)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
+        let left: Vec<String> =
+            std::fs::read_dir(&vms).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
         for id in &left {
             let status = std::process::Command::new(&self.clade)
                 .args(["vm", "rm", "--data-dir"])
@@ -444,8 +430,18 @@ fn print_table(args: &ApiArgs, accel: &str, host: &Side, api: &Side, refusals: &
         );
     }
     for ((n, a_made, a_all), (_, h_made, h_all)) in api.fork.iter().zip(&host.fork) {
-        println!("| fork tree of {n}: all children made | {} | {} | {} |", ms(*a_made), ms(*h_made), ratio(a_made.as_secs_f64(), h_made.as_secs_f64()));
-        println!("| fork tree of {n}: all children answered an exec | {} | {} | {} |", ms(*a_all), ms(*h_all), ratio(a_all.as_secs_f64(), h_all.as_secs_f64()));
+        println!(
+            "| fork tree of {n}: all children made | {} | {} | {} |",
+            ms(*a_made),
+            ms(*h_made),
+            ratio(a_made.as_secs_f64(), h_made.as_secs_f64())
+        );
+        println!(
+            "| fork tree of {n}: all children answered an exec | {} | {} | {} |",
+            ms(*a_all),
+            ms(*h_all),
+            ratio(a_all.as_secs_f64(), h_all.as_secs_f64())
+        );
     }
     println!("429 answers (retried after Retry-After, their wait included): {}", refusals.throttled);
 }

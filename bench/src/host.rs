@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
 use anyhow::Context;
+use clade_host::{Lifetime, Vm, VmRuntime, VmSpec};
 use clade_proto::{Command, ExecRequest};
 
 /// Sequential creates, each timed to the agent answering (restore + hook)
@@ -155,11 +155,7 @@ pub async fn fork(runtime: &VmRuntime, spec: &VmSpec, written_mib: u64, count: u
         pss_total += crate::memory_kib(child.vmm().pid)?.1;
     }
     let child_pss_kib = pss_total / children.len() as u64;
-    let parent_paused_ms = runtime
-        .snapshots_all_records()
-        .into_iter()
-        .max_by_key(|s| s.created_unix_ms)
-        .map_or(0, |s| s.source_paused_ms);
+    let parent_paused_ms = runtime.snapshots_all_records().into_iter().max_by_key(|s| s.created_unix_ms).map_or(0, |s| s.source_paused_ms);
     for child in children {
         child.stop().await?;
     }

@@ -70,10 +70,7 @@ impl Client {
 
     /// Sends; a non-2xx answer becomes [`ClientError::Api`] with the server's message.
     pub async fn send(&self, request: RequestBuilder) -> Result<Response, ClientError> {
-        let response = request
-            .send()
-            .await
-            .map_err(|source| ClientError::Connect { url: self.base.to_string(), source })?;
+        let response = request.send().await.map_err(|source| ClientError::Connect { url: self.base.to_string(), source })?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -88,8 +85,7 @@ impl Client {
         if bytes.is_empty() {
             return Ok(Value::Null);
         }
-        serde_json::from_slice(&bytes)
-            .map_err(|e| ClientError::Protocol(format!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes))))
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Protocol(format!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes))))
     }
 
     pub async fn bytes(&self, request: RequestBuilder) -> Result<Vec<u8>, ClientError> {

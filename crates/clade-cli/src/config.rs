@@ -93,9 +93,7 @@ impl ApiArgs {
             [self.api_url.clone(), env("CLADE_API_URL"), file.api_url],
             [self.api_key.clone(), env("CLADE_API_KEY"), file.api_key.or(file.token)],
         )
-        .ok_or_else(|| ConfigError::NoKey {
-            path: path.map_or_else(|| "~/.config/clade/config.json".into(), |p| p.display().to_string()),
-        })
+        .ok_or_else(|| ConfigError::NoKey { path: path.map_or_else(|| "~/.config/clade/config.json".into(), |p| p.display().to_string()) })
     }
 }
 

@@ -62,8 +62,7 @@ pub async fn run(command: FsCommand, client: &Client, json_out: bool) -> anyhow:
             report_write(&answer, &path, json_out);
         }
         FsCommand::Ls { id, path } => {
-            let answer =
-                client.json(client.request(Method::GET, &["sandboxes", &id, "fs", "dir"]).query(&[("path", &path)])).await?;
+            let answer = client.json(client.request(Method::GET, &["sandboxes", &id, "fs", "dir"]).query(&[("path", &path)])).await?;
             if json_out {
                 output::json(&answer);
             } else {

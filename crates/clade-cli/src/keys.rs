@@ -41,14 +41,9 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
         KeysCommand::List { workspace } => {
             let workspaces = store.list_workspaces().await?;
             let filter = match &workspace {
-                Some(name) => Some(
-                    workspaces
-                        .iter()
-                        .find(|w| &w.name == name)
-                        .ok_or_else(|| anyhow::anyhow!("no workspace {name:?}"))?
-                        .id
-                        .clone(),
-                ),
+                Some(name) => {
+                    Some(workspaces.iter().find(|w| &w.name == name).ok_or_else(|| anyhow::anyhow!("no workspace {name:?}"))?.id.clone())
+                }
                 None => None,
             };
             println!("ID\tWORKSPACE\tNAME\tPREFIX\tCREATED\tLAST USED\tSTATUS");

@@ -18,8 +18,8 @@ mod vm;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
 use clade_host::{AccelChoice, HostConfig};
+use clap::{Parser, Subcommand};
 
 /// Exit code for clade's own failures (as opposed to the command's).
 pub const CLADE_FAILED: u8 = 125;
@@ -81,9 +81,7 @@ fn main() -> ExitCode {
     // A server's log is its record of what happened; a command's is only for trouble.
     let default_log = if matches!(cli.command, Command::Server(_)) { "info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| default_log.into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| default_log.into()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .without_time()

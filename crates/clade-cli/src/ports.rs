@@ -24,9 +24,7 @@ use crate::output;
 
 /// `clade sandbox ports ID`.
 pub async fn list(client: &Client, id: &str, json_out: bool) -> anyhow::Result<ExitCode> {
-    let listed = client
-        .json(client.request(Method::GET, &["sandboxes", id, "ports"]))
-        .await?;
+    let listed = client.json(client.request(Method::GET, &["sandboxes", id, "ports"])).await?;
     // §3.10: a list, or `{"ports": [...]}`.
     let items = match listed {
         Value::Object(mut o) => o.remove("ports").unwrap_or(Value::Array(Vec::new())),
@@ -42,11 +40,7 @@ pub async fn list(client: &Client, id: &str, json_out: bool) -> anyhow::Result<E
         .unwrap_or_default()
         .iter()
         .map(|p| {
-            let listening = if p["listening"] == Value::Bool(true) {
-                "yes"
-            } else {
-                "no"
-            };
+            let listening = if p["listening"] == Value::Bool(true) { "yes" } else { "no" };
             vec![
                 output::field(p, "port"),
                 listening.to_string(),
@@ -58,31 +52,14 @@ pub async fn list(client: &Client, id: &str, json_out: bool) -> anyhow::Result<E
             ]
         })
         .collect();
-    print!(
-        "{}",
-        output::table(
-            &[
-                "PORT",
-                "LISTENING",
-                "SOURCE",
-                "LABEL",
-                "ADDRESS",
-                "PROCESS",
-                "PREVIEW"
-            ],
-            &rows
-        )
-    );
+    print!("{}", output::table(&["PORT", "LISTENING", "SOURCE", "LABEL", "ADDRESS", "PROCESS", "PREVIEW"], &rows));
     Ok(ExitCode::SUCCESS)
 }
 
 /// `LOCAL:REMOTE`, or one port for both; LOCAL 0 picks a free port.
 fn parse_mapping(spec: &str) -> anyhow::Result<(u16, u16)> {
-    let parse = |s: &str| {
-        s.trim().parse::<u16>().map_err(|_| {
-            anyhow::anyhow!("{spec:?}: expected LOCAL:REMOTE port numbers, e.g. 8000:8000")
-        })
-    };
+    let parse =
+        |s: &str| s.trim().parse::<u16>().map_err(|_| anyhow::anyhow!("{spec:?}: expected LOCAL:REMOTE port numbers, e.g. 8000:8000"));
     let (local, remote) = match spec.split_once(':') {
         Some((local, remote)) => (parse(local)?, parse(remote)?),
         None => {
@@ -100,16 +77,10 @@ fn parse_mapping(spec: &str) -> anyhow::Result<(u16, u16)> {
 pub async fn forward(client: &Client, id: &str, mapping: &str) -> anyhow::Result<ExitCode> {
     let (local, remote) = parse_mapping(mapping)?;
     // An unknown sandbox is reported now, not at the first connection.
-    client
-        .send(client.request(Method::GET, &["sandboxes", id]))
-        .await?;
-    let listener = TcpListener::bind(("127.0.0.1", local))
-        .await
-        .with_context(|| format!("listening on 127.0.0.1:{local}"))?;
+    client.send(client.request(Method::GET, &["sandboxes", id])).await?;
+    let listener = TcpListener::bind(("127.0.0.1", local)).await.with_context(|| format!("listening on 127.0.0.1:{local}"))?;
     let bound = listener.local_addr()?.port();
-    eprintln!(
-        "Forwarding from 127.0.0.1:{bound} to port {remote} of sandbox {id} (Ctrl-C to stop)"
-    );
+    eprintln!("Forwarding from 127.0.0.1:{bound} to port {remote} of sandbox {id} (Ctrl-C to stop)");
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -131,32 +102,17 @@ async fn forward_one(client: &Client, id: &str, remote: u16, tcp: TcpStream) -> 
     let _ = tcp.set_nodelay(true);
     let mut url = client.url(&["sandboxes", id, "ports", &remote.to_string(), "connect"]);
     let scheme = if url.scheme() == "https" { "wss" } else { "ws" };
-    url.set_scheme(scheme)
-        .expect("ws and wss are valid schemes for an http(s) URL");
-    let mut request = url
-        .as_str()
-        .into_client_request()
-        .context("building the WebSocket request")?;
-    request.headers_mut().insert(
-        "authorization",
-        format!("Bearer {}", client.key())
-            .parse()
-            .context("the API key is not a valid header value")?,
-    );
+    url.set_scheme(scheme).expect("ws and wss are valid schemes for an http(s) URL");
+    let mut request = url.as_str().into_client_request().context("building the WebSocket request")?;
+    request
+        .headers_mut()
+        .insert("authorization", format!("Bearer {}", client.key()).parse().context("the API key is not a valid header value")?);
     let socket = match tokio_tungstenite::connect_async(request).await {
         Ok((socket, _)) => socket,
         Err(tungstenite::Error::Http(response)) => {
             let status = response.status().as_u16();
-            let body = response
-                .body()
-                .as_deref()
-                .map(String::from_utf8_lossy)
-                .unwrap_or_default();
-            return Err(ClientError::Api {
-                status,
-                message: error_message(status, &body),
-            }
-            .into());
+            let body = response.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+            return Err(ClientError::Api { status, message: error_message(status, &body) }.into());
         }
         Err(e) => return Err(anyhow::Error::new(e).context(format!("connecting to {url}"))),
     };

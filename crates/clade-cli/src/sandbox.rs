@@ -305,8 +305,7 @@ fn parse_metadata(pairs: &[String]) -> anyhow::Result<Value> {
     let mut map = Map::new();
     for pair in pairs {
         for part in pair.split(',').filter(|p| !p.is_empty()) {
-            let (key, value) =
-                part.split_once('=').ok_or_else(|| anyhow::anyhow!("metadata {part:?}: expected KEY=VALUE"))?;
+            let (key, value) = part.split_once('=').ok_or_else(|| anyhow::anyhow!("metadata {part:?}: expected KEY=VALUE"))?;
             map.insert(key.to_string(), json!(value));
         }
     }
@@ -332,8 +331,7 @@ pub fn shell_command(args: &[String]) -> String {
 }
 
 fn shell_quote(arg: &str) -> String {
-    let plain = !arg.is_empty()
-        && arg.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
+    let plain = !arg.is_empty() && arg.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
     if plain {
         arg.to_string()
     } else {
@@ -353,10 +351,8 @@ async fn exec(client: &Client, id: &str, timeout: Option<u64>, args: &[String], 
     if let Some(timeout) = timeout {
         body["timeout_seconds"] = json!(timeout);
     }
-    let request = client
-        .request(Method::POST, &["sandboxes", id, "exec", "stream"])
-        .header(reqwest::header::ACCEPT, "text/event-stream")
-        .json(&body);
+    let request =
+        client.request(Method::POST, &["sandboxes", id, "exec", "stream"]).header(reqwest::header::ACCEPT, "text/event-stream").json(&body);
     let response = match client.send(request).await {
         Ok(response) => response,
         // No streaming on this server (or no such sandbox: the blocking call says so).
@@ -454,9 +450,8 @@ async fn events(client: &Client, id: &str, follow: bool, tail: Option<u32>, json
 
 async fn logs(client: &Client, id: &str, follow: bool, stream: &str, json_out: bool) -> anyhow::Result<()> {
     if !follow {
-        let text = client
-            .bytes(client.request(Method::GET, &["sandboxes", id, "logs"]).query(&[("follow", "false"), ("stream", stream)]))
-            .await?;
+        let text =
+            client.bytes(client.request(Method::GET, &["sandboxes", id, "logs"]).query(&[("follow", "false"), ("stream", stream)])).await?;
         let text = String::from_utf8_lossy(&text);
         if json_out {
             output::json(&json!({ "lines": text.lines().collect::<Vec<_>>() }));
@@ -479,10 +474,7 @@ async fn logs(client: &Client, id: &str, follow: bool, stream: &str, json_out: b
         if let Some(error) = parsed["error"].as_str() {
             anyhow::bail!("{error}");
         }
-        let line = parsed["line"]
-            .as_str()
-            .or_else(|| parsed["chunk"].as_str())
-            .map_or_else(|| event.data.clone(), str::to_string);
+        let line = parsed["line"].as_str().or_else(|| parsed["chunk"].as_str()).map_or_else(|| event.data.clone(), str::to_string);
         let line = line.trim_end_matches('\n');
         if json_out {
             writeln!(stdout, "{}", json!({ "line": line }))?;

@@ -37,10 +37,9 @@ pub async fn run(client: &Client, id: &str, command: &[String]) -> anyhow::Resul
         }
     }
     let mut request = url.as_str().into_client_request().context("building the WebSocket request")?;
-    request.headers_mut().insert(
-        "authorization",
-        format!("Bearer {}", client.key()).parse().context("the API key is not a valid header value")?,
-    );
+    request
+        .headers_mut()
+        .insert("authorization", format!("Bearer {}", client.key()).parse().context("the API key is not a valid header value")?);
     let socket = match tokio_tungstenite::connect_async(request).await {
         Ok((socket, _)) => socket,
         Err(tungstenite::Error::Http(response)) => {

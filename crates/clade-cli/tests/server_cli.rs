@@ -49,12 +49,8 @@ fn keys_create_list_and_revoke_on_the_local_database() {
 #[test]
 fn server_prints_its_first_key_serves_it_and_accepts_keys_made_meanwhile() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = clade(dir.path())
-        .args(["server", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut server =
+        clade(dir.path()).args(["server", "--listen", "127.0.0.1:0"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let admin = BufReader::new(server.stdout.take().unwrap()).lines().next().unwrap().unwrap();
     assert_eq!(std::fs::read_to_string(dir.path().join("admin.key")).unwrap().trim(), admin);
     let mut stderr = BufReader::new(server.stderr.take().unwrap());

@@ -56,12 +56,7 @@ fn vm_shell_runs_an_interactive_shell_on_a_pty() {
 #[test]
 fn a_killed_vm_run_leaves_no_orphan() {
     let Some(env) = vm_env() else { return };
-    let mut child = clade(&env)
-        .args(["vm", "run", "--", "sleep", "1000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = clade(&env).args(["vm", "run", "--", "sleep", "1000"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     // Wait until the VM runs and its agent has started the command.
     let vms = env.data_dir().join("vms");
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -95,11 +90,7 @@ fn a_killed_vm_run_leaves_no_orphan() {
 #[track_caller]
 fn output(command: &mut Command) -> (i32, String, String) {
     let out = output_within(command, None, COMMAND_LIMIT);
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// Runs a command that must succeed; returns the last line it printed (an id).
@@ -223,7 +214,8 @@ fn snapshots_are_taken_listed_restored_and_deleted_through_the_cli() {
     let (_, listed, _) = output(clade(&env).args(["vm", "snapshots"]));
     assert!(!listed.contains(&snapshot), "{listed}");
     // The VM made from it reads its data from the deleted snapshot's disk layer.
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &restored, "--", "sh", "-c", "echo 3 > /proc/sys/vm/drop_caches; cat /root/f"]));
+    let (code, stdout, stderr) =
+        output(clade(&env).args(["vm", "exec", &restored, "--", "sh", "-c", "echo 3 > /proc/sys/vm/drop_caches; cat /root/f"]));
     assert_eq!((code, stdout.as_str()), (0, "saved\n"), "{stderr}");
     let (code, _, stderr) = output(clade(&env).args(["vm", "rm-snapshot", &snapshot]));
     assert_eq!(code, 125, "deleting it twice");
@@ -242,7 +234,8 @@ fn vm_run_cold_boots_when_asked() {
     let Some(env) = vm_env() else { return };
     // A cold boot has a kernel boot log on its console; a restore does not.
     // Its clock is the host's, though the guest has no RTC.
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "run", "--cold", "--", "sh", "-c", "dmesg | grep -c 'Linux version'; date +%s"]));
+    let (code, stdout, stderr) =
+        output(clade(&env).args(["vm", "run", "--cold", "--", "sh", "-c", "dmesg | grep -c 'Linux version'; date +%s"]));
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!((code, lines.first().copied()), (0, Some("1")), "{stdout}{stderr}");
     let guest: u64 = lines.get(1).and_then(|l| l.trim().parse().ok()).unwrap_or_else(|| panic!("{stdout}"));
@@ -314,7 +307,15 @@ fn a_wake_killed_half_way_leaves_no_qemu_and_the_vm_wakes_again() {
     assert!(qemus.stdout.is_empty(), "orphan QEMU: {}", String::from_utf8_lossy(&qemus.stdout));
 
     succeed(clade(&env).args(["vm", "wake", &id]));
-    let (code, stdout, stderr) = output(clade(&env).args(["vm", "exec", &id, "--", "sh", "-c", "cat /root/f; a=$(cat /root/n); sleep 0.5; b=$(cat /root/n); [ $b -gt $a ] && echo counting"]));
+    let (code, stdout, stderr) = output(clade(&env).args([
+        "vm",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "cat /root/f; a=$(cat /root/n); sleep 0.5; b=$(cat /root/n); [ $b -gt $a ] && echo counting",
+    ]));
     assert_eq!((code, stdout.as_str()), (0, "kept\ncounting\n"), "{stderr}");
     let qemus = Command::new("pgrep").args(["-c", "-f", &dir.display().to_string()]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&qemus.stdout).trim(), "1", "one QEMU: the woken VM's");
@@ -337,11 +338,7 @@ fn a_fork_killed_half_way_leaves_the_parent_usable_and_nothing_half_made() {
     let vms = env.data_dir().join("vms");
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let stopped = std::fs::read_dir(&snapshots)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| e.path().join("disk.qcow2").exists());
+        let stopped = std::fs::read_dir(&snapshots).into_iter().flatten().flatten().any(|e| e.path().join("disk.qcow2").exists());
         if stopped {
             break;
         }

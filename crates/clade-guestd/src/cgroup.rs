@@ -95,12 +95,7 @@ impl Cgroups {
         match std::fs::create_dir(&base) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(source) => {
-                return Err(CgroupError::Create {
-                    path: base.display().to_string(),
-                    source,
-                })
-            }
+            Err(source) => return Err(CgroupError::Create { path: base.display().to_string(), source }),
         }
         Ok(Some(Self { base, lingering: std::sync::Mutex::default() }))
     }
@@ -109,20 +104,12 @@ impl Cgroups {
     pub fn create(&self) -> Result<ExecCgroup, CgroupError> {
         self.prune_empty();
         loop {
-            let dir = self.base.join(format!(
-                "exec-{}",
-                NEXT_EXEC.fetch_add(1, Ordering::Relaxed)
-            ));
+            let dir = self.base.join(format!("exec-{}", NEXT_EXEC.fetch_add(1, Ordering::Relaxed)));
             match std::fs::create_dir(&dir) {
                 Ok(()) => return Ok(ExecCgroup { dir }),
                 // Left over by an earlier agent (or a test run): take the next name.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(source) => {
-                    return Err(CgroupError::Create {
-                        path: dir.display().to_string(),
-                        source,
-                    })
-                }
+                Err(source) => return Err(CgroupError::Create { path: dir.display().to_string(), source }),
             }
         }
     }

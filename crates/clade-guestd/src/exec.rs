@@ -12,15 +12,15 @@
 //! output stream, one feeds stdin. The supervising loop owns the decisions.
 
 use std::ffi::CString;
-use std::path::Path;
 use std::os::fd::OwnedFd;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use clade_proto::{
-    read_frame, write_frame, Command, ErrorKind, ExecRequest, ExitStatus, GuestError, GuestFrame,
-    HostFrame, OutputStream, CHUNK_SIZE, DEFAULT_OUTPUT_LIMIT,
+    read_frame, write_frame, Command, ErrorKind, ExecRequest, ExitStatus, GuestError, GuestFrame, HostFrame, OutputStream, CHUNK_SIZE,
+    DEFAULT_OUTPUT_LIMIT,
 };
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -87,9 +87,7 @@ impl ExecError {
     /// The one place launch failures become protocol errors.
     pub fn to_guest_error(&self) -> GuestError {
         let kind = match self {
-            Self::EmptyCommand | Self::RelativeCwd(_) | Self::BadEnv(_) | Self::NulByte => {
-                ErrorKind::InvalidInput
-            }
+            Self::EmptyCommand | Self::RelativeCwd(_) | Self::BadEnv(_) | Self::NulByte => ErrorKind::InvalidInput,
             Self::User(UsersError::Unknown(_)) => ErrorKind::InvalidInput,
             Self::CwdNotADirectory(_) => ErrorKind::NotADirectory,
             Self::Cwd { path, source } => return GuestError::from_io(source, path),
@@ -124,7 +122,6 @@ fn argument_limits_message() -> String {
         all / 1024
     )
 }
-
 
 /// A shell command longer than one argument may be (`MAX_ARG_STRLEN`),
 /// written to a file that `sh -c '. FILE'` reads: the same shell, the same
@@ -188,11 +185,7 @@ struct Running {
 }
 
 enum ChildIo {
-    Pipes {
-        stdin: Option<pipe::Sender>,
-        stdout: pipe::Receiver,
-        stderr: pipe::Receiver,
-    },
+    Pipes { stdin: Option<pipe::Sender>, stdout: pipe::Receiver, stderr: pipe::Receiver },
     Pty(Arc<PtyMaster>),
 }
 
@@ -256,16 +249,11 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
 
     let cgroup = agent.cgroups().map(|c| c.create()).transpose()?;
     let cgroup_procs = cgroup.as_ref().map(|c| path_cstring(&c.procs_path()));
-    let switch_user =
-        user.uid != nix::unistd::geteuid().as_raw() || user.gid != nix::unistd::getegid().as_raw();
+    let switch_user = user.uid != nix::unistd::geteuid().as_raw() || user.gid != nix::unistd::getegid().as_raw();
     let setup = ChildSetup {
         controlling_tty: pty.is_some(),
         cgroup_procs,
-        credentials: switch_user.then(|| Credentials {
-            uid: user.uid,
-            gid: user.gid,
-            groups: user.groups.clone(),
-        }),
+        credentials: switch_user.then(|| Credentials { uid: user.uid, gid: user.gid, groups: user.groups.clone() }),
         cwd: path_cstring(Path::new(&cwd)),
     };
 
@@ -297,11 +285,7 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
             let stdout = pipe::Receiver::from_owned_fd(stdout);
             let stderr = pipe::Receiver::from_owned_fd(stderr);
             match (stdin, stdout, stderr) {
-                (Ok(stdin), Ok(stdout), Ok(stderr)) => ChildIo::Pipes {
-                    stdin,
-                    stdout,
-                    stderr,
-                },
+                (Ok(stdin), Ok(stdout), Ok(stderr)) => ChildIo::Pipes { stdin, stdout, stderr },
                 (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
                     kill_everything(Pid::from_raw(pid), cgroup.as_ref());
                     if let (Some(cgroup), Some(cgroups)) = (cgroup, agent.cgroups()) {
@@ -313,24 +297,14 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
         }
         (None, None) => unreachable!("without a pty the agent keeps the pipes' ends"),
     };
-    Ok(Running {
-        pid,
-        exit,
-        io,
-        cgroup,
-        script: script_file,
-    })
+    Ok(Running { pid, exit, io, cgroup, script: script_file })
 }
 
 /// The explicit directory (absolute, must exist), or the user's home, or `/`
 /// when the home does not exist (as login(1) does; `nobody`'s is /nonexistent).
 fn working_dir(requested: Option<&str>, user: &User) -> Result<String, ExecError> {
     let Some(path) = requested else {
-        return Ok(if Path::new(&user.home).is_dir() {
-            user.home.clone()
-        } else {
-            "/".into()
-        });
+        return Ok(if Path::new(&user.home).is_dir() { user.home.clone() } else { "/".into() });
     };
     if !path.starts_with('/') {
         return Err(ExecError::RelativeCwd(path.into()));
@@ -338,19 +312,12 @@ fn working_dir(requested: Option<&str>, user: &User) -> Result<String, ExecError
     match std::fs::metadata(path) {
         Ok(meta) if meta.is_dir() => Ok(path.into()),
         Ok(_) => Err(ExecError::CwdNotADirectory(path.into())),
-        Err(source) => Err(ExecError::Cwd {
-            path: path.into(),
-            source,
-        }),
+        Err(source) => Err(ExecError::Cwd { path: path.into(), source }),
     }
 }
 
 /// The defaults every command gets, overridden by the request's variables.
-fn environment(
-    user: &User,
-    pty: bool,
-    extra: &[(String, String)],
-) -> Result<Vec<(String, String)>, ExecError> {
+fn environment(user: &User, pty: bool, extra: &[(String, String)]) -> Result<Vec<(String, String)>, ExecError> {
     let mut env: Vec<(String, String)> = vec![
         ("PATH".into(), DEFAULT_PATH.into()),
         ("LANG".into(), "C.UTF-8".into()),
@@ -387,24 +354,12 @@ struct KillReason {
     cancelled: bool,
 }
 
-async fn supervise<R, W>(
-    agent: &Agent,
-    running: Running,
-    req: &ExecRequest,
-    mut rd: R,
-    wr: W,
-    session: CancellationToken,
-) where
+async fn supervise<R, W>(agent: &Agent, running: Running, req: &ExecRequest, mut rd: R, wr: W, session: CancellationToken)
+where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let Running {
-        pid,
-        mut exit,
-        io,
-        cgroup,
-        script,
-    } = running;
+    let Running { pid, mut exit, io, cgroup, script } = running;
     let pgid = Pid::from_raw(pid);
 
     let (frames, frames_rx) = mpsc::channel::<GuestFrame>(32);
@@ -416,40 +371,15 @@ async fn supervise<R, W>(
     let mut pumps = JoinSet::new();
     let drain_finish = CancellationToken::new();
     let (sink, terminal) = match io {
-        ChildIo::Pipes {
-            stdin,
-            stdout,
-            stderr,
-        } => {
+        ChildIo::Pipes { stdin, stdout, stderr } => {
             let finish = drain_finish.clone();
-            pumps.spawn(pump(
-                Source::Pipe(stdout),
-                OutputStream::Stdout,
-                limit,
-                frames.clone(),
-                dropped.clone(),
-                finish.clone(),
-            ));
-            pumps.spawn(pump(
-                Source::Pipe(stderr),
-                OutputStream::Stderr,
-                limit,
-                frames.clone(),
-                dropped.clone(),
-                finish.clone(),
-            ));
+            pumps.spawn(pump(Source::Pipe(stdout), OutputStream::Stdout, limit, frames.clone(), dropped.clone(), finish.clone()));
+            pumps.spawn(pump(Source::Pipe(stderr), OutputStream::Stderr, limit, frames.clone(), dropped.clone(), finish.clone()));
             (stdin.map(StdinSink::Pipe), None)
         }
         ChildIo::Pty(master) => {
             let finish = drain_finish.clone();
-            pumps.spawn(pump(
-                Source::Pty(master.clone()),
-                OutputStream::Stdout,
-                limit,
-                frames.clone(),
-                dropped.clone(),
-                finish.clone(),
-            ));
+            pumps.spawn(pump(Source::Pty(master.clone()), OutputStream::Stdout, limit, frames.clone(), dropped.clone(), finish.clone()));
             (Some(StdinSink::Pty(master.clone())), Some(master))
         }
     };
@@ -575,10 +505,7 @@ async fn supervise<R, W>(
             stdout_dropped: dropped[0].load(Ordering::Relaxed),
             stderr_dropped: dropped[1].load(Ordering::Relaxed),
         }),
-        None => GuestFrame::Error(GuestError::new(
-            ErrorKind::Io,
-            "lost track of the process's exit status",
-        )),
+        None => GuestFrame::Error(GuestError::new(ErrorKind::Io, "lost track of the process's exit status")),
     };
     let _ = frames.send(last).await;
     drop(frames);
@@ -690,9 +617,7 @@ async fn pump(
         if keep < n {
             if !truncated {
                 truncated = true;
-                let _ = frames
-                    .send(GuestFrame::OutputTruncated { stream, limit })
-                    .await;
+                let _ = frames.send(GuestFrame::OutputTruncated { stream, limit }).await;
             }
             let slot = match stream {
                 OutputStream::Stdout => 0,
@@ -721,15 +646,9 @@ async fn feed_stdin(sink: StdinSink, mut input: mpsc::UnboundedReceiver<StdinMsg
         let result = match (&mut sink, msg) {
             (None, _) => continue,
             (Some(StdinSink::Pipe(_)), StdinMsg::Eof) => Err(()),
-            (Some(StdinSink::Pipe(pipe)), StdinMsg::Data(data)) => {
-                pipe.write_all(&data).await.map_err(drop)
-            }
-            (Some(StdinSink::Pty(master)), StdinMsg::Data(data)) => {
-                master.write_all(&data).await.map_err(drop)
-            }
-            (Some(StdinSink::Pty(master)), StdinMsg::Eof) => {
-                master.write_all(&[TERMINAL_EOF]).await.map_err(drop)
-            }
+            (Some(StdinSink::Pipe(pipe)), StdinMsg::Data(data)) => pipe.write_all(&data).await.map_err(drop),
+            (Some(StdinSink::Pty(master)), StdinMsg::Data(data)) => master.write_all(&data).await.map_err(drop),
+            (Some(StdinSink::Pty(master)), StdinMsg::Eof) => master.write_all(&[TERMINAL_EOF]).await.map_err(drop),
         };
         if result.is_err() {
             sink = None;
@@ -839,11 +758,7 @@ mod tests {
     async fn output_is_streamed_while_the_command_runs() {
         let h = Harness::start().await;
         let start = Instant::now();
-        let mut s = h
-            .open(&Request::Exec(shell(
-                "for i in 1 2 3; do echo $i; sleep 1; done",
-            )))
-            .await;
+        let mut s = h.open(&Request::Exec(shell("for i in 1 2 3; do echo $i; sleep 1; done"))).await;
         loop {
             match next(&mut s).await.unwrap() {
                 GuestFrame::Started { .. } => continue,
@@ -855,10 +770,7 @@ mod tests {
             }
         }
         let first = start.elapsed();
-        assert!(
-            first < Duration::from_millis(1500),
-            "first chunk after {first:?}"
-        );
+        assert!(first < Duration::from_millis(1500), "first chunk after {first:?}");
         let rest = collect(&mut s).await;
         assert_eq!(rest.stdout, b"2\n3\n");
         h.shutdown().await;
@@ -897,9 +809,7 @@ mod tests {
     #[tokio::test]
     async fn cancel_kills_the_whole_group() {
         let h = Harness::start().await;
-        let mut s = h
-            .open(&Request::Exec(shell("sleep 1000.124 & sleep 1000.124")))
-            .await;
+        let mut s = h.open(&Request::Exec(shell("sleep 1000.124 & sleep 1000.124"))).await;
         started(&mut s).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         send(&mut s, HostFrame::Cancel).await;
@@ -912,9 +822,7 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_substream_cancels() {
         let h = Harness::start().await;
-        let mut s = h
-            .open(&Request::Exec(shell("sleep 1000.125 & sleep 1000.125")))
-            .await;
+        let mut s = h.open(&Request::Exec(shell("sleep 1000.125 & sleep 1000.125"))).await;
         started(&mut s).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!crate::testing::processes_with("sleep 1000.125").is_empty());
@@ -930,11 +838,7 @@ mod tests {
         started(&mut s).await;
         let start = Instant::now();
         h.shutdown().await;
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "wind-down took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(2), "wind-down took {:?}", start.elapsed());
         assert_no_survivors("sleep 1000.126").await;
     }
 
@@ -958,11 +862,7 @@ mod tests {
         }
         let h = Harness::start().await;
         // setsid leaves the process group; only the cgroup still holds it.
-        let mut s = h
-            .open(&Request::Exec(shell(
-                "setsid sleep 1000.129 & sleep 1000.129",
-            )))
-            .await;
+        let mut s = h.open(&Request::Exec(shell("setsid sleep 1000.129 & sleep 1000.129"))).await;
         started(&mut s).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         send(&mut s, HostFrame::Cancel).await;
@@ -976,10 +876,7 @@ mod tests {
         let h = Harness::with_cgroups(None).await;
         let start = Instant::now();
         let out = h.exec(shell("sleep 1000.130 & echo done")).await;
-        assert_eq!(
-            (out.stdout.as_slice(), out.exited().code),
-            (&b"done\n"[..], Some(0))
-        );
+        assert_eq!((out.stdout.as_slice(), out.exited().code), (&b"done\n"[..], Some(0)));
         assert!(start.elapsed() < Duration::from_secs(3));
         // A command that exits by itself leaves its background work running.
         let survivors = h.exec(argv(&["pgrep", "-f", "sleep 1000.130"])).await;
@@ -997,17 +894,8 @@ mod tests {
         let out = h.exec(req).await;
         assert_eq!(out.stdout.len(), 1000);
         assert_eq!(out.stderr.len(), 10);
-        assert_eq!(
-            out.truncated,
-            vec![GuestFrame::OutputTruncated {
-                stream: OutputStream::Stdout,
-                limit: 1000
-            }]
-        );
-        assert_eq!(
-            (out.exited().stdout_dropped, out.exited().stderr_dropped),
-            (299_000, 0)
-        );
+        assert_eq!(out.truncated, vec![GuestFrame::OutputTruncated { stream: OutputStream::Stdout, limit: 1000 }]);
+        assert_eq!((out.exited().stdout_dropped, out.exited().stderr_dropped), (299_000, 0));
         assert_eq!(out.exited().code, Some(0));
         h.shutdown().await;
     }
@@ -1021,10 +909,7 @@ mod tests {
         assert_eq!(out.stdout_text(), "65534\n65534\nnobody /nonexistent\n/\n");
         let mut req = argv(&["true"]);
         req.user = Some("no-such-user".into());
-        assert_eq!(
-            h.exec(req).await.error.unwrap().kind,
-            ErrorKind::InvalidInput
-        );
+        assert_eq!(h.exec(req).await.error.unwrap().kind, ErrorKind::InvalidInput);
         h.shutdown().await;
     }
 
@@ -1045,14 +930,8 @@ mod tests {
             assert!(out.exit.is_none() && out.pid.is_none(), "{out:?}");
             out.error.unwrap().kind
         };
-        assert_eq!(
-            kind(h.exec(argv(&["no-such-command-xyz"])).await),
-            ErrorKind::NotFound
-        );
-        assert_eq!(
-            kind(h.exec(argv(&["/etc/passwd"])).await),
-            ErrorKind::PermissionDenied
-        );
+        assert_eq!(kind(h.exec(argv(&["no-such-command-xyz"])).await), ErrorKind::NotFound);
+        assert_eq!(kind(h.exec(argv(&["/etc/passwd"])).await), ErrorKind::PermissionDenied);
         assert_eq!(kind(h.exec(argv(&[])).await), ErrorKind::InvalidInput);
         let mut req = argv(&["true"]);
         req.cwd = Some("/no/such/dir".into());
@@ -1076,21 +955,10 @@ mod tests {
         }
         let text = String::from_utf8_lossy(&seen).into_owned();
         assert!(text.starts_with("/dev/pts/"), "{text:?}");
-        send(
-            &mut s,
-            HostFrame::Resize(PtySize {
-                rows: 50,
-                cols: 132,
-            }),
-        )
-        .await;
+        send(&mut s, HostFrame::Resize(PtySize { rows: 50, cols: 132 })).await;
         send(&mut s, HostFrame::Stdin(b"\n".to_vec())).await;
         let rest = collect(&mut s).await;
-        assert!(
-            rest.stdout_text().contains("50 132"),
-            "{:?}",
-            rest.stdout_text()
-        );
+        assert!(rest.stdout_text().contains("50 132"), "{:?}", rest.stdout_text());
         assert_eq!(rest.exited().code, Some(0));
         h.shutdown().await;
     }
@@ -1103,11 +971,7 @@ mod tests {
         let mut s = h.open(&Request::Exec(req)).await;
         send(&mut s, HostFrame::StdinEof).await;
         let out = collect(&mut s).await;
-        assert!(
-            out.stdout_text().starts_with("xterm-256color\r\n"),
-            "{:?}",
-            out.stdout_text()
-        );
+        assert!(out.stdout_text().starts_with("xterm-256color\r\n"), "{:?}", out.stdout_text());
         assert_eq!(out.exited().code, Some(0));
         h.shutdown().await;
     }
@@ -1120,12 +984,7 @@ mod tests {
     #[test]
     fn reaping_every_child_in_a_separate_process() {
         let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "exec::tests::reaping_every_child_inner",
-                "--ignored",
-                "--test-threads=1",
-            ])
+            .args(["--exact", "exec::tests::reaping_every_child_inner", "--ignored", "--test-threads=1"])
             .env(ANY_CHILD_ENV, "1")
             .output()
             .unwrap();
@@ -1143,10 +1002,7 @@ mod tests {
     #[tokio::test]
     #[ignore = "run by reaping_every_child_in_a_separate_process"]
     async fn reaping_every_child_inner() {
-        assert!(
-            std::env::var_os(ANY_CHILD_ENV).is_some(),
-            "run through its parent test"
-        );
+        assert!(std::env::var_os(ANY_CHILD_ENV).is_some(), "run through its parent test");
         // Orphans come to us as they would to PID 1.
         nix::sys::prctl::set_child_subreaper(true).unwrap();
         let config = crate::AgentConfig {
@@ -1184,11 +1040,7 @@ mod tests {
             .map(|stat| stat.split(' ').next().unwrap_or("").to_string())
             .collect();
         assert!(zombies.is_empty(), "unreaped children: {zombies:?}");
-        std::sync::Arc::try_unwrap(h)
-            .ok()
-            .expect("no other handles")
-            .shutdown()
-            .await;
+        std::sync::Arc::try_unwrap(h).ok().expect("no other handles").shutdown().await;
     }
 
     #[tokio::test]
@@ -1206,72 +1058,34 @@ mod tests {
         for task in tasks {
             task.await.unwrap();
         }
-        std::sync::Arc::try_unwrap(h)
-            .ok()
-            .expect("no other handles")
-            .shutdown()
-            .await;
+        std::sync::Arc::try_unwrap(h).ok().expect("no other handles").shutdown().await;
     }
 
     fn alice() -> User {
-        User {
-            name: "alice".into(),
-            uid: 1000,
-            gid: 1000,
-            home: "/home/alice".into(),
-            shell: "/bin/bash".into(),
-            groups: vec![1000],
-        }
+        User { name: "alice".into(), uid: 1000, gid: 1000, home: "/home/alice".into(), shell: "/bin/bash".into(), groups: vec![1000] }
     }
 
     #[test]
     fn request_env_overrides_defaults_and_is_validated() {
-        let env = environment(
-            &alice(),
-            true,
-            &[("PATH".into(), "/x".into()), ("FOO".into(), "1".into())],
-        )
-        .unwrap();
-        let get = |k: &str| {
-            env.iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| v.as_str())
-        };
+        let env = environment(&alice(), true, &[("PATH".into(), "/x".into()), ("FOO".into(), "1".into())]).unwrap();
+        let get = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
         assert_eq!(get("PATH"), Some("/x"));
         assert_eq!(get("HOME"), Some("/home/alice"));
         assert_eq!(get("LOGNAME"), Some("alice"));
         assert_eq!(get("TERM"), Some("xterm-256color"));
         assert_eq!(get("FOO"), Some("1"));
-        assert!(environment(&alice(), false, &[])
-            .unwrap()
-            .iter()
-            .all(|(k, _)| k != "TERM"));
-        assert!(matches!(
-            environment(&alice(), false, &[("A=B".into(), "1".into())]),
-            Err(ExecError::BadEnv(_))
-        ));
+        assert!(environment(&alice(), false, &[]).unwrap().iter().all(|(k, _)| k != "TERM"));
+        assert!(matches!(environment(&alice(), false, &[("A=B".into(), "1".into())]), Err(ExecError::BadEnv(_))));
     }
 
     #[test]
     fn working_dir_rules() {
-        let user = User {
-            home: "/nonexistent-home".into(),
-            ..alice()
-        };
+        let user = User { home: "/nonexistent-home".into(), ..alice() };
         assert_eq!(working_dir(None, &user).unwrap(), "/");
         assert_eq!(working_dir(Some("/tmp"), &user).unwrap(), "/tmp");
         let kind = |r: Result<String, ExecError>| r.unwrap_err().to_guest_error().kind;
-        assert_eq!(
-            kind(working_dir(Some("tmp"), &user)),
-            ErrorKind::InvalidInput
-        );
-        assert_eq!(
-            kind(working_dir(Some("/no/such/dir"), &user)),
-            ErrorKind::NotFound
-        );
-        assert_eq!(
-            kind(working_dir(Some("/etc/passwd"), &user)),
-            ErrorKind::NotADirectory
-        );
+        assert_eq!(kind(working_dir(Some("tmp"), &user)), ErrorKind::InvalidInput);
+        assert_eq!(kind(working_dir(Some("/no/such/dir"), &user)), ErrorKind::NotFound);
+        assert_eq!(kind(working_dir(Some("/etc/passwd"), &user)), ErrorKind::NotADirectory);
     }
 }

@@ -11,8 +11,8 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsE
 use std::path::{Component, Path, PathBuf};
 
 use clade_proto::{
-    read_frame, write_frame, DirEntry, ErrorKind, FileKind, FileStat, FrameError, GuestError,
-    GuestFrame, HostFrame, ReadFileRequest, Reply, WriteFileRequest, CHUNK_SIZE,
+    read_frame, write_frame, DirEntry, ErrorKind, FileKind, FileStat, FrameError, GuestError, GuestFrame, HostFrame, ReadFileRequest,
+    Reply, WriteFileRequest, CHUNK_SIZE,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 
@@ -33,16 +33,10 @@ fn io_err(path: &Path) -> impl Fn(io::Error) -> FilesError + '_ {
 /// Checks that a request path is absolute and turns it into a `PathBuf`.
 pub fn absolute(path: &str) -> Result<PathBuf, GuestError> {
     if !path.starts_with('/') {
-        return Err(GuestError::new(
-            ErrorKind::InvalidInput,
-            format!("{path}: paths must be absolute"),
-        ));
+        return Err(GuestError::new(ErrorKind::InvalidInput, format!("{path}: paths must be absolute")));
     }
     if path.contains('\0') {
-        return Err(GuestError::new(
-            ErrorKind::InvalidInput,
-            "path contains a NUL byte",
-        ));
+        return Err(GuestError::new(ErrorKind::InvalidInput, "path contains a NUL byte"));
     }
     Ok(PathBuf::from(path))
 }
@@ -75,9 +69,7 @@ pub fn file_stat(path: &Path, meta: &Metadata) -> FileStat {
         FileKind::Other
     };
     let symlink_target = match kind {
-        FileKind::Symlink => fs::read_link(path)
-            .ok()
-            .map(|t| t.to_string_lossy().into_owned()),
+        FileKind::Symlink => fs::read_link(path).ok().map(|t| t.to_string_lossy().into_owned()),
         _ => None,
     };
     FileStat {
@@ -99,11 +91,7 @@ pub fn file_stat(path: &Path, meta: &Metadata) -> FileStat {
 /// stays non-blocking: a `/proc` or `/sys` file that has nothing to give
 /// (`/proc/kmsg`) fails with `EAGAIN` instead of holding a thread for ever.
 fn open_regular(path: &Path, shown: &str) -> Result<(fs::File, Metadata), FilesError> {
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(io_err(path))?;
+    let file = fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path).map_err(io_err(path))?;
     let meta = file.metadata().map_err(io_err(path))?;
     if meta.is_dir() {
         return Err(GuestError::new(ErrorKind::IsADirectory, format!("{shown}: is a directory")).into());
@@ -136,10 +124,7 @@ fn special_kind(meta: &Metadata) -> &'static str {
 /// `ReadFile`: `FileInfo`, then `Chunk`s from `offset` for `length` bytes (or to EOF), then `End`.
 /// Only regular files (see [`open_regular`]); the read ends when the host
 /// goes away (the next chunk cannot be sent).
-pub async fn read_file<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    req: ReadFileRequest,
-) -> Result<(), FilesError> {
+pub async fn read_file<W: AsyncWrite + Unpin>(w: &mut W, req: ReadFileRequest) -> Result<(), FilesError> {
     let path = absolute(&req.path)?;
     let opened = {
         let (path, shown) = (path.clone(), req.path.clone());
@@ -151,9 +136,7 @@ pub async fn read_file<W: AsyncWrite + Unpin>(
     let mut file = tokio::fs::File::from_std(file);
     write_frame(w, &GuestFrame::FileInfo(file_stat(&path, &meta))).await?;
     if req.offset > 0 {
-        file.seek(SeekFrom::Start(req.offset))
-            .await
-            .map_err(io_err(&path))?;
+        file.seek(SeekFrom::Start(req.offset)).await.map_err(io_err(&path))?;
     }
     let mut remaining = req.length.unwrap_or(u64::MAX);
     let mut buf = vec![0u8; CHUNK_SIZE];
@@ -182,28 +165,15 @@ pub async fn read_file<W: AsyncWrite + Unpin>(
 /// replacement goes through a temporary file in the same directory, renamed
 /// over the target on `End`; a stream that ends early leaves the target
 /// untouched. Appends go straight to the file and cannot be undone.
-pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(
-    s: &mut S,
-    req: WriteFileRequest,
-) -> Result<(), FilesError> {
+pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, req: WriteFileRequest) -> Result<(), FilesError> {
     let requested = absolute(&req.path)?;
     let target = write_target(&requested)?;
     let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
-        return Err(GuestError::new(
-            ErrorKind::InvalidInput,
-            format!("{}: not a file path", req.path),
-        )
-        .into());
+        return Err(GuestError::new(ErrorKind::InvalidInput, format!("{}: not a file path", req.path)).into());
     };
     let parent = target.parent().unwrap_or(Path::new("/")).to_path_buf();
     let existing = match fs::metadata(&target) {
-        Ok(meta) if meta.is_dir() => {
-            return Err(GuestError::new(
-                ErrorKind::IsADirectory,
-                format!("{}: is a directory", req.path),
-            )
-            .into())
-        }
+        Ok(meta) if meta.is_dir() => return Err(GuestError::new(ErrorKind::IsADirectory, format!("{}: is a directory", req.path)).into()),
         // Opening a FIFO to append would wait for a reader; a device is no file to add to.
         Ok(meta) if req.append && !meta.is_file() => {
             let what = special_kind(&meta);
@@ -216,19 +186,9 @@ pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(
     };
     match fs::metadata(&parent) {
         Ok(meta) if meta.is_dir() => {}
-        Ok(_) => {
-            return Err(GuestError::new(
-                ErrorKind::NotADirectory,
-                format!("{}: not a directory", parent.display()),
-            )
-            .into())
-        }
+        Ok(_) => return Err(GuestError::new(ErrorKind::NotADirectory, format!("{}: not a directory", parent.display())).into()),
         Err(e) if e.kind() == io::ErrorKind::NotFound && req.create_parents => {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(&parent)
-                .map_err(io_err(&parent))?;
+            fs::DirBuilder::new().recursive(true).mode(0o755).create(&parent).map_err(io_err(&parent))?;
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let msg = format!("{}: parent directory does not exist", req.path);
@@ -239,28 +199,18 @@ pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(
     let new_mode = req.mode.unwrap_or(0o644) & 0o7777;
 
     if req.append {
-        let file = fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .mode(new_mode)
-            .open(&target);
+        let file = fs::OpenOptions::new().append(true).create(true).mode(new_mode).open(&target);
         let mut file = tokio::fs::File::from_std(file.map_err(io_err(&target))?);
         if existing.is_none() {
             // The umask must not change the mode the host asked for.
-            file.set_permissions(fs::Permissions::from_mode(new_mode))
-                .await
-                .map_err(io_err(&target))?;
+            file.set_permissions(fs::Permissions::from_mode(new_mode)).await.map_err(io_err(&target))?;
         }
         let bytes = receive(s, &mut file, &target).await?;
         return reply(s, Reply::Written { bytes }).await;
     }
 
     let temp = parent.join(format!(".{name}.clade-tmp-{:016x}", rand::random::<u64>()));
-    let file = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&temp);
+    let file = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp);
     let mut file = tokio::fs::File::from_std(file.map_err(io_err(&temp))?);
     let result = async {
         let bytes = receive(s, &mut file, &target).await?;
@@ -273,9 +223,7 @@ pub async fn write_file<S: AsyncRead + AsyncWrite + Unpin>(
             std::os::unix::fs::fchown(&std_file, Some(uid), Some(gid)).map_err(io_err(&target))?;
         }
         // After chown, which clears setuid/setgid bits.
-        std_file
-            .set_permissions(fs::Permissions::from_mode(mode))
-            .map_err(io_err(&target))?;
+        std_file.set_permissions(fs::Permissions::from_mode(mode)).map_err(io_err(&target))?;
         fs::rename(&temp, &target).map_err(io_err(&target))?;
         Ok::<_, FilesError>(bytes)
     }
@@ -323,10 +271,7 @@ where
                 return Err(GuestError::new(ErrorKind::Protocol, msg).into());
             }
             None => {
-                let e = io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the host ended the upload without End",
-                );
+                let e = io::Error::new(io::ErrorKind::UnexpectedEof, "the host ended the upload without End");
                 return Err(FrameError::Io(e).into());
             }
         }
@@ -347,10 +292,7 @@ pub fn list_dir(path: &str) -> Result<Reply, GuestError> {
     let dir = absolute(path)?;
     let meta = fs::metadata(&dir).map_err(|e| GuestError::from_io(&e, path))?;
     if !meta.is_dir() {
-        return Err(GuestError::new(
-            ErrorKind::NotADirectory,
-            format!("{path}: not a directory"),
-        ));
+        return Err(GuestError::new(ErrorKind::NotADirectory, format!("{path}: not a directory")));
     }
     let mut entries = Vec::new();
     for entry in fs::read_dir(&dir).map_err(|e| GuestError::from_io(&e, path))? {
@@ -360,10 +302,7 @@ pub fn list_dir(path: &str) -> Result<Reply, GuestError> {
         let Ok(meta) = fs::symlink_metadata(&entry_path) else {
             continue;
         };
-        entries.push(DirEntry {
-            name: entry.file_name().to_string_lossy().into_owned(),
-            stat: file_stat(&entry_path, &meta),
-        });
+        entries.push(DirEntry { name: entry.file_name().to_string_lossy().into_owned(), stat: file_stat(&entry_path, &meta) });
     }
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(Reply::Entries(entries))
@@ -380,10 +319,7 @@ pub fn stat(path: &str) -> Result<Reply, GuestError> {
 pub fn remove(path: &str, recursive: bool) -> Result<Reply, GuestError> {
     let p = absolute(path)?;
     if normalized(&p) == Path::new("/") {
-        return Err(GuestError::new(
-            ErrorKind::InvalidInput,
-            "refusing to remove /",
-        ));
+        return Err(GuestError::new(ErrorKind::InvalidInput, "refusing to remove /"));
     }
     let meta = fs::symlink_metadata(&p).map_err(|e| GuestError::from_io(&e, path))?;
     let result = if !meta.is_dir() {
@@ -407,19 +343,14 @@ pub fn rename(from: &str, to: &str) -> Result<Reply, GuestError> {
 /// `Chmod`: permission bits (and setuid/setgid/sticky) only.
 pub fn chmod(path: &str, mode: u32) -> Result<Reply, GuestError> {
     let p = absolute(path)?;
-    fs::set_permissions(&p, fs::Permissions::from_mode(mode & 0o7777))
-        .map_err(|e| GuestError::from_io(&e, path))?;
+    fs::set_permissions(&p, fs::Permissions::from_mode(mode & 0o7777)).map_err(|e| GuestError::from_io(&e, path))?;
     Ok(Reply::Done)
 }
 
 /// `Mkdir`: the directory and its missing parents (0755); an existing directory is fine.
 pub fn mkdir(path: &str) -> Result<Reply, GuestError> {
     let p = absolute(path)?;
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(&p)
-        .map_err(|e| GuestError::from_io(&e, path))?;
+    fs::DirBuilder::new().recursive(true).mode(0o755).create(&p).map_err(|e| GuestError::from_io(&e, path))?;
     Ok(Reply::Done)
 }
 
@@ -445,12 +376,7 @@ mod tests {
     }
 
     fn write_req(path: String) -> WriteFileRequest {
-        WriteFileRequest {
-            path,
-            mode: None,
-            create_parents: false,
-            append: false,
-        }
+        WriteFileRequest { path, mode: None, create_parents: false, append: false }
     }
 
     /// Reads a whole download: its stat, then the bytes.
@@ -473,19 +399,8 @@ mod tests {
         }
     }
 
-    async fn read(
-        h: &Harness,
-        path: String,
-        offset: u64,
-        length: Option<u64>,
-    ) -> Result<(FileStat, Vec<u8>), GuestError> {
-        let mut s = h
-            .open(&Request::ReadFile(ReadFileRequest {
-                path,
-                offset,
-                length,
-            }))
-            .await;
+    async fn read(h: &Harness, path: String, offset: u64, length: Option<u64>) -> Result<(FileStat, Vec<u8>), GuestError> {
+        let mut s = h.open(&Request::ReadFile(ReadFileRequest { path, offset, length })).await;
         download(&mut s).await
     }
 
@@ -502,25 +417,13 @@ mod tests {
         let dir = temp_dir();
         let data: Vec<u8> = (0..20 << 20).map(|_| rand::random::<u8>()).collect();
         let reply = upload(&h, write_req(p(&dir, "big.bin")), &data).await;
-        assert_eq!(
-            reply,
-            GuestFrame::Reply(Reply::Written {
-                bytes: data.len() as u64
-            })
-        );
+        assert_eq!(reply, GuestFrame::Reply(Reply::Written { bytes: data.len() as u64 }));
         let (stat, back) = read(&h, p(&dir, "big.bin"), 0, None).await.unwrap();
-        assert_eq!(
-            (stat.kind, stat.size, stat.mode),
-            (FileKind::File, data.len() as u64, 0o644)
-        );
+        assert_eq!((stat.kind, stat.size, stat.mode), (FileKind::File, data.len() as u64, 0o644));
         assert!(back == data, "read-back differs");
-        let (_, part) = read(&h, p(&dir, "big.bin"), 1000, Some(300_000))
-            .await
-            .unwrap();
+        let (_, part) = read(&h, p(&dir, "big.bin"), 1000, Some(300_000)).await.unwrap();
         assert!(part == data[1000..301_000]);
-        let (_, tail) = read(&h, p(&dir, "big.bin"), data.len() as u64 - 5, Some(100))
-            .await
-            .unwrap();
+        let (_, tail) = read(&h, p(&dir, "big.bin"), data.len() as u64 - 5, Some(100)).await.unwrap();
         assert_eq!(tail, data[data.len() - 5..]);
         h.shutdown().await;
     }
@@ -531,34 +434,15 @@ mod tests {
         let dir = temp_dir();
         let frame = upload(&h, write_req(p(&dir, "a/b/c.txt")), b"x").await;
         assert_eq!(error_kind(frame), ErrorKind::NotFound);
-        let req = WriteFileRequest {
-            create_parents: true,
-            mode: Some(0o600),
-            ..write_req(p(&dir, "a/b/c.txt"))
-        };
-        assert_eq!(
-            upload(&h, req, b"hi").await,
-            GuestFrame::Reply(Reply::Written { bytes: 2 })
-        );
+        let req = WriteFileRequest { create_parents: true, mode: Some(0o600), ..write_req(p(&dir, "a/b/c.txt")) };
+        assert_eq!(upload(&h, req, b"hi").await, GuestFrame::Reply(Reply::Written { bytes: 2 }));
         assert_eq!(fs::read(dir.path().join("a/b/c.txt")).unwrap(), b"hi");
-        assert_eq!(
-            fs::metadata(dir.path().join("a/b/c.txt")).unwrap().mode() & 0o7777,
-            0o600
-        );
-        assert_eq!(
-            fs::metadata(dir.path().join("a/b")).unwrap().mode() & 0o7777,
-            0o755
-        );
+        assert_eq!(fs::metadata(dir.path().join("a/b/c.txt")).unwrap().mode() & 0o7777, 0o600);
+        assert_eq!(fs::metadata(dir.path().join("a/b")).unwrap().mode() & 0o7777, 0o755);
         // A refusal before the data must not leave a big upload blocked on flow control.
         let big = vec![7u8; 4 << 20];
-        let frame = tokio::time::timeout(
-            std::time::Duration::from_secs(20),
-            upload(&h, write_req(p(&dir, "a")), &big),
-        );
-        assert_eq!(
-            error_kind(frame.await.expect("the refused upload finishes")),
-            ErrorKind::IsADirectory
-        );
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(20), upload(&h, write_req(p(&dir, "a")), &big));
+        assert_eq!(error_kind(frame.await.expect("the refused upload finishes")), ErrorKind::IsADirectory);
         h.shutdown().await;
     }
 
@@ -569,21 +453,12 @@ mod tests {
         let target = dir.path().join("f");
         fs::write(&target, "old").unwrap();
         fs::set_permissions(&target, fs::Permissions::from_mode(0o750)).unwrap();
-        let req = WriteFileRequest {
-            mode: Some(0o600),
-            ..write_req(p(&dir, "f"))
-        };
+        let req = WriteFileRequest { mode: Some(0o600), ..write_req(p(&dir, "f")) };
         upload(&h, req, b"new").await;
         assert_eq!(fs::read(&target).unwrap(), b"new");
         assert_eq!(fs::metadata(&target).unwrap().mode() & 0o7777, 0o750);
-        let req = WriteFileRequest {
-            append: true,
-            ..write_req(p(&dir, "f"))
-        };
-        assert_eq!(
-            upload(&h, req, b"er").await,
-            GuestFrame::Reply(Reply::Written { bytes: 2 })
-        );
+        let req = WriteFileRequest { append: true, ..write_req(p(&dir, "f")) };
+        assert_eq!(upload(&h, req, b"er").await, GuestFrame::Reply(Reply::Written { bytes: 2 }));
         assert_eq!(fs::read(&target).unwrap(), b"newer");
         // No temporary files are left behind.
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
@@ -607,11 +482,7 @@ mod tests {
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert_eq!(fs::read(dir.path().join("f")).unwrap(), b"old");
-        assert_eq!(
-            fs::read_dir(dir.path()).unwrap().count(),
-            1,
-            "temp file left behind"
-        );
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "temp file left behind");
         h.shutdown().await;
     }
 
@@ -619,21 +490,9 @@ mod tests {
     async fn read_errors() {
         let h = Harness::start().await;
         let dir = temp_dir();
-        assert_eq!(
-            read(&h, p(&dir, "missing"), 0, None)
-                .await
-                .unwrap_err()
-                .kind,
-            ErrorKind::NotFound
-        );
-        assert_eq!(
-            read(&h, p(&dir, ""), 0, None).await.unwrap_err().kind,
-            ErrorKind::IsADirectory
-        );
-        assert_eq!(
-            read(&h, "relative".into(), 0, None).await.unwrap_err().kind,
-            ErrorKind::InvalidInput
-        );
+        assert_eq!(read(&h, p(&dir, "missing"), 0, None).await.unwrap_err().kind, ErrorKind::NotFound);
+        assert_eq!(read(&h, p(&dir, ""), 0, None).await.unwrap_err().kind, ErrorKind::IsADirectory);
+        assert_eq!(read(&h, "relative".into(), 0, None).await.unwrap_err().kind, ErrorKind::InvalidInput);
         h.shutdown().await;
     }
 
@@ -679,134 +538,48 @@ mod tests {
         let dir = temp_dir();
         let done = GuestFrame::Reply(Reply::Done);
 
-        assert_eq!(
-            h.call(Request::Mkdir {
-                path: p(&dir, "d/e")
-            })
-            .await,
-            done
-        );
-        assert_eq!(
-            h.call(Request::Mkdir {
-                path: p(&dir, "d/e")
-            })
-            .await,
-            done
-        );
+        assert_eq!(h.call(Request::Mkdir { path: p(&dir, "d/e") }).await, done);
+        assert_eq!(h.call(Request::Mkdir { path: p(&dir, "d/e") }).await, done);
         fs::write(dir.path().join("d/file"), "12345").unwrap();
         std::os::unix::fs::symlink("file", dir.path().join("d/link")).unwrap();
 
-        let GuestFrame::Reply(Reply::Entries(entries)) =
-            h.call(Request::ListDir { path: p(&dir, "d") }).await
-        else {
+        let GuestFrame::Reply(Reply::Entries(entries)) = h.call(Request::ListDir { path: p(&dir, "d") }).await else {
             panic!("expected entries")
         };
         let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
         assert_eq!(names, ["e", "file", "link"]);
         assert_eq!(entries[0].stat.kind, FileKind::Dir);
-        assert_eq!(
-            (entries[1].stat.kind, entries[1].stat.size),
-            (FileKind::File, 5)
-        );
+        assert_eq!((entries[1].stat.kind, entries[1].stat.size), (FileKind::File, 5));
         assert_eq!(entries[2].stat.kind, FileKind::Symlink);
         assert_eq!(entries[2].stat.symlink_target.as_deref(), Some("file"));
         let kind = |f| error_kind(f);
-        assert_eq!(
-            kind(
-                h.call(Request::ListDir {
-                    path: p(&dir, "d/file")
-                })
-                .await
-            ),
-            ErrorKind::NotADirectory
-        );
-        assert_eq!(
-            kind(
-                h.call(Request::ListDir {
-                    path: p(&dir, "nope")
-                })
-                .await
-            ),
-            ErrorKind::NotFound
-        );
+        assert_eq!(kind(h.call(Request::ListDir { path: p(&dir, "d/file") }).await), ErrorKind::NotADirectory);
+        assert_eq!(kind(h.call(Request::ListDir { path: p(&dir, "nope") }).await), ErrorKind::NotFound);
 
-        let GuestFrame::Reply(Reply::Stat(stat)) = h
-            .call(Request::Stat {
-                path: p(&dir, "d/link"),
-            })
-            .await
-        else {
+        let GuestFrame::Reply(Reply::Stat(stat)) = h.call(Request::Stat { path: p(&dir, "d/link") }).await else {
             panic!("expected a stat")
         };
-        assert_eq!(
-            (stat.kind, stat.symlink_target.as_deref()),
-            (FileKind::Symlink, Some("file"))
-        );
-        assert_eq!(
-            kind(
-                h.call(Request::Stat {
-                    path: p(&dir, "nope")
-                })
-                .await
-            ),
-            ErrorKind::NotFound
-        );
+        assert_eq!((stat.kind, stat.symlink_target.as_deref()), (FileKind::Symlink, Some("file")));
+        assert_eq!(kind(h.call(Request::Stat { path: p(&dir, "nope") }).await), ErrorKind::NotFound);
 
-        assert_eq!(
-            h.call(Request::Chmod {
-                path: p(&dir, "d/file"),
-                mode: 0o4711
-            })
-            .await,
-            done
-        );
-        assert_eq!(
-            fs::metadata(dir.path().join("d/file")).unwrap().mode() & 0o7777,
-            0o4711
-        );
-        assert_eq!(
-            kind(
-                h.call(Request::Chmod {
-                    path: p(&dir, "nope"),
-                    mode: 0o600
-                })
-                .await
-            ),
-            ErrorKind::NotFound
-        );
+        assert_eq!(h.call(Request::Chmod { path: p(&dir, "d/file"), mode: 0o4711 }).await, done);
+        assert_eq!(fs::metadata(dir.path().join("d/file")).unwrap().mode() & 0o7777, 0o4711);
+        assert_eq!(kind(h.call(Request::Chmod { path: p(&dir, "nope"), mode: 0o600 }).await), ErrorKind::NotFound);
 
-        let rename = Request::Rename {
-            from: p(&dir, "d/file"),
-            to: p(&dir, "d/e/moved"),
-        };
+        let rename = Request::Rename { from: p(&dir, "d/file"), to: p(&dir, "d/e/moved") };
         assert_eq!(h.call(rename).await, done);
         assert_eq!(fs::read(dir.path().join("d/e/moved")).unwrap(), b"12345");
-        let rename = Request::Rename {
-            from: p(&dir, "nope"),
-            to: p(&dir, "x"),
-        };
+        let rename = Request::Rename { from: p(&dir, "nope"), to: p(&dir, "x") };
         assert_eq!(kind(h.call(rename).await), ErrorKind::NotFound);
 
         let remove = |path, recursive| Request::Remove { path, recursive };
         assert_eq!(h.call(remove(p(&dir, "d/link"), false)).await, done);
-        assert_eq!(
-            kind(h.call(remove(p(&dir, "d"), false)).await),
-            ErrorKind::DirectoryNotEmpty
-        );
+        assert_eq!(kind(h.call(remove(p(&dir, "d"), false)).await), ErrorKind::DirectoryNotEmpty);
         assert_eq!(h.call(remove(p(&dir, "d"), true)).await, done);
         assert!(!dir.path().join("d").exists());
-        assert_eq!(
-            kind(h.call(remove(p(&dir, "d"), true)).await),
-            ErrorKind::NotFound
-        );
-        assert_eq!(
-            kind(h.call(remove("/".into(), true)).await),
-            ErrorKind::InvalidInput
-        );
-        assert_eq!(
-            kind(h.call(remove("/tmp/..".into(), true)).await),
-            ErrorKind::InvalidInput
-        );
+        assert_eq!(kind(h.call(remove(p(&dir, "d"), true)).await), ErrorKind::NotFound);
+        assert_eq!(kind(h.call(remove("/".into(), true)).await), ErrorKind::InvalidInput);
+        assert_eq!(kind(h.call(remove("/tmp/..".into(), true)).await), ErrorKind::InvalidInput);
         h.shutdown().await;
     }
 
@@ -822,9 +595,6 @@ mod tests {
     fn relative_paths_are_refused() {
         assert_eq!(absolute("tmp/x").unwrap_err().kind, ErrorKind::InvalidInput);
         assert_eq!(stat("etc").unwrap_err().kind, ErrorKind::InvalidInput);
-        assert_eq!(
-            remove("///", true).unwrap_err().kind,
-            ErrorKind::InvalidInput
-        );
+        assert_eq!(remove("///", true).unwrap_err().kind, ErrorKind::InvalidInput);
     }
 }

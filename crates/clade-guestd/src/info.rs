@@ -19,10 +19,7 @@ pub enum InfoError {
 }
 
 fn read(path: &'static str) -> Result<String, InfoError> {
-    std::fs::read_to_string(path).map_err(|source| InfoError::Read {
-        path: path.into(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| InfoError::Read { path: path.into(), source })
 }
 
 /// Time since boot, from /proc/uptime.
@@ -36,17 +33,14 @@ pub fn collect(agent_version: &str) -> Result<GuestInfo, InfoError> {
     let mem = |key| parse_meminfo_kib(&meminfo, key).ok_or(InfoError::Parse("/proc/meminfo"));
     let root = nix::sys::statvfs::statvfs("/").map_err(InfoError::Statvfs)?;
     let fragment = root.fragment_size() as u64;
-    let hostname = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let hostname = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(GuestInfo {
         agent_version: agent_version.to_string(),
         kernel_release: read("/proc/sys/kernel/osrelease")?.trim().to_string(),
         hostname,
         uptime_ms: uptime_ms()?,
         cpus: online_cpus(),
-        load_avg: parse_loadavg(&read("/proc/loadavg")?)
-            .ok_or(InfoError::Parse("/proc/loadavg"))?,
+        load_avg: parse_loadavg(&read("/proc/loadavg")?).ok_or(InfoError::Parse("/proc/loadavg"))?,
         mem_total_bytes: mem("MemTotal")? * 1024,
         mem_available_bytes: mem("MemAvailable")? * 1024,
         disk_total_bytes: root.blocks() as u64 * fragment,
@@ -77,11 +71,7 @@ fn online_cpus() -> u32 {
     std::fs::read_to_string("/sys/devices/system/cpu/online")
         .ok()
         .and_then(|list| parse_cpu_list(&list))
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get() as u32)
-                .unwrap_or(1)
-        })
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1))
 }
 
 fn parse_cpu_list(list: &str) -> Option<u32> {
@@ -102,13 +92,7 @@ fn count_processes(proc: &Path) -> u32 {
     let Ok(dir) = std::fs::read_dir(proc) else {
         return 0;
     };
-    dir.filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .count() as u32
+    dir.filter_map(Result::ok).filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))).count() as u32
 }
 
 #[cfg(test)]
@@ -118,10 +102,7 @@ mod tests {
     #[test]
     fn parses_proc_files() {
         assert_eq!(parse_uptime("12.34 56.78\n"), Some(12340));
-        assert_eq!(
-            parse_loadavg("0.50 0.25 1.00 1/123 456\n"),
-            Some([0.5, 0.25, 1.0])
-        );
+        assert_eq!(parse_loadavg("0.50 0.25 1.00 1/123 456\n"), Some([0.5, 0.25, 1.0]));
         let meminfo = "MemTotal:        2048 kB\nMemFree:  10 kB\nMemAvailable:    1024 kB\n";
         assert_eq!(parse_meminfo_kib(meminfo, "MemTotal"), Some(2048));
         assert_eq!(parse_meminfo_kib(meminfo, "MemAvailable"), Some(1024));

@@ -54,28 +54,10 @@ const NOSUID_NODEV_NOEXEC: MsFlags = NOSUID_NODEV.union(MsFlags::MS_NOEXEC);
 
 /// In order: later targets live inside earlier filesystems.
 const FILESYSTEMS: &[Fs] = &[
-    Fs {
-        fstype: "proc",
-        target: "/proc",
-        flags: NOSUID_NODEV_NOEXEC,
-        data: None,
-        tuning: None,
-    },
-    Fs {
-        fstype: "sysfs",
-        target: "/sys",
-        flags: NOSUID_NODEV_NOEXEC,
-        data: None,
-        tuning: None,
-    },
+    Fs { fstype: "proc", target: "/proc", flags: NOSUID_NODEV_NOEXEC, data: None, tuning: None },
+    Fs { fstype: "sysfs", target: "/sys", flags: NOSUID_NODEV_NOEXEC, data: None, tuning: None },
     // The kernel mounts it itself with DEVTMPFS_MOUNT; this covers kernels without.
-    Fs {
-        fstype: "devtmpfs",
-        target: "/dev",
-        flags: MsFlags::MS_NOSUID,
-        data: Some("mode=0755"),
-        tuning: None,
-    },
+    Fs { fstype: "devtmpfs", target: "/dev", flags: MsFlags::MS_NOSUID, data: Some("mode=0755"), tuning: None },
     Fs {
         fstype: "devpts",
         target: "/dev/pts",
@@ -83,38 +65,14 @@ const FILESYSTEMS: &[Fs] = &[
         data: Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
         tuning: None,
     },
-    Fs {
-        fstype: "tmpfs",
-        target: "/dev/shm",
-        flags: NOSUID_NODEV,
-        data: Some("mode=1777"),
-        tuning: None,
-    },
-    Fs {
-        fstype: "tmpfs",
-        target: "/run",
-        flags: NOSUID_NODEV,
-        data: Some("mode=0755"),
-        tuning: None,
-    },
-    Fs {
-        fstype: "tmpfs",
-        target: "/tmp",
-        flags: NOSUID_NODEV,
-        data: Some("mode=1777"),
-        tuning: None,
-    },
+    Fs { fstype: "tmpfs", target: "/dev/shm", flags: NOSUID_NODEV, data: Some("mode=1777"), tuning: None },
+    Fs { fstype: "tmpfs", target: "/run", flags: NOSUID_NODEV, data: Some("mode=0755"), tuning: None },
+    Fs { fstype: "tmpfs", target: "/tmp", flags: NOSUID_NODEV, data: Some("mode=1777"), tuning: None },
     // Every exec moves its child into a new cgroup. By default that move
     // waits for an RCU grace period (the write side of a per-CPU rwsem),
     // ~23 ms of every exec under TCG; `favordynmods` (Linux 6.0+) makes the
     // lock a plain rwsem, so moves cost no grace period and forks a little more.
-    Fs {
-        fstype: "cgroup2",
-        target: "/sys/fs/cgroup",
-        flags: NOSUID_NODEV_NOEXEC,
-        data: None,
-        tuning: Some("favordynmods"),
-    },
+    Fs { fstype: "cgroup2", target: "/sys/fs/cgroup", flags: NOSUID_NODEV_NOEXEC, data: None, tuning: Some("favordynmods") },
 ];
 
 /// Links programs expect in /dev, created when missing.
@@ -141,10 +99,7 @@ pub fn prepare_system() {
     for (link, target) in DEV_LINKS {
         if std::fs::symlink_metadata(link).is_err() {
             if let Err(source) = std::os::unix::fs::symlink(target, link) {
-                tracing::warn!(
-                    "{}",
-                    crate::error_chain(&InitError::Create { path: link, source })
-                );
+                tracing::warn!("{}", crate::error_chain(&InitError::Create { path: link, source }));
             }
         }
     }
@@ -173,8 +128,7 @@ pub fn prepare_system() {
 fn root_noatime() -> Result<(), InitError> {
     let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_NOATIME;
     // A remount sets every flag anew: a read-only root stays read-only.
-    let read_only = nix::sys::statvfs::statvfs("/")
-        .is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
+    let read_only = nix::sys::statvfs::statvfs("/").is_ok_and(|fs| fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
     if read_only {
         flags |= MsFlags::MS_RDONLY;
     }
@@ -187,15 +141,8 @@ fn mount_once(fs: &Fs) -> Result<(), InitError> {
     if is_mounted(fs.target, fs.fstype) {
         return Ok(());
     }
-    if let Err(source) = std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(fs.target)
-    {
-        return Err(InitError::Create {
-            path: fs.target,
-            source,
-        });
+    if let Err(source) = std::fs::DirBuilder::new().recursive(true).mode(0o755).create(fs.target) {
+        return Err(InitError::Create { path: fs.target, source });
     }
     let mounted = |data: Option<&str>| mount(Some(fs.fstype), fs.target, Some(fs.fstype), fs.flags, data);
     let tuned = fs.tuning.map(|tuning| match fs.data {
@@ -208,11 +155,7 @@ fn mount_once(fs: &Fs) -> Result<(), InitError> {
     };
     match outcome {
         Ok(()) | Err(Errno::EBUSY) => Ok(()),
-        Err(source) => Err(InitError::Mount {
-            fstype: fs.fstype,
-            target: fs.target,
-            source,
-        }),
+        Err(source) => Err(InitError::Mount { fstype: fs.fstype, target: fs.target, source }),
     }
 }
 
@@ -270,9 +213,7 @@ pub fn hostname_from_cmdline(cmdline: &str) -> String {
 pub(crate) fn valid_hostname(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
         && !name.starts_with(['-', '.'])
 }
 
@@ -286,10 +227,7 @@ fn loopback_up() -> Result<(), InitError> {
     for (dst, src) in name.iter_mut().zip(b"lo") {
         *dst = *src as libc::c_char;
     }
-    let mut req = libc::ifreq {
-        ifr_name: name,
-        ifr_ifru: libc::__c_anonymous_ifr_ifru { ifru_flags: 0 },
-    };
+    let mut req = libc::ifreq { ifr_name: name, ifr_ifru: libc::__c_anonymous_ifr_ifru { ifru_flags: 0 } };
     // SAFETY: `req` is a fully initialised ifreq that outlives the call; the
     // kernel reads the name and writes the flags member of the union.
     if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
@@ -311,15 +249,9 @@ mod tests {
 
     #[test]
     fn hostname_comes_from_the_command_line() {
-        assert_eq!(
-            hostname_from_cmdline("console=ttyS0 clade.hostname=box-1 quiet"),
-            "box-1"
-        );
+        assert_eq!(hostname_from_cmdline("console=ttyS0 clade.hostname=box-1 quiet"), "box-1");
         assert_eq!(hostname_from_cmdline("console=ttyS0"), DEFAULT_HOSTNAME);
-        assert_eq!(
-            hostname_from_cmdline("clade.hostname=bad/name"),
-            DEFAULT_HOSTNAME
-        );
+        assert_eq!(hostname_from_cmdline("clade.hostname=bad/name"), DEFAULT_HOSTNAME);
         assert_eq!(hostname_from_cmdline("clade.hostname="), DEFAULT_HOSTNAME);
     }
 

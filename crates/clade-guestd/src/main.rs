@@ -32,14 +32,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    let filter =
-        EnvFilter::try_from_env("CLADE_GUESTD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("CLADE_GUESTD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     // stderr is /dev/console as init: the host keeps it as the console log.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(filter)
-        .init();
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(false).with_env_filter(filter).init();
     if pid1 {
         clade_guestd::run_init()
     } else {

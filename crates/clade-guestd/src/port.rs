@@ -67,11 +67,7 @@ pub enum PortError {
 
 /// Finds the device of the virtio-serial port called `name`, e.g. `/dev/vport0p1`.
 pub fn find(name: &str) -> Result<PathBuf, PortError> {
-    find_in(
-        Path::new("/sys/class/virtio-ports"),
-        Path::new("/dev"),
-        name,
-    )
+    find_in(Path::new("/sys/class/virtio-ports"), Path::new("/dev"), name)
 }
 
 fn find_in(class: &Path, dev: &Path, name: &str) -> Result<PathBuf, PortError> {
@@ -265,31 +261,18 @@ impl Port {
     /// before that: SIGIO's default action terminates the process (outside
     /// PID 1).
     pub fn open(path: &Path) -> Result<Self, PortError> {
-        let open_err = |source| PortError::Open {
-            path: path.display().to_string(),
-            source,
-        };
+        let open_err = |source| PortError::Open { path: path.display().to_string(), source };
         // std adds O_CLOEXEC itself.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .map_err(open_err)?;
+        let file =
+            OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path).map_err(open_err)?;
         let fd: OwnedFd = file.into();
         own_sigio(&fd).map_err(PortError::Async)?;
         let fd = register(fd).map_err(open_err)?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            fd: Some(fd),
-            host_return: None,
-        })
+        Ok(Self { path: path.to_path_buf(), fd: Some(fd), host_return: None })
     }
 
     fn fd(&self) -> io::Result<&AsyncFd<OwnedFd>> {
-        self.fd
-            .as_ref()
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
+        self.fd.as_ref().ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
     }
 
     /// After a hang-up seen on this registration: whether the host is in
@@ -391,20 +374,14 @@ fn set_sigio(fd: &OwnedFd, armed: bool) -> io::Result<()> {
 }
 
 impl AsyncRead for Port {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
             let fd = this.fd()?;
             let mut guard = ready!(fd.poll_read_ready(cx))?;
             let hung_up = guard.ready().is_read_closed();
             let unfilled = buf.initialize_unfilled();
-            match guard
-                .try_io(|fd| nix::unistd::read(fd.as_raw_fd(), unfilled).map_err(io::Error::from))
-            {
+            match guard.try_io(|fd| nix::unistd::read(fd.as_raw_fd(), unfilled).map_err(io::Error::from)) {
                 Ok(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -425,19 +402,13 @@ impl AsyncRead for Port {
 }
 
 impl AsyncWrite for Port {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         loop {
             let fd = this.fd()?;
             let mut guard = ready!(fd.poll_write_ready(cx))?;
             let hung_up = guard.ready().is_write_closed();
-            match guard.try_io(|fd| {
-                nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)
-            }) {
+            match guard.try_io(|fd| nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)) {
                 Ok(Ok(n)) => {
                     this.host_return = None;
                     return Poll::Ready(Ok(n));
@@ -449,9 +420,8 @@ impl AsyncWrite for Port {
                         continue;
                     }
                     let now = tokio::time::Instant::now();
-                    let (give_up, next_look) = this.host_return.get_or_insert_with(|| {
-                        (now + HOST_RETURN_GRACE, Box::pin(tokio::time::sleep(HOST_RETURN_POLL)))
-                    });
+                    let (give_up, next_look) =
+                        this.host_return.get_or_insert_with(|| (now + HOST_RETURN_GRACE, Box::pin(tokio::time::sleep(HOST_RETURN_POLL))));
                     if now >= *give_up {
                         this.host_return = None;
                         return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
@@ -492,11 +462,7 @@ pub async fn serve_forever(agent: Arc<Agent>) -> ! {
 
 /// Serves one session after another on a channel that reads EOF while no
 /// host is connected, as a virtio-serial port does.
-pub async fn serve_channel<T: SessionChannel>(
-    agent: &Arc<Agent>,
-    channel: &mut T,
-    wait: &mut HostWait,
-) -> ! {
+pub async fn serve_channel<T: SessionChannel>(agent: &Arc<Agent>, channel: &mut T, wait: &mut HostWait) -> ! {
     loop {
         if let Err(e) = channel.renew() {
             tracing::warn!("cannot renew the agent channel: {e}");
@@ -505,16 +471,14 @@ pub async fn serve_channel<T: SessionChannel>(
         }
         match serve_connection(agent, &mut *channel).await {
             Ok(()) => {}
-            Err(ServerError::Handshake(HandshakeError::Closed)) if !channel.has_pending() => {
-                match channel.expect_host() {
-                    Ok(true) => {}
-                    Ok(false) => wait.next().await,
-                    Err(e) => {
-                        tracing::warn!("cannot arm SIGIO on the agent channel: {e}");
-                        tokio::time::sleep(RETRY).await;
-                    }
+            Err(ServerError::Handshake(HandshakeError::Closed)) if !channel.has_pending() => match channel.expect_host() {
+                Ok(true) => {}
+                Ok(false) => wait.next().await,
+                Err(e) => {
+                    tracing::warn!("cannot arm SIGIO on the agent channel: {e}");
+                    tokio::time::sleep(RETRY).await;
                 }
-            }
+            },
             Err(ServerError::Handshake(HandshakeError::Closed)) => {}
             Err(e) => {
                 tracing::warn!("{}", crate::error_chain(&e));
@@ -676,30 +640,20 @@ mod tests {
     #[test]
     fn finds_the_port_by_name() {
         let sys = tempfile::tempdir().unwrap();
-        for (dev, name) in [
-            ("vport0p1", "org.qemu.guest_agent.0"),
-            ("vport0p2", "clade.agent"),
-        ] {
+        for (dev, name) in [("vport0p1", "org.qemu.guest_agent.0"), ("vport0p2", "clade.agent")] {
             std::fs::create_dir(sys.path().join(dev)).unwrap();
             std::fs::write(sys.path().join(dev).join("name"), format!("{name}\n")).unwrap();
         }
         let found = find_in(sys.path(), Path::new("/dev"), "clade.agent").unwrap();
         assert_eq!(found, Path::new("/dev/vport0p2"));
-        assert!(matches!(
-            find_in(sys.path(), Path::new("/dev"), "nope"),
-            Err(PortError::NotFound(_))
-        ));
+        assert!(matches!(find_in(sys.path(), Path::new("/dev"), "nope"), Err(PortError::NotFound(_))));
     }
 
     #[tokio::test]
     async fn a_pipe_reads_and_writes_through_the_port_wrapper() {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         a.set_nonblocking(true).unwrap();
-        let mut port = Port {
-            path: PathBuf::new(),
-            fd: Some(register(OwnedFd::from(a)).unwrap()),
-            host_return: None,
-        };
+        let mut port = Port { path: PathBuf::new(), fd: Some(register(OwnedFd::from(a)).unwrap()), host_return: None };
         let mut b = tokio::net::UnixStream::from_std({
             b.set_nonblocking(true).unwrap();
             b
@@ -736,23 +690,13 @@ mod tests {
         // A pty master behaves like the port: the slave closing is a
         // hang-up, reopening it a new connection.
         let pty = crate::pty::open(clade_proto::PtySize { rows: 24, cols: 80 }).unwrap();
-        let slave_path =
-            std::fs::read_link(format!("/proc/self/fd/{}", pty.slave.as_raw_fd())).unwrap();
-        let mut port = Port {
-            path: PathBuf::new(),
-            fd: Some(register(pty.master.into_fd()).unwrap()),
-            host_return: None,
-        };
+        let slave_path = std::fs::read_link(format!("/proc/self/fd/{}", pty.slave.as_raw_fd())).unwrap();
+        let mut port = Port { path: PathBuf::new(), fd: Some(register(pty.master.into_fd()).unwrap()), host_return: None };
         drop(pty.slave);
         let mut buf = [0u8; 16];
         // A master without a slave reads EIO; the runtime has seen the hang-up by now.
         assert!(port.read(&mut buf).await.is_err());
-        let mut slave = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOCTTY)
-            .open(&slave_path)
-            .unwrap();
+        let mut slave = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOCTTY).open(&slave_path).unwrap();
         // The hang-up on record is stale now: the read waits for data, with
         // neither an EOF nor a busy loop on the recorded readiness.
         let read = tokio::spawn(async move {
@@ -766,23 +710,14 @@ mod tests {
         let spent = cpu_used() - cpu_before;
         assert!(spent < Duration::from_millis(250), "the read spins: {spent:?} of CPU in 500 ms");
         slave.write_all(b"hi").unwrap();
-        let (mut port, got) = tokio::time::timeout(Duration::from_secs(5), read)
-            .await
-            .expect("the data never reached the read")
-            .unwrap();
+        let (mut port, got) = tokio::time::timeout(Duration::from_secs(5), read).await.expect("the data never reached the read").unwrap();
         assert_eq!(got.unwrap(), b"hi");
         // A fresh registration waits for data like any other.
         port.renew().unwrap();
         let pending = tokio::time::timeout(Duration::from_millis(200), port.read(&mut buf)).await;
-        assert!(
-            pending.is_err(),
-            "a renewed port with nothing to read must wait"
-        );
+        assert!(pending.is_err(), "a renewed port with nothing to read must wait");
         slave.write_all(b"ho").unwrap();
-        let n = tokio::time::timeout(Duration::from_secs(5), port.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), port.read(&mut buf)).await.unwrap().unwrap();
         assert_eq!(&buf[..n], b"ho");
     }
 
@@ -794,11 +729,7 @@ mod tests {
     }
 
     impl AsyncRead for FakePort {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<io::Result<()>> {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
             if self.current.is_none() {
                 self.current = self.hosts.try_recv().ok();
             }
@@ -821,11 +752,7 @@ mod tests {
     }
 
     impl AsyncWrite for FakePort {
-        fn poll_write(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            data: &[u8],
-        ) -> Poll<io::Result<usize>> {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
             match self.current.as_mut() {
                 Some(current) => Pin::new(current).poll_write(cx, data),
                 None => Poll::Ready(Ok(data.len())),
@@ -847,10 +774,7 @@ mod tests {
         let agent = Agent::new(AgentConfig { cgroup_root: None, ..AgentConfig::unprivileged() }).unwrap();
         let (connect, hosts) = tokio::sync::mpsc::unbounded_channel();
         let loop_task = tokio::spawn(async move {
-            let mut port = FakePort {
-                hosts,
-                current: None,
-            };
+            let mut port = FakePort { hosts, current: None };
             serve_channel(&agent, &mut port, &mut HostWait::polling()).await
         });
         // Nobody is connected for a while: the loop must wait, not fail.
@@ -862,11 +786,7 @@ mod tests {
                 host.write_all(b"\0\0old session bytes\n").await.unwrap();
             }
             connect.send(guest_end).unwrap();
-            let (link, _) =
-                tokio::time::timeout(Duration::from_secs(5), handshake::host(host, nonce))
-                    .await
-                    .unwrap()
-                    .unwrap();
+            let (link, _) = tokio::time::timeout(Duration::from_secs(5), handshake::host(host, nonce)).await.unwrap().unwrap();
             let client = MuxClient::spawn(link);
             let mut s = client.open().await.unwrap();
             write_frame(&mut s, &Request::Ping).await.unwrap();

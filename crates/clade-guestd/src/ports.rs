@@ -27,10 +27,7 @@ pub async fn connect(mut stream: Substream, port: u16, session: CancellationToke
         Ok(tcp) => tcp,
         Err(e) => {
             let error = if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                GuestError::new(
-                    ErrorKind::ConnectionRefused,
-                    format!("nothing listens on port {port}"),
-                )
+                GuestError::new(ErrorKind::ConnectionRefused, format!("nothing listens on port {port}"))
             } else {
                 GuestError::from_io(&e, &format!("connecting to port {port}"))
             };
@@ -40,10 +37,7 @@ pub async fn connect(mut stream: Substream, port: u16, session: CancellationToke
             return;
         }
     };
-    if write_frame(&mut stream, &GuestFrame::Reply(Reply::Done))
-        .await
-        .is_err()
-    {
+    if write_frame(&mut stream, &GuestFrame::Reply(Reply::Done)).await.is_err() {
         return;
     }
     let _ = tcp.set_nodelay(true);
@@ -64,8 +58,7 @@ async fn dial(port: u16) -> std::io::Result<TcpStream> {
     let v4 = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     match TcpStream::connect(v4).await {
         Ok(tcp) => Ok(tcp),
-        Err(first) => match TcpStream::connect(SocketAddr::from((Ipv6Addr::LOCALHOST, port))).await
-        {
+        Err(first) => match TcpStream::connect(SocketAddr::from((Ipv6Addr::LOCALHOST, port))).await {
             Ok(tcp) => Ok(tcp),
             Err(_) => Err(first),
         },
@@ -89,11 +82,7 @@ fn listening_in(proc: &Path) -> Result<Vec<ListeningPort>, GuestError> {
             Err(e) => return Err(GuestError::from_io(&e, &path.display().to_string())),
         }
     }
-    let owners = if sockets.is_empty() {
-        HashMap::new()
-    } else {
-        socket_owners(proc)
-    };
+    let owners = if sockets.is_empty() { HashMap::new() } else { socket_owners(proc) };
     let mut ports: Vec<ListeningPort> = sockets
         .into_iter()
         .map(|s| {
@@ -129,17 +118,9 @@ fn parse_proc_net_tcp(text: &str, v6: bool) -> Vec<Socket> {
             }
             let (address, port) = fields.get(1)?.split_once(':')?;
             let port = u16::from_str_radix(port, 16).ok()?;
-            let address = if v6 {
-                parse_ipv6(address)?.to_string()
-            } else {
-                parse_ipv4(address)?.to_string()
-            };
+            let address = if v6 { parse_ipv6(address)?.to_string() } else { parse_ipv4(address)?.to_string() };
             let inode = fields.get(9)?.parse().ok()?;
-            Some(Socket {
-                port,
-                address,
-                inode,
-            })
+            Some(Socket { port, address, inode })
         })
         .collect()
 }
@@ -171,11 +152,7 @@ fn socket_owners(proc: &Path) -> HashMap<u64, (u32, String)> {
         return owners;
     };
     for entry in dir.filter_map(Result::ok) {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
         let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
@@ -195,9 +172,7 @@ fn socket_owners(proc: &Path) -> HashMap<u64, (u32, String)> {
                 continue;
             };
             let name = name.get_or_insert_with(|| {
-                std::fs::read_to_string(entry.path().join("comm"))
-                    .map(|c| c.trim().to_string())
-                    .unwrap_or_default()
+                std::fs::read_to_string(entry.path().join("comm")).map(|c| c.trim().to_string()).unwrap_or_default()
             });
             owners.entry(inode).or_insert_with(|| (pid, name.clone()));
         }
@@ -228,32 +203,13 @@ mod tests {
         assert_eq!(
             parse_proc_net_tcp(TCP, false),
             vec![
-                Socket {
-                    port: 8000,
-                    address: "127.0.0.1".into(),
-                    inode: 12345
-                },
-                Socket {
-                    port: 22,
-                    address: "0.0.0.0".into(),
-                    inode: 222
-                },
+                Socket { port: 8000, address: "127.0.0.1".into(), inode: 12345 },
+                Socket { port: 22, address: "0.0.0.0".into(), inode: 222 },
             ]
         );
         assert_eq!(
             parse_proc_net_tcp(TCP6, true),
-            vec![
-                Socket {
-                    port: 8080,
-                    address: "::".into(),
-                    inode: 444
-                },
-                Socket {
-                    port: 80,
-                    address: "::1".into(),
-                    inode: 555
-                }
-            ]
+            vec![Socket { port: 8080, address: "::".into(), inode: 444 }, Socket { port: 80, address: "::1".into(), inode: 555 }]
         );
     }
 
@@ -266,16 +222,10 @@ mod tests {
             GuestFrame::Reply(Reply::ListeningPorts(ports)) => ports,
             other => panic!("unexpected {other:?}"),
         };
-        let ours = ports
-            .iter()
-            .find(|p| p.port == port)
-            .unwrap_or_else(|| panic!("{port} not in {ports:?}"));
+        let ours = ports.iter().find(|p| p.port == port).unwrap_or_else(|| panic!("{port} not in {ports:?}"));
         assert_eq!(ours.address, "127.0.0.1");
         assert_eq!(ours.pid, Some(std::process::id()), "{ours:?}");
-        assert!(
-            ours.process.as_deref().is_some_and(|p| !p.is_empty()),
-            "{ours:?}"
-        );
+        assert!(ours.process.as_deref().is_some_and(|p| !p.is_empty()), "{ours:?}");
         h.shutdown().await;
     }
 
@@ -293,21 +243,12 @@ mod tests {
         });
         let h = Harness::start().await;
         let mut stream = h.open(&Request::Connect { port }).await;
-        assert_eq!(
-            next(&mut stream).await,
-            Some(GuestFrame::Reply(Reply::Done))
-        );
+        assert_eq!(next(&mut stream).await, Some(GuestFrame::Reply(Reply::Done)));
         let payload: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
         stream.write_all(&payload).await.unwrap();
         stream.shutdown().await.unwrap();
         let mut back = Vec::new();
-        tokio::time::timeout(
-            std::time::Duration::from_secs(30),
-            stream.read_to_end(&mut back),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), stream.read_to_end(&mut back)).await.unwrap().unwrap();
         assert_eq!(back.len(), payload.len() + 4);
         assert!(back.starts_with(&payload) && back.ends_with(b"|bye"));
         server.await.unwrap();
@@ -326,10 +267,7 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         // The agent carries on.
-        assert!(matches!(
-            h.call(Request::Ping).await,
-            GuestFrame::Reply(Reply::Pong { .. })
-        ));
+        assert!(matches!(h.call(Request::Ping).await, GuestFrame::Reply(Reply::Pong { .. })));
         h.shutdown().await;
     }
 }

@@ -53,13 +53,7 @@ pub fn open(size: PtySize) -> Result<Pty, PtyError> {
         return Err(PtyError::Unlock(io::Error::last_os_error()));
     }
     // SAFETY: TIOCGPTPEER takes open flags by value and returns a new fd (or -1).
-    let slave = unsafe {
-        libc::ioctl(
-            master.as_raw_fd(),
-            libc::TIOCGPTPEER,
-            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
-        )
-    };
+    let slave = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
     if slave < 0 {
         return Err(PtyError::Slave(io::Error::last_os_error()));
     }
@@ -68,22 +62,13 @@ pub fn open(size: PtySize) -> Result<Pty, PtyError> {
     set_size(&master, size).map_err(PtyError::Size)?;
     // SAFETY: an OwnedFd is a valid open fd, and it stays owned (never
     // closed or swapped) by the AsyncFd until the AsyncFd is dropped.
-    let fd =
-        unsafe { AsyncFd::register_with_interest(master, Interest::READABLE | Interest::WRITABLE) };
+    let fd = unsafe { AsyncFd::register_with_interest(master, Interest::READABLE | Interest::WRITABLE) };
     let fd = fd.map_err(|e| PtyError::Register(e.into()))?;
-    Ok(Pty {
-        master: PtyMaster { fd },
-        slave,
-    })
+    Ok(Pty { master: PtyMaster { fd }, slave })
 }
 
 fn set_size(fd: &impl AsRawFd, size: PtySize) -> io::Result<()> {
-    let ws = libc::winsize {
-        ws_row: size.rows,
-        ws_col: size.cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
+    let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
     // SAFETY: TIOCSWINSZ reads one `winsize` through the pointer, which points at a live local.
     if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
         return Err(io::Error::last_os_error());
@@ -102,8 +87,7 @@ impl PtyMaster {
     pub async fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             let mut guard = self.fd.readable().await?;
-            match guard.try_io(|fd| nix::unistd::read(fd.as_raw_fd(), buf).map_err(io::Error::from))
-            {
+            match guard.try_io(|fd| nix::unistd::read(fd.as_raw_fd(), buf).map_err(io::Error::from)) {
                 Ok(Ok(n)) => return Ok(n),
                 Ok(Err(e)) if e.raw_os_error() == Some(Errno::EIO as i32) => return Ok(0),
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -117,9 +101,7 @@ impl PtyMaster {
     pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
             let mut guard = self.fd.writable().await?;
-            match guard.try_io(|fd| {
-                nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)
-            }) {
+            match guard.try_io(|fd| nix::unistd::write(fd.get_ref().as_fd(), data).map_err(io::Error::from)) {
                 Ok(Ok(n)) => data = &data[n..],
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Err(e),

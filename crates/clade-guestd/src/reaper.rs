@@ -64,10 +64,7 @@ impl Reaper {
     /// Starts the reaping task on the current tokio runtime.
     pub fn start(scope: ReapScope) -> Result<Self, ReaperError> {
         let mut sigchld = signal(SignalKind::child()).map_err(ReaperError::Signal)?;
-        let inner = Arc::new(Inner {
-            waiters: Mutex::new(HashMap::new()),
-            scope,
-        });
+        let inner = Arc::new(Inner { waiters: Mutex::new(HashMap::new()), scope });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         tokio::spawn(async move {
             loop {
@@ -87,10 +84,7 @@ impl Reaper {
     /// so call this from a blocking context. If the exec fails, `start` waits
     /// for its child itself, which is safe because reaping is held off until
     /// this returns.
-    pub fn spawn(
-        &self,
-        start: impl FnOnce() -> std::io::Result<i32>,
-    ) -> std::io::Result<(i32, oneshot::Receiver<ProcessExit>)> {
+    pub fn spawn(&self, start: impl FnOnce() -> std::io::Result<i32>) -> std::io::Result<(i32, oneshot::Receiver<ProcessExit>)> {
         let mut waiters = self.inner.lock();
         let pid = start()?;
         let (tx, rx) = oneshot::channel();
@@ -102,9 +96,7 @@ impl Reaper {
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, Waiters> {
         // A panic while holding the lock leaves the map consistent (inserts and removes are atomic).
-        self.waiters
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn reap(&self) {
@@ -142,20 +134,8 @@ impl Inner {
 
 fn deliver(waiters: &mut Waiters, status: WaitStatus) {
     let (pid, exit) = match status {
-        WaitStatus::Exited(pid, code) => (
-            pid,
-            ProcessExit {
-                code: Some(code),
-                signal: None,
-            },
-        ),
-        WaitStatus::Signaled(pid, sig, _core) => (
-            pid,
-            ProcessExit {
-                code: None,
-                signal: Some(sig as i32),
-            },
-        ),
+        WaitStatus::Exited(pid, code) => (pid, ProcessExit { code: Some(code), signal: None }),
+        WaitStatus::Signaled(pid, sig, _core) => (pid, ProcessExit { code: None, signal: Some(sig as i32) }),
         // Stops and continues are not asked for (no WUNTRACED/WCONTINUED).
         _ => return,
     };
@@ -184,21 +164,9 @@ mod tests {
     async fn delivers_exit_codes_and_signals() {
         let reaper = Reaper::start(ReapScope::Registered).unwrap();
         let (_pid, rx) = reaper.spawn(start("sh", &["-c", "exit 7"])).unwrap();
-        assert_eq!(
-            rx.await.unwrap(),
-            ProcessExit {
-                code: Some(7),
-                signal: None
-            }
-        );
+        assert_eq!(rx.await.unwrap(), ProcessExit { code: Some(7), signal: None });
         let (_pid, rx) = reaper.spawn(start("/bin/sh", &["-c", "kill -9 $$"])).unwrap();
-        assert_eq!(
-            rx.await.unwrap(),
-            ProcessExit {
-                code: None,
-                signal: Some(9)
-            }
-        );
+        assert_eq!(rx.await.unwrap(), ProcessExit { code: None, signal: Some(9) });
     }
 
     #[tokio::test]

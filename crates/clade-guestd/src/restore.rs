@@ -45,8 +45,7 @@ pub fn apply(req: &RestoreRequest) -> Result<Vec<(String, String)>, GuestError> 
         if !crate::init::valid_hostname(hostname) {
             return Err(GuestError::new(ErrorKind::InvalidInput, format!("invalid hostname {hostname:?}")));
         }
-        nix::unistd::sethostname(hostname)
-            .map_err(|e| GuestError::new(ErrorKind::Io, format!("setting the hostname: {e}")))?;
+        nix::unistd::sethostname(hostname).map_err(|e| GuestError::new(ErrorKind::Io, format!("setting the hostname: {e}")))?;
         let _ = std::fs::write(files.hostname(), format!("{hostname}\n"));
     }
     if let Some(id) = &req.machine_id {
@@ -211,7 +210,6 @@ mod tests {
         assert_eq!(std::fs::read_to_string(files.hostname()).unwrap(), "box-2\n");
         let leftovers: Vec<_> = std::fs::read_dir(&files.etc).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(leftovers.len(), 2, "{leftovers:?}");
-
     }
 
     #[test]

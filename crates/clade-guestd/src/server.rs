@@ -184,21 +184,13 @@ where
     session.cancel();
     // Execs kill their commands and finish promptly once cancelled; dropping
     // the set would abort them before they could.
-    let _ = tokio::time::timeout(SESSION_WIND_DOWN, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
+    let _ = tokio::time::timeout(SESSION_WIND_DOWN, async { while tasks.join_next().await.is_some() {} }).await;
     tasks.detach_all();
     tracing::debug!("host disconnected");
     Ok(outcome?)
 }
 
-async fn handle_substream(
-    agent: Arc<Agent>,
-    mut stream: Substream,
-    session: CancellationToken,
-    quiesce: CancellationToken,
-) {
+async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: CancellationToken, quiesce: CancellationToken) {
     let request = match read_frame::<_, Request>(&mut stream).await {
         Ok(Some(request)) => request,
         Ok(None) => return,
@@ -224,25 +216,12 @@ async fn handle_substream(
         }
         Request::ListeningPorts => simple(&mut stream, crate::ports::listening).await,
         Request::Ping => match info::uptime_ms() {
-            Ok(uptime_ms) => {
-                reply(
-                    &mut stream,
-                    Reply::Pong {
-                        agent_version: agent.version.clone(),
-                        uptime_ms,
-                    },
-                )
-                .await
-            }
+            Ok(uptime_ms) => reply(&mut stream, Reply::Pong { agent_version: agent.version.clone(), uptime_ms }).await,
             Err(e) => Err(GuestError::new(ErrorKind::Io, e.to_string()).into()),
         },
         Request::Info => {
             let version = agent.version.clone();
-            match blocking(move || {
-                info::collect(&version).map_err(|e| GuestError::new(ErrorKind::Io, e.to_string()))
-            })
-            .await
-            {
+            match blocking(move || info::collect(&version).map_err(|e| GuestError::new(ErrorKind::Io, e.to_string()))).await {
                 Ok(info) => reply(&mut stream, Reply::Info(info)).await,
                 Err(e) => Err(e.into()),
             }
@@ -266,15 +245,9 @@ async fn handle_substream(
         Request::WriteFile(req) => files::write_file(&mut stream, req).await,
         Request::ListDir { path } => simple(&mut stream, move || files::list_dir(&path)).await,
         Request::Stat { path } => simple(&mut stream, move || files::stat(&path)).await,
-        Request::Remove { path, recursive } => {
-            simple(&mut stream, move || files::remove(&path, recursive)).await
-        }
-        Request::Rename { from, to } => {
-            simple(&mut stream, move || files::rename(&from, &to)).await
-        }
-        Request::Chmod { path, mode } => {
-            simple(&mut stream, move || files::chmod(&path, mode)).await
-        }
+        Request::Remove { path, recursive } => simple(&mut stream, move || files::remove(&path, recursive)).await,
+        Request::Rename { from, to } => simple(&mut stream, move || files::rename(&from, &to)).await,
+        Request::Chmod { path, mode } => simple(&mut stream, move || files::chmod(&path, mode)).await,
         Request::Mkdir { path } => simple(&mut stream, move || files::mkdir(&path)).await,
         Request::Quiesce => {
             let synced = blocking(|| {
@@ -325,10 +298,7 @@ async fn handle_substream(
 /// substream. A host may send a whole upload before reading the answer
 /// (for instance a refusal): if we stopped reading, yamux flow control
 /// would block its writes forever.
-pub(crate) async fn drain_until_closed<R: AsyncRead + Unpin>(
-    stream: &mut R,
-    session: &CancellationToken,
-) {
+pub(crate) async fn drain_until_closed<R: AsyncRead + Unpin>(stream: &mut R, session: &CancellationToken) {
     let mut sink = tokio::io::sink();
     tokio::select! {
         _ = tokio::io::copy(stream, &mut sink) => {}
@@ -355,12 +325,7 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<T, GuestError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(op).await.unwrap_or_else(|e| {
-        Err(GuestError::new(
-            ErrorKind::Io,
-            format!("operation panicked: {e}"),
-        ))
-    })
+    tokio::task::spawn_blocking(op).await.unwrap_or_else(|e| Err(GuestError::new(ErrorKind::Io, format!("operation panicked: {e}"))))
 }
 
 #[cfg(test)]
@@ -373,10 +338,7 @@ mod tests {
     async fn ping_and_info() {
         let h = Harness::start().await;
         match h.call(Request::Ping).await {
-            GuestFrame::Reply(Reply::Pong {
-                agent_version,
-                uptime_ms,
-            }) => {
+            GuestFrame::Reply(Reply::Pong { agent_version, uptime_ms }) => {
                 assert_eq!(agent_version, crate::VERSION);
                 assert!(uptime_ms > 0);
             }
@@ -385,9 +347,7 @@ mod tests {
         match h.call(Request::Info).await {
             GuestFrame::Reply(Reply::Info(info)) => {
                 assert_eq!(info.agent_version, crate::VERSION);
-                assert!(
-                    info.cpus >= 1 && info.disk_total_bytes > 0 && info.mem_available_bytes > 0
-                );
+                assert!(info.cpus >= 1 && info.disk_total_bytes > 0 && info.mem_available_bytes > 0);
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -404,19 +364,12 @@ mod tests {
             Some(GuestFrame::Error(e)) => assert_eq!(e.kind, ErrorKind::Protocol),
             other => panic!("unexpected {other:?}"),
         }
-        assert_eq!(
-            next(&mut s).await,
-            None,
-            "the substream is closed after the error"
-        );
+        assert_eq!(next(&mut s).await, None, "the substream is closed after the error");
         // A frame claiming an absurd length.
         let mut s = h.client.open().await.unwrap();
         s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
         assert!(matches!(next(&mut s).await, Some(GuestFrame::Error(_))));
-        assert!(matches!(
-            h.call(Request::Ping).await,
-            GuestFrame::Reply(Reply::Pong { .. })
-        ));
+        assert!(matches!(h.call(Request::Ping).await, GuestFrame::Reply(Reply::Pong { .. })));
         h.shutdown().await;
     }
 
@@ -426,9 +379,6 @@ mod tests {
         let (host, guest) = tokio::io::duplex(64);
         drop(host);
         let err = serve_connection(&agent, guest).await.unwrap_err();
-        assert!(
-            matches!(err, ServerError::Handshake(HandshakeError::Closed)),
-            "{err:?}"
-        );
+        assert!(matches!(err, ServerError::Handshake(HandshakeError::Closed)), "{err:?}");
     }
 }

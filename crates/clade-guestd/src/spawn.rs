@@ -109,11 +109,7 @@ impl Program {
     /// The outer error is the clone's; the inner one the child's, with the
     /// candidate whose exec gave it.
     #[allow(clippy::type_complexity)]
-    fn spawn_once(
-        &self,
-        stdio: [&OwnedFd; 3],
-        setup: &ChildSetup,
-    ) -> io::Result<Result<i32, (io::Error, Option<CString>)>> {
+    fn spawn_once(&self, stdio: [&OwnedFd; 3], setup: &ChildSetup) -> io::Result<Result<i32, (io::Error, Option<CString>)>> {
         let pointers = |strings: &[CString]| -> Vec<*const libc::c_char> {
             strings.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
         };
@@ -170,9 +166,7 @@ impl Program {
         // The child exited without exec'ing: collect it here (the reaper
         // holds off while a spawn is registering, see `Reaper::spawn`).
         let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
-        let candidate = usize::try_from(child.failed_candidate.load(Ordering::Acquire))
-            .ok()
-            .and_then(|i| self.candidates.get(i).cloned());
+        let candidate = usize::try_from(child.failed_candidate.load(Ordering::Acquire)).ok().and_then(|i| self.candidates.get(i).cloned());
         Ok(Err((io::Error::from_raw_os_error(errno), candidate)))
     }
 }

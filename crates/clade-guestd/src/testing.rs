@@ -6,9 +6,7 @@ use std::time::{Duration, Instant};
 
 use clade_proto::handshake;
 use clade_proto::mux::{MuxClient, Substream};
-use clade_proto::{
-    read_frame, write_frame, ExecRequest, ExitStatus, GuestFrame, HostFrame, Request,
-};
+use clade_proto::{read_frame, write_frame, ExecRequest, ExitStatus, GuestFrame, HostFrame, Request};
 
 use crate::server::{serve_connection, Agent, AgentConfig};
 
@@ -23,10 +21,7 @@ pub fn host_cgroup_root() -> Option<PathBuf> {
     ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
         .into_iter()
         .map(PathBuf::from)
-        .find(|p| {
-            nix::sys::statfs::statfs(p.as_path())
-                .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
-        })
+        .find(|p| nix::sys::statfs::statfs(p.as_path()).is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC))
 }
 
 impl Harness {
@@ -43,18 +38,11 @@ impl Harness {
         let agent = Agent::new(config).expect("agent starts");
         let (host_io, guest_io) = tokio::io::duplex(1 << 20);
         let server = tokio::spawn(async move {
-            serve_connection(&agent, guest_io)
-                .await
-                .expect("session ends cleanly");
+            serve_connection(&agent, guest_io).await.expect("session ends cleanly");
         });
-        let (channel, hello) = handshake::host(host_io, rand::random())
-            .await
-            .expect("handshake");
+        let (channel, hello) = handshake::host(host_io, rand::random()).await.expect("handshake");
         assert_eq!(hello.agent_version, crate::VERSION);
-        Self {
-            client: MuxClient::spawn(channel),
-            server,
-        }
+        Self { client: MuxClient::spawn(channel), server }
     }
 
     /// Ends the session from the host side and waits for the agent to wind it down.
@@ -69,9 +57,7 @@ impl Harness {
     /// Opens a substream and sends its request.
     pub async fn open(&self, request: &Request) -> Substream {
         let mut stream = self.client.open().await.expect("substream opens");
-        write_frame(&mut stream, request)
-            .await
-            .expect("request is sent");
+        write_frame(&mut stream, request).await.expect("request is sent");
         stream
     }
 
@@ -116,9 +102,7 @@ impl ExecOutcome {
     }
 
     pub fn exited(&self) -> &ExitStatus {
-        self.exit
-            .as_ref()
-            .unwrap_or_else(|| panic!("no Exited frame: {self:?}"))
+        self.exit.as_ref().unwrap_or_else(|| panic!("no Exited frame: {self:?}"))
     }
 }
 
@@ -152,11 +136,7 @@ pub fn processes_with(marker: &str) -> Vec<i32> {
         return found;
     };
     for entry in dir.filter_map(Result::ok) {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
             continue;
         };
         // A zombie's cmdline reads empty, so dead-but-unreaped processes do not count.
@@ -179,18 +159,12 @@ pub async fn assert_no_survivors(marker: &str) {
         if left.is_empty() {
             return;
         }
-        assert!(
-            Instant::now() < until,
-            "processes with {marker:?} survive: {left:?}"
-        );
+        assert!(Instant::now() < until, "processes with {marker:?} survive: {left:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
 /// A fresh directory under /tmp, removed on drop.
 pub fn temp_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("clade-guestd-test-")
-        .tempdir_in(Path::new("/tmp"))
-        .expect("temp dir")
+    tempfile::Builder::new().prefix("clade-guestd-test-").tempdir_in(Path::new("/tmp")).expect("temp dir")
 }

@@ -20,14 +20,7 @@ pub struct User {
 
 impl User {
     fn root() -> Self {
-        Self {
-            name: "root".into(),
-            uid: 0,
-            gid: 0,
-            home: "/root".into(),
-            shell: "/bin/sh".into(),
-            groups: vec![0],
-        }
+        Self { name: "root".into(), uid: 0, gid: 0, home: "/root".into(), shell: "/bin/sh".into(), groups: vec![0] }
     }
 }
 
@@ -54,8 +47,7 @@ pub fn lookup_in(etc: &Path, name: Option<&str>) -> Result<User, UsersError> {
     let mut user = match name {
         // Root works even on an image whose passwd lacks it (or has none).
         None => parse_passwd(&passwd, |e| e.uid == 0).unwrap_or_else(User::root),
-        Some(name) => parse_passwd(&passwd, |e| e.name == name)
-            .ok_or_else(|| UsersError::Unknown(name.to_string()))?,
+        Some(name) => parse_passwd(&passwd, |e| e.name == name).ok_or_else(|| UsersError::Unknown(name.to_string()))?,
     };
     let group = read_optional(&etc.join("group"))?;
     user.groups = supplementary_groups(&group, &user.name, user.gid);
@@ -67,10 +59,7 @@ fn read_optional(path: &Path) -> Result<String, UsersError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-        Err(source) => Err(UsersError::Read {
-            path: path.display().to_string(),
-            source,
-        }),
+        Err(source) => Err(UsersError::Read { path: path.display().to_string(), source }),
     }
 }
 
@@ -131,8 +120,7 @@ mod tests {
         broken line\n\
         alice:x:1000:1000:Alice,,,:/home/alice:/bin/bash\n\
         nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
-    const GROUP: &str =
-        "root:x:0:\nsudo:x:27:alice,bob\nalice:x:1000:\ndocker:x:999:bob, alice\nbad:x:zz:alice\n";
+    const GROUP: &str = "root:x:0:\nsudo:x:27:alice,bob\nalice:x:1000:\ndocker:x:999:bob, alice\nbad:x:zz:alice\n";
 
     fn etc() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
@@ -149,19 +137,13 @@ mod tests {
         assert_eq!(alice.home, "/home/alice");
         assert_eq!(alice.groups, vec![1000, 27, 999]);
         let root = lookup_in(dir.path(), None).unwrap();
-        assert_eq!(
-            (root.name.as_str(), root.uid, root.home.as_str()),
-            ("root", 0, "/root")
-        );
+        assert_eq!((root.name.as_str(), root.uid, root.home.as_str()), ("root", 0, "/root"));
     }
 
     #[test]
     fn unknown_user_is_an_error_and_root_survives_a_missing_passwd() {
         let dir = etc();
-        assert!(matches!(
-            lookup_in(dir.path(), Some("mallory")),
-            Err(UsersError::Unknown(_))
-        ));
+        assert!(matches!(lookup_in(dir.path(), Some("mallory")), Err(UsersError::Unknown(_))));
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(lookup_in(empty.path(), None).unwrap(), User::root());
     }

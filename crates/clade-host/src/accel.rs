@@ -75,10 +75,7 @@ impl HostVirt {
 }
 
 fn cpu_flags_have_virt(cpuinfo: &str) -> bool {
-    cpuinfo
-        .lines()
-        .filter(|l| l.starts_with("flags"))
-        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+    cpuinfo.lines().filter(|l| l.starts_with("flags")).any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
 }
 
 /// Resolves a choice against the host. `Auto` falls back to TCG with one

@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 use clade_proto::handshake::{self, HandshakeError};
 use clade_proto::mux::{MuxClient, MuxError, Substream};
 use clade_proto::{
-    read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame,
-    GuestInfo, HostFrame, ListeningPort, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest,
-    UserLimits, WriteFileRequest, CHUNK_SIZE,
+    read_frame, write_frame, DirEntry, ExecRequest, ExitStatus, FileStat, FrameError, GuestError, GuestFrame, GuestInfo, HostFrame,
+    ListeningPort, OutputStream, PtySize, ReadFileRequest, Reply, Request, RestoreRequest, UserLimits, WriteFileRequest, CHUNK_SIZE,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
@@ -360,12 +359,9 @@ impl AgentClient {
         let stream = self.open(&Request::Exec(request)).await?;
         let (mut reader, writer) = tokio::io::split(stream);
         match read_frame::<_, GuestFrame>(&mut reader).await? {
-            Some(GuestFrame::Started { pid }) => Ok(ExecSession {
-                pid,
-                reader,
-                input: ExecInput(Arc::new(tokio::sync::Mutex::new(writer))),
-                finished: false,
-            }),
+            Some(GuestFrame::Started { pid }) => {
+                Ok(ExecSession { pid, reader, input: ExecInput(Arc::new(tokio::sync::Mutex::new(writer))), finished: false })
+            }
             Some(GuestFrame::Error(e)) => Err(e.into()),
             Some(other) => Err(AgentError::unexpected("started", &other)),
             None => Err(AgentError::Eof),
@@ -446,16 +442,11 @@ impl AgentClient {
 
     /// Writes a file (atomically replacing it), creating missing parents.
     pub async fn write_file(&self, path: &str, data: &[u8]) -> Result<u64, AgentError> {
-        self.write_file_from(WriteFileRequest { path: path.to_string(), mode: None, create_parents: true, append: false }, data)
-            .await
+        self.write_file_from(WriteFileRequest { path: path.to_string(), mode: None, create_parents: true, append: false }, data).await
     }
 
     /// Streams `source` into a file.
-    pub async fn write_file_from<R: AsyncRead + Unpin>(
-        &self,
-        request: WriteFileRequest,
-        mut source: R,
-    ) -> Result<u64, AgentError> {
+    pub async fn write_file_from<R: AsyncRead + Unpin>(&self, request: WriteFileRequest, mut source: R) -> Result<u64, AgentError> {
         let stream = self.open(&Request::WriteFile(request)).await?;
         let (mut reader, mut writer) = tokio::io::split(stream);
         let mut buf = vec![0u8; CHUNK_SIZE];
@@ -564,9 +555,8 @@ impl AgentClient {
     /// ended by both sides (so no byte is in flight), the guest waiting for
     /// the next host's hello. The client has no session afterwards.
     pub async fn quiesce(&self) -> Result<(), AgentError> {
-        let outcome = tokio::time::timeout(QUIESCE_TIMEOUT, self.done(Request::Quiesce))
-            .await
-            .unwrap_or(Err(AgentError::Timeout(QUIESCE_TIMEOUT)));
+        let outcome =
+            tokio::time::timeout(QUIESCE_TIMEOUT, self.done(Request::Quiesce)).await.unwrap_or(Err(AgentError::Timeout(QUIESCE_TIMEOUT)));
         self.close();
         // The guest drives its side of the session a few more milliseconds
         // (its answer must leave) before it waits for a new hello; a snapshot
@@ -593,7 +583,10 @@ pub enum ExecEvent {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     /// The stream hit its output limit; later bytes of it are dropped.
-    Truncated { stream: OutputStream, limit: u64 },
+    Truncated {
+        stream: OutputStream,
+        limit: u64,
+    },
     Exited(ExitStatus),
 }
 

@@ -78,7 +78,12 @@ pub fn check_chain(layers: &[Layer]) -> std::io::Result<()> {
         }
         if let (Some(recorded), Some(below)) = (header.backing_format, below) {
             if recorded != below.format {
-                return Err(mismatch(format!("{} says its backing file is {}, not {}", layer.path.display(), recorded.driver(), below.format.driver())));
+                return Err(mismatch(format!(
+                    "{} says its backing file is {}, not {}",
+                    layer.path.display(),
+                    recorded.driver(),
+                    below.format.driver()
+                )));
             }
         }
     }
@@ -164,11 +169,8 @@ mod tests {
         let base = dir.path().join("base.raw");
         std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
         let layer = dir.path().join("layer.qcow2");
-        let made = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(&base)
-            .arg(&layer)
-            .status();
+        let made =
+            std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"]).arg(&base).arg(&layer).status();
         let Ok(status) = made else {
             assert!(std::env::var_os("CI").is_none(), "qemu-img is missing");
             eprintln!("skipped: qemu-img is not installed");
@@ -178,7 +180,13 @@ mod tests {
         let header = read_header(&layer).unwrap();
         assert_eq!(header, Header { virtual_size: 1 << 20, backing_file: Some(base.clone()), backing_format: Some(Format::Raw) });
         let plain = dir.path().join("plain.qcow2");
-        assert!(std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&plain).arg("1M").status().unwrap().success());
+        assert!(std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&plain)
+            .arg("1M")
+            .status()
+            .unwrap()
+            .success());
         assert_eq!(read_header(&plain).unwrap().backing_file, None);
         assert_eq!(read_header(&base).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
 
@@ -189,7 +197,19 @@ mod tests {
         let whole = [Layer::qcow2(upper.clone()), Layer::qcow2(layer.clone()), Layer { path: base.clone(), format: Format::Raw }];
         check_chain(&whole).unwrap();
         let v2 = dir.path().join("v2.qcow2");
-        assert!(made(&["create", "-q", "-f", "qcow2", "-o", "compat=0.10", "-F", "qcow2", "-b", plain.to_str().unwrap(), v2.to_str().unwrap()]));
+        assert!(made(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "compat=0.10",
+            "-F",
+            "qcow2",
+            "-b",
+            plain.to_str().unwrap(),
+            v2.to_str().unwrap()
+        ]));
         assert_eq!(read_header(&v2).unwrap().backing_format, Some(Format::Qcow2), "version 2 headers too");
         check_chain(&[Layer::qcow2(v2.clone()), Layer::qcow2(plain.clone())]).unwrap();
         // Whatever a header names that the records do not is refused.

@@ -83,9 +83,7 @@ pub struct Qmp {
 impl Qmp {
     /// Connects, reads the greeting and leaves capability negotiation mode.
     pub async fn connect(path: &Path) -> Result<Self, QmpError> {
-        let stream = UnixStream::connect(path)
-            .await
-            .map_err(|source| QmpError::Connect { path: path.display().to_string(), source })?;
+        let stream = UnixStream::connect(path).await.map_err(|source| QmpError::Connect { path: path.display().to_string(), source })?;
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read).lines();
         let greeting = tokio::time::timeout(GREETING_TIMEOUT, lines.next_line())
@@ -135,12 +133,7 @@ impl Qmp {
         self.execute_timeout(command, arguments, COMMAND_TIMEOUT).await
     }
 
-    pub async fn execute_timeout(
-        &self,
-        command: &str,
-        arguments: Option<Value>,
-        timeout: Duration,
-    ) -> Result<Value, QmpError> {
+    pub async fn execute_timeout(&self, command: &str, arguments: Option<Value>, timeout: Duration) -> Result<Value, QmpError> {
         self.send(command, arguments, timeout).await
     }
 
@@ -254,13 +247,7 @@ impl Qmp {
         Ok(())
     }
 
-    async fn reply(
-        &self,
-        command: &str,
-        id: u64,
-        reply: oneshot::Receiver<Reply>,
-        timeout: Duration,
-    ) -> Result<Value, QmpError> {
+    async fn reply(&self, command: &str, id: u64, reply: oneshot::Receiver<Reply>, timeout: Duration) -> Result<Value, QmpError> {
         match tokio::time::timeout(timeout, reply).await {
             Err(_) => {
                 self.pending.lock().expect("qmp pending lock").remove(&id);

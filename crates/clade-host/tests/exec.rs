@@ -63,12 +63,11 @@ fn the_agent_port_raises_no_sigio_during_a_session() {
     block_on(async {
         // O_ASYNC on the port made every arrival of the host's data a signal
         // to the agent; it is armed only while the agent waits for a host.
-        let flags = s
-            .vm
-            .run(sh("for fd in /proc/1/fd/*; do case $(readlink $fd) in /dev/vport*) \
+        let flags =
+            s.vm.run(sh("for fd in /proc/1/fd/*; do case $(readlink $fd) in /dev/vport*) \
                      sed -n 's/^flags:[[:space:]]*//p' /proc/1/fdinfo/${fd##*/};; esac; done"))
-            .await
-            .unwrap();
+                .await
+                .unwrap();
         let flags = flags.stdout_str();
         let flags = u32::from_str_radix(flags.trim(), 8).unwrap_or_else(|_| panic!("the port's flags: {flags:?}"));
         assert_eq!(flags & O_ASYNC, 0, "O_ASYNC is set on the agent port in a session: {flags:o}");

@@ -87,11 +87,8 @@ fn the_base_image_is_byte_identical_after_a_vm_wrote_its_disk() {
     let base = &s.env.image.rootfs;
     let before = sha256_file(base);
     block_on(async {
-        let out = s
-            .vm
-            .run(common::sh("head -c 20000000 /dev/urandom > /var/tmp/junk && rm -f /etc/motd && sync && echo ok"))
-            .await
-            .unwrap();
+        let out =
+            s.vm.run(common::sh("head -c 20000000 /dev/urandom > /var/tmp/junk && rm -f /etc/motd && sync && echo ok")).await.unwrap();
         assert_eq!(out.stdout_str(), "ok\n", "{}", out.stderr_str());
     });
     assert_eq!(sha256_file(base), before, "the base image changed");

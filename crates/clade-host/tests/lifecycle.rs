@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use clade_host::agent::ExecEvent;
 use clade_host::testing::{vm_env, VmTestEnv};
-use clade_proto::{Command, ExecRequest};
 use clade_host::vm::{Admission, FailureKind, Watchdog};
 use clade_host::{VmError, VmSpec};
+use clade_proto::{Command, ExecRequest};
 use common::{block_on, sh};
 
 fn assert_cleaned_up(dir: &std::path::Path, vmm: clade_host::vm::ProcessId) {
@@ -354,10 +354,7 @@ fn an_idle_guest_gives_its_translations_back_and_a_busy_one_keeps_them() {
         // Two vCPUs: each translates into a region of the buffer of its own.
         let vm = runtime.create(VmSpec { vcpus: 2, ..VmSpec::new(env.image.clone()) }).await.unwrap();
         let pid = vm.vmm().pid;
-        let out = vm
-            .run(sh("echo kept > /var/tmp/kept && nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!"))
-            .await
-            .unwrap();
+        let out = vm.run(sh("echo kept > /var/tmp/kept && nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!")).await.unwrap();
         let spinner = out.stdout_str().trim().to_string();
         assert!(!spinner.is_empty(), "{}", out.stderr_str());
 

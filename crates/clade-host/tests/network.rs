@@ -38,7 +38,8 @@ async fn connect(vm: &Vm, address: impl std::fmt::Display, port: u16) -> String 
         "    print('error', e.errno)",
     ]
     .join("\n");
-    let script = format!("python3 - <<'EOF'\n{}\nEOF", program.replace("{address}", &address.to_string()).replace("{port}", &port.to_string()));
+    let script =
+        format!("python3 - <<'EOF'\n{}\nEOF", program.replace("{address}", &address.to_string()).replace("{port}", &port.to_string()));
     let out = vm.run(sh(&script)).await.unwrap();
     match out.stdout_str().trim() {
         "" => format!("no answer: {}", out.stderr_str().trim()),
@@ -47,9 +48,8 @@ async fn connect(vm: &Vm, address: impl std::fmt::Display, port: u16) -> String 
 }
 
 async fn resolve(vm: &Vm, name: &str) -> String {
-    let script = format!(
-        "python3 -c \"import socket\ntry: print(socket.gethostbyname('{name}'))\nexcept OSError as e: print('unresolved')\""
-    );
+    let script =
+        format!("python3 -c \"import socket\ntry: print(socket.gethostbyname('{name}'))\nexcept OSError as e: print('unresolved')\"");
     vm.run(sh(&script)).await.unwrap().stdout_str().trim().to_string()
 }
 
@@ -191,7 +191,9 @@ fn forks_and_wakes_get_their_own_slots_and_keep_the_policy() {
         let started = parent.run(sh("for i in $(seq 200); do [ -s /tmp/n ] && exit 0; sleep 0.1; done; exit 1")).await.unwrap();
         assert_eq!(started.exit_code(), 0, "the parent's reader never read");
         let children = parent.fork(&runtime, 2, Lifetime::Ephemeral).await.unwrap();
-        let count = |vm: Vm| async move { vm.agent().read_file("/tmp/n").await.map(|b| String::from_utf8_lossy(&b).parse::<u64>().unwrap_or(0)).unwrap_or(0) };
+        let count = |vm: Vm| async move {
+            vm.agent().read_file("/tmp/n").await.map(|b| String::from_utf8_lossy(&b).parse::<u64>().unwrap_or(0)).unwrap_or(0)
+        };
         let child_before = count(children[0].clone()).await;
         let parent_before = count(parent.clone()).await;
         // Lines already in the child's socket buffer at the fork are read at once.
@@ -273,4 +275,3 @@ fn two_hundred_create_delete_cycles_leave_nothing_behind() {
         assert!(remains_of(index).is_empty(), "slot {index} left {:?}", remains_of(index));
     }
 }
-

@@ -22,12 +22,10 @@ fn listening_ports_and_connections_into_the_guest() {
             other => panic!("expected a refusal, got {:?}", other.map(|_| "a stream")),
         }
         let started =
-            s.vm.run(sh(
-                "cd /tmp && echo hello-port > index.html && \
-                     (setsid python3 -m http.server 8123 --bind 127.0.0.1 >/tmp/http.log 2>&1 &)",
-            ))
-            .await
-            .unwrap();
+            s.vm.run(sh("cd /tmp && echo hello-port > index.html && \
+                     (setsid python3 -m http.server 8123 --bind 127.0.0.1 >/tmp/http.log 2>&1 &)"))
+                .await
+                .unwrap();
         assert_eq!(started.exit_code(), 0);
         let deadline = Instant::now() + Duration::from_secs(60);
         let listener = loop {
@@ -39,24 +37,12 @@ fn listening_ports_and_connections_into_the_guest() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         assert_eq!(listener.address, "127.0.0.1");
-        assert!(
-            listener
-                .process
-                .as_deref()
-                .is_some_and(|p| p.starts_with("python3")),
-            "{listener:?}"
-        );
+        assert!(listener.process.as_deref().is_some_and(|p| p.starts_with("python3")), "{listener:?}");
 
         let mut stream = agent.connect_port(8123).await.unwrap();
-        stream
-            .write_all(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
+        stream.write_all(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
         let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer))
-            .await
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await.unwrap().unwrap();
         let answer = String::from_utf8_lossy(&answer);
         assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
         assert!(answer.ends_with("hello-port\n"), "{answer}");
@@ -67,10 +53,7 @@ fn listening_ports_and_connections_into_the_guest() {
             let agent = agent.clone();
             tasks.push(tokio::spawn(async move {
                 let mut stream = agent.connect_port(8123).await.unwrap();
-                stream
-                    .write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
-                    .await
-                    .unwrap();
+                stream.write_all(b"GET /index.html HTTP/1.0\r\n\r\n").await.unwrap();
                 let mut answer = Vec::new();
                 stream.read_to_end(&mut answer).await.unwrap();
                 answer

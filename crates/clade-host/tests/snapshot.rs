@@ -93,7 +93,10 @@ fn hibernate_then_wake_keeps_processes_files_and_fixes_a_day_old_clock() {
         vm.run(sh(counter)).await.unwrap();
         vm.agent().write_file("/root/keep.txt", b"kept across hibernation").await.unwrap();
         // Python starts slowly on a loaded TCG host: wait for its first count.
-        let waited = vm.run(sh("for i in $(seq 300); do [ -s /tmp/n ] && [ \"$(cat /tmp/n)\" -gt 0 ] && exit 0; sleep 0.1; done; exit 1")).await.unwrap();
+        let waited = vm
+            .run(sh("for i in $(seq 300); do [ -s /tmp/n ] && [ \"$(cat /tmp/n)\" -gt 0 ] && exit 0; sleep 0.1; done; exit 1"))
+            .await
+            .unwrap();
         assert_eq!(waited.exit_code(), 0, "the counter never started");
         // Make the saved guest look a day old.
         let day_ago = (host_now() - 86_400.0) as u64;
@@ -133,7 +136,9 @@ fn pause_stops_the_guest_and_a_new_manager_adopts_a_running_vm() {
         let spec = VmSpec { lifetime: Lifetime::Persistent, ..VmSpec::new(env.image.clone()) };
         let vm = env.runtime.create(spec).await.unwrap();
         let id = vm.id();
-        vm.run(sh("nohup sh -c 'while :; do date +%s%N > /tmp/t.new && mv /tmp/t.new /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &")).await.unwrap();
+        vm.run(sh("nohup sh -c 'while :; do date +%s%N > /tmp/t.new && mv /tmp/t.new /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &"))
+            .await
+            .unwrap();
         vm.pause().await.unwrap();
         // A paused guest answers nothing; the watchdog must not call that a hang.
         let stalled = tokio::time::timeout(Duration::from_millis(500), vm.agent().ping()).await;
@@ -330,7 +335,8 @@ fn a_fork_of_a_parent_writing_all_the_time_sees_its_memory_as_of_one_instant() {
             let (stale, writes) = check.split_once(' ').unwrap_or_else(|| panic!("no check from the child's writer: {check:?} {log}"));
             assert_eq!(stale, "0", "pages of the child older than its parent's at the fork ({writes} writes)");
         }
-        let out = parent.run(sh("pgrep -c -f 'python3 /root/writer[.]py'; test -e /tmp/check && echo checked || echo writing")).await.unwrap();
+        let out =
+            parent.run(sh("pgrep -c -f 'python3 /root/writer[.]py'; test -e /tmp/check && echo checked || echo writing")).await.unwrap();
         assert_eq!(out.stdout_str(), "1\nwriting\n", "the parent's writer runs on");
     });
 }
@@ -452,7 +458,8 @@ fn other_host_users_cannot_read_sandbox_disks_memory_or_snapshots() {
         let snapshot_dir = env.data_dir().join("snapshots").join(&snapshot);
         let template = std::fs::read_dir(env.data_dir().join("templates")).unwrap().flatten().find(|e| e.path().is_dir()).unwrap();
         assert!(nobody_reads(&template.path().join("disk.qcow2")), "templates hold image content only and stay readable");
-        for secret in [vm.dir().join("disk.qcow2"), vm.dir().join("vm.json"), snapshot_dir.join("memory"), snapshot_dir.join("disk.qcow2")] {
+        for secret in [vm.dir().join("disk.qcow2"), vm.dir().join("vm.json"), snapshot_dir.join("memory"), snapshot_dir.join("disk.qcow2")]
+        {
             assert!(secret.exists(), "{}", secret.display());
             assert!(!nobody_reads(&secret), "another user read {}", secret.display());
         }
@@ -489,7 +496,10 @@ fn each_vmm_runs_as_a_user_of_its_own_that_can_open_no_sandbox_file() {
             let uid = status_field(pid, "Uid");
             let ids: Vec<u32> = uid.split_whitespace().map(|id| id.parse().unwrap()).collect();
             let user = ids[0];
-            assert!(user >= clade_host::vm::VMM_UID_BASE && ids.iter().all(|&id| id == user), "real, effective, saved and file system user: {uid}");
+            assert!(
+                user >= clade_host::vm::VMM_UID_BASE && ids.iter().all(|&id| id == user),
+                "real, effective, saved and file system user: {uid}"
+            );
             assert!(status_field(pid, "Gid").split_whitespace().all(|id| id == user.to_string()), "its group is its own");
             assert_eq!(status_field(pid, "Groups"), "", "no supplementary group under TCG");
             assert_eq!(status_field(pid, "CapEff"), "0000000000000000");
@@ -622,7 +632,8 @@ fn fork_children_share_the_pages_their_parent_wrote() {
     let Some(env) = vm_env() else { return };
     block_on(async {
         let parent = env.runtime.create(VmSpec::new(env.image.clone())).await.unwrap();
-        let out = parent.run(sh("head -c 64000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob > /root/blob.sum")).await.unwrap();
+        let out =
+            parent.run(sh("head -c 64000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob > /root/blob.sum")).await.unwrap();
         assert_eq!(out.exit_code(), 0, "{}", out.stderr_str());
         let children = parent.fork(&env.runtime, 3, Lifetime::Ephemeral).await.unwrap();
         let untouched = children[0].snapshot(&env.runtime).await.unwrap();
@@ -689,7 +700,10 @@ fn deleting_a_snapshot_a_running_vm_depends_on_does_not_break_it() {
         child.hibernate().await.unwrap();
         drop(child);
         let woken = env.runtime.wake(&id, None).await.unwrap();
-        let out = woken.run(sh("echo 3 > /proc/sys/vm/drop_caches; head -1 /root/data.sum | sha256sum -c && tail -1 /root/data.sum")).await.unwrap();
+        let out = woken
+            .run(sh("echo 3 > /proc/sys/vm/drop_caches; head -1 /root/data.sum | sha256sum -c && tail -1 /root/data.sum"))
+            .await
+            .unwrap();
         assert_eq!(out.stdout_str().lines().last(), Some("more"), "{}{}", out.stdout_str(), out.stderr_str());
         let layers = env.data_dir().join("snapshots");
         assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 1, "the layer stays while the VM needs it");
@@ -723,7 +737,9 @@ fn an_upgrade_bakes_a_new_template_and_the_old_one_goes_with_the_last_vm_and_sna
         let qemu = env.data_dir().join("qemu-upgraded");
         let real = env.config.qemu();
         let real = real.display();
-        let script = format!("#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'QEMU emulator version 99 (a test upgrade)'; exit 0; }}\nexec {real} \"$@\"\n");
+        let script = format!(
+            "#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'QEMU emulator version 99 (a test upgrade)'; exit 0; }}\nexec {real} \"$@\"\n"
+        );
         std::fs::write(&qemu, script).unwrap();
         std::fs::set_permissions(&qemu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let upgraded = VmRuntime::new(HostConfig { qemu_binary: Some(qemu), ..env.config.clone() }).unwrap();
@@ -759,7 +775,8 @@ fn an_upgrade_bakes_a_new_template_and_the_old_one_goes_with_the_last_vm_and_sna
         assert!(templates.join(&new_template).join("state").is_file());
         let again = upgraded.create(VmSpec::new(env.image.clone())).await.unwrap();
         assert!(matches!(again.boot_kind(), BootKind::Restored { baked_now: false, .. }), "{:?}", again.boot_kind());
-        let names: Vec<String> = std::fs::read_dir(&templates).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> =
+            std::fs::read_dir(&templates).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
         assert_eq!(names.iter().filter(|n| !n.starts_with('.')).count(), 1, "one template left: {names:?}");
     });
 }
@@ -784,19 +801,10 @@ fn a_restored_sandbox_that_only_reads_writes_nothing_to_its_disk_layer() {
                      grep -c '^/dev/root / ext4 .*noatime' /proc/mounts && cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6 && \
                      grep -cx no_prefetch_block_bitmaps /proc/fs/ext4/vda/options";
         let out = vm.run(sh(reads)).await.unwrap();
-        assert_eq!(
-            out.stdout_str(),
-            "1\n1\n1\n",
-            "root without access times or bitmap prefetch, eth0 IPv4 only: {}",
-            out.stderr_str()
-        );
+        assert_eq!(out.stdout_str(), "1\n1\n1\n", "root without access times or bitmap prefetch, eth0 IPv4 only: {}", out.stderr_str());
         let extents = qemu_img_json("map", &vm.dir().join("disk.qcow2"));
-        let written: Vec<&serde_json::Value> = extents
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|extent| extent["depth"] == 0 && extent["data"] == true)
-            .collect();
+        let written: Vec<&serde_json::Value> =
+            extents.as_array().unwrap().iter().filter(|extent| extent["depth"] == 0 && extent["data"] == true).collect();
         assert!(written.is_empty(), "the sandbox's own layer holds data: {written:?}");
         vm.stop().await.unwrap();
     });
@@ -926,7 +934,11 @@ fn creates_take_standby_vmms_which_are_never_listed_and_are_refilled_and_drained
         let copy = runtime.create_from_snapshot(&snap, Lifetime::Ephemeral, None).await.unwrap();
         let out = copy.run(sh("echo 3 > /proc/sys/vm/drop_caches; cat /root/g /root/f")).await.unwrap();
         assert_eq!(out.stdout_str(), "child\nfrom-parent\n", "{}", out.stderr_str());
-        let leftovers = std::fs::read_dir(runtime.vms_dir().join(children[0].id())).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".taken")).count();
+        let leftovers = std::fs::read_dir(runtime.vms_dir().join(children[0].id()))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".taken"))
+            .count();
         assert_eq!(leftovers, 0, "the swapped-in layer has the disk's name");
         runtime.drain_standby();
         vm.stop().await.unwrap();

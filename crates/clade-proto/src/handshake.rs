@@ -154,8 +154,7 @@ where
             io.flush().await?;
             continue;
         }
-        io.write_all(format!("\nCLADE-READY {PROTOCOL_VERSION} {nonce} {agent_version}\n").as_bytes())
-            .await?;
+        io.write_all(format!("\nCLADE-READY {PROTOCOL_VERSION} {nonce} {agent_version}\n").as_bytes()).await?;
         io.flush().await?;
         return Ok(Prefixed::new(io, rest));
     }
@@ -286,7 +285,15 @@ mod tests {
         for cut in ["", "1", "1 ", "1 00000000"] {
             assert_eq!(hello_line(cut.as_bytes()), Unfinished, "{cut:?}");
         }
-        for data in ["x\n", "<version> <nonce>\n", "1 xyz", " 1 0000000000000000\n", "1  0000000000000000\n", "1 00000000000000000\n", "1234567890 0\n"] {
+        for data in [
+            "x\n",
+            "<version> <nonce>\n",
+            "1 xyz",
+            " 1 0000000000000000\n",
+            "1  0000000000000000\n",
+            "1 00000000000000000\n",
+            "1234567890 0\n",
+        ] {
             assert_eq!(hello_line(data.as_bytes()), NotAHello, "{data:?}");
         }
     }

@@ -121,16 +121,7 @@ pub const DEFAULT_OUTPUT_LIMIT: u64 = 64 << 20;
 impl ExecRequest {
     /// A request with defaults for everything but the command.
     pub fn new(command: Command) -> Self {
-        Self {
-            command,
-            env: Vec::new(),
-            cwd: None,
-            user: None,
-            stdin: false,
-            timeout_ms: None,
-            output_limit: None,
-            pty: None,
-        }
+        Self { command, env: Vec::new(), cwd: None, user: None, stdin: false, timeout_ms: None, output_limit: None, pty: None }
     }
 }
 
@@ -182,12 +173,17 @@ pub enum OutputStream {
 /// Frames the guest sends.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum GuestFrame {
-    Started { pid: u32 },
+    Started {
+        pid: u32,
+    },
     Stdout(#[serde(with = "serde_bytes")] Vec<u8>),
     Stderr(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The explicit marker that a stream reached its output limit: later bytes
     /// of that stream are dropped (the command keeps running).
-    OutputTruncated { stream: OutputStream, limit: u64 },
+    OutputTruncated {
+        stream: OutputStream,
+        limit: u64,
+    },
     Exited(ExitStatus),
     FileInfo(FileStat),
     Chunk(#[serde(with = "serde_bytes")] Vec<u8>),
@@ -222,10 +218,15 @@ impl ExitStatus {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Pong { agent_version: String, uptime_ms: u64 },
+    Pong {
+        agent_version: String,
+        uptime_ms: u64,
+    },
     Stat(FileStat),
     Entries(Vec<DirEntry>),
-    Written { bytes: u64 },
+    Written {
+        bytes: u64,
+    },
     Done,
     Info(GuestInfo),
     ListeningPorts(Vec<ListeningPort>),

@@ -6,8 +6,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use axum::extract::FromRequestParts;
-use axum::http::request::Parts;
 use axum::http::header;
+use axum::http::request::Parts;
 use clade_store::{ApiKey, Store, StoreError, Workspace};
 
 use crate::error::ApiError;
@@ -29,9 +29,7 @@ fn presented_key(parts: &Parts) -> Option<String> {
         scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_string())
     });
     let api_key = || parts.headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(|v| v.trim().to_string());
-    let query = || {
-        parts.uri.query()?.split('&').find_map(|pair| pair.strip_prefix("access_token=").map(str::to_string))
-    };
+    let query = || parts.uri.query()?.split('&').find_map(|pair| pair.strip_prefix("access_token=").map(str::to_string));
     bearer.or_else(api_key).or_else(query).filter(|k| !k.is_empty())
 }
 
@@ -40,11 +38,7 @@ impl FromRequestParts<AppState> for Caller {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
         let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
-        let key = state
-            .store
-            .authenticate(&presented)
-            .await?
-            .ok_or_else(|| ApiError::Unauthorized("invalid api token".into()))?;
+        let key = state.store.authenticate(&presented).await?.ok_or_else(|| ApiError::Unauthorized("invalid api token".into()))?;
         let workspace = state
             .store
             .workspace(&key.workspace_id)

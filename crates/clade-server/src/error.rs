@@ -118,11 +118,7 @@ impl ApiError {
     /// rejection of the framework, a bare 405), rebuilt as an `ApiError`.
     pub fn from_status(status: StatusCode, text: &str) -> Self {
         let text = text.trim();
-        let message = if text.is_empty() {
-            status.canonical_reason().unwrap_or("error").to_lowercase()
-        } else {
-            text.to_string()
-        };
+        let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_lowercase() } else { text.to_string() };
         match status {
             StatusCode::UNAUTHORIZED => Self::Unauthorized(message),
             StatusCode::FORBIDDEN => Self::Forbidden(message),

@@ -23,9 +23,9 @@ pub const JSON_BODY_LIMIT: usize = 1 << 20;
 /// request id, error envelope, panic catcher).
 pub fn with_middleware<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
     router
-        .fallback(|request: Request| async move {
-            ApiError::not_found(format!("no route for {} {}", request.method(), request.uri().path()))
-        })
+        .fallback(
+            |request: Request| async move { ApiError::not_found(format!("no route for {} {}", request.method(), request.uri().path())) },
+        )
         .layer(CatchPanicLayer::custom(|panic: Box<dyn std::any::Any + Send>| {
             let message = panic
                 .downcast_ref::<String>()
@@ -63,11 +63,8 @@ pub struct Proxied;
 async fn envelope_other_errors(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
     let status = response.status();
-    let is_json = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
+    let is_json =
+        response.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/json"));
     if status.as_u16() < 400 || is_json || response.extensions().get::<Proxied>().is_some() {
         return response;
     }
@@ -218,10 +215,8 @@ mod tests {
         struct Policy {
             internet: Option<bool>,
         }
-        let app = Router::new().route(
-            "/policy",
-            axum::routing::put(|JsonBody(p): JsonBody<Policy>| async move { format!("{:?}", p.internet) }),
-        );
+        let app =
+            Router::new().route("/policy", axum::routing::put(|JsonBody(p): JsonBody<Policy>| async move { format!("{:?}", p.internet) }));
         for body in ["[false]", "[]", "[null]"] {
             let request = Request::builder().method("PUT").uri("/policy").body(Body::from(body)).unwrap();
             let response = with_middleware(app.clone()).oneshot(request).await.unwrap();

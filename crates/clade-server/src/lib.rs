@@ -185,9 +185,8 @@ impl Server {
             stopping: CancellationToken::new(),
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
         };
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let listener =
+            tokio::net::TcpListener::bind(config.listen).await.map_err(|source| ServerError::Listen { addr: config.listen, source })?;
         let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
         let app = routes::router(state.clone());
         let (stop, stopped) = oneshot::channel::<()>();

@@ -11,8 +11,8 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use crate::routes::{
-    exec, exec_stream, files, fork, lifecycle, limits, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots,
-    terminal, tokens,
+    exec, exec_stream, files, fork, lifecycle, limits, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots, terminal,
+    tokens,
 };
 
 /// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).

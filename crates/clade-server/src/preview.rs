@@ -42,10 +42,7 @@ impl Previews {
     /// empty means derived per request.
     pub fn new(suffix: &str) -> Self {
         let suffix = suffix.trim().trim_matches('.').to_ascii_lowercase();
-        Self {
-            suffix: (!suffix.is_empty()).then_some(suffix),
-            key: OnceCell::new(),
-        }
+        Self { suffix: (!suffix.is_empty()).then_some(suffix), key: OnceCell::new() }
     }
 
     /// The suffix of the preview hosts in answers to a request that came
@@ -68,10 +65,7 @@ impl Previews {
             .key
             .get_or_try_init(|| async {
                 let secret = store.server_secret(SECRET_NAME).await?;
-                hex::decode(&secret).map_err(|e| StoreError::Corrupt {
-                    what: "preview secret",
-                    detail: e.to_string(),
-                })
+                hex::decode(&secret).map_err(|e| StoreError::Corrupt { what: "preview secret", detail: e.to_string() })
             })
             .await?;
         Ok(key)
@@ -136,23 +130,14 @@ pub fn parse_host(host: &str, suffix: Option<&str>) -> Option<Result<PreviewHost
         return None;
     }
     Some(match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(PreviewHost {
-            port: p,
-            sandbox_id: id.to_string(),
-        }),
+        Ok(p) if p > 0 => Ok(PreviewHost { port: p, sandbox_id: id.to_string() }),
         _ => Err(format!("port {port} is not between 1 and 65535")),
     })
 }
 
 /// `{scheme}://{port}-{id}.{suffix}[:listen_port]`: what the SDKs'
 /// `preview_url(port)` formats (with no path).
-pub fn url(
-    scheme: &str,
-    suffix: &str,
-    listen_port: Option<u16>,
-    port: u16,
-    sandbox_id: &str,
-) -> String {
+pub fn url(scheme: &str, suffix: &str, listen_port: Option<u16>, port: u16, sandbox_id: &str) -> String {
     let listen = match (scheme, listen_port) {
         (_, None) | ("http", Some(80)) | ("https", Some(443)) => String::new(),
         (_, Some(p)) => format!(":{p}"),
@@ -186,30 +171,18 @@ pub enum TokenError {
 }
 
 /// Checks a token for `sandbox_id`'s `port` at `now` (Unix seconds); returns its expiry.
-pub fn verify(
-    key: &[u8],
-    token: &str,
-    sandbox_id: &str,
-    port: u16,
-    now: u64,
-) -> Result<u64, TokenError> {
+pub fn verify(key: &[u8], token: &str, sandbox_id: &str, port: u16, now: u64) -> Result<u64, TokenError> {
     let mut parts = token.trim().split('.');
-    let (Some("v1"), Some(token_port), Some(expires), Some(tag), None) = (
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-    ) else {
+    let (Some("v1"), Some(token_port), Some(expires), Some(tag), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
         return Err(TokenError::Invalid);
     };
     let token_port: u16 = token_port.parse().map_err(|_| TokenError::Invalid)?;
     let expires: u64 = expires.parse().map_err(|_| TokenError::Invalid)?;
     let tag = hex::decode(tag).map_err(|_| TokenError::Invalid)?;
     // The signature first: nothing about an unsigned token is worth reporting.
-    mac(key, sandbox_id, token_port, expires)
-        .verify_slice(&tag)
-        .map_err(|_| TokenError::Invalid)?;
+    mac(key, sandbox_id, token_port, expires).verify_slice(&tag).map_err(|_| TokenError::Invalid)?;
     if expires <= now {
         return Err(TokenError::Expired);
     }
@@ -239,10 +212,8 @@ pub fn without_cookie(header: &str, name: &str) -> Option<String> {
 
 /// A query string without parameter `name` (`None` when nothing is left).
 pub fn without_query_param(query: &str, name: &str) -> Option<String> {
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| !pair.is_empty() && pair.split_once('=').map_or(*pair, |(k, _)| k) != name)
-        .collect();
+    let kept: Vec<&str> =
+        query.split('&').filter(|pair| !pair.is_empty() && pair.split_once('=').map_or(*pair, |(k, _)| k) != name).collect();
     (!kept.is_empty()).then(|| kept.join("&"))
 }
 
@@ -260,12 +231,7 @@ mod tests {
 
     #[test]
     fn preview_hosts() {
-        let ok = |port, id: &str| {
-            Some(Ok(PreviewHost {
-                port,
-                sandbox_id: id.into(),
-            }))
-        };
+        let ok = |port, id: &str| Some(Ok(PreviewHost { port, sandbox_id: id.into() }));
         let local = Some("localhost");
         assert_eq!(parse_host("8000-abc123.localhost:8080", local), ok(8000, "abc123"));
         assert_eq!(parse_host("8000-ABC123.Localhost", local), ok(8000, "abc123"));
@@ -322,67 +288,29 @@ mod tests {
         let key = b"k".repeat(32);
         let token = sign(&key, "sb1", Some(8000), 1000);
         assert_eq!(verify(&key, &token, "sb1", 8000, 999), Ok(1000));
-        assert_eq!(
-            verify(&key, &token, "sb1", 8000, 1000),
-            Err(TokenError::Expired)
-        );
-        assert_eq!(
-            verify(&key, &token, "sb1", 9000, 999),
-            Err(TokenError::OtherPort(8000))
-        );
-        assert_eq!(
-            verify(&key, &token, "sb2", 8000, 999),
-            Err(TokenError::Invalid)
-        );
-        assert_eq!(
-            verify(b"other", &token, "sb1", 8000, 999),
-            Err(TokenError::Invalid)
-        );
+        assert_eq!(verify(&key, &token, "sb1", 8000, 1000), Err(TokenError::Expired));
+        assert_eq!(verify(&key, &token, "sb1", 9000, 999), Err(TokenError::OtherPort(8000)));
+        assert_eq!(verify(&key, &token, "sb2", 8000, 999), Err(TokenError::Invalid));
+        assert_eq!(verify(b"other", &token, "sb1", 8000, 999), Err(TokenError::Invalid));
         let any_port = sign(&key, "sb1", None, 1000);
         assert_eq!(verify(&key, &any_port, "sb1", 1234, 999), Ok(1000));
         // A changed expiry or port breaks the signature.
         let forged = token.replace(".1000.", ".9999.");
-        assert_eq!(
-            verify(&key, &forged, "sb1", 8000, 999),
-            Err(TokenError::Invalid)
-        );
+        assert_eq!(verify(&key, &forged, "sb1", 8000, 999), Err(TokenError::Invalid));
         let forged = token.replace("v1.8000.", "v1.0.");
-        assert_eq!(
-            verify(&key, &forged, "sb1", 9000, 999),
-            Err(TokenError::Invalid)
-        );
-        for garbage in [
-            "",
-            "v1",
-            "v1.8000.1000",
-            "v2.8000.1000.00",
-            "v1.x.1000.00",
-            "v1.8000.1000.zz",
-        ] {
-            assert_eq!(
-                verify(&key, garbage, "sb1", 8000, 999),
-                Err(TokenError::Invalid),
-                "{garbage}"
-            );
+        assert_eq!(verify(&key, &forged, "sb1", 9000, 999), Err(TokenError::Invalid));
+        for garbage in ["", "v1", "v1.8000.1000", "v2.8000.1000.00", "v1.x.1000.00", "v1.8000.1000.zz"] {
+            assert_eq!(verify(&key, garbage, "sb1", 8000, 999), Err(TokenError::Invalid), "{garbage}");
         }
     }
 
     #[test]
     fn cookies_and_queries() {
-        assert_eq!(
-            cookie("a=1; clade_token=t.o.k; b=2", "clade_token"),
-            Some("t.o.k")
-        );
+        assert_eq!(cookie("a=1; clade_token=t.o.k; b=2", "clade_token"), Some("t.o.k"));
         assert_eq!(cookie("a=1", "clade_token"), None);
-        assert_eq!(
-            without_cookie("a=1; clade_token=x; b=2", "clade_token").as_deref(),
-            Some("a=1; b=2")
-        );
+        assert_eq!(without_cookie("a=1; clade_token=x; b=2", "clade_token").as_deref(), Some("a=1; b=2"));
         assert_eq!(without_cookie("clade_token=x", "clade_token"), None);
-        assert_eq!(
-            without_query_param("a=1&clade_token=x&b", "clade_token").as_deref(),
-            Some("a=1&b")
-        );
+        assert_eq!(without_query_param("a=1&clade_token=x&b", "clade_token").as_deref(), Some("a=1&b"));
         assert_eq!(without_query_param("clade_token=x", "clade_token"), None);
         assert_eq!(query_param("a=1&clade_token=x", "clade_token"), Some("x"));
     }

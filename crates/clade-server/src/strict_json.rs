@@ -28,8 +28,7 @@
 //! enums take only maps in serde itself. The `limitation_*` tests pin down exactly what slips through.
 
 use serde::de::{
-    self, DeserializeOwned, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, Unexpected, VariantAccess,
-    Visitor,
+    self, DeserializeOwned, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, Unexpected, VariantAccess, Visitor,
 };
 use std::fmt;
 
@@ -54,17 +53,11 @@ struct StrictVisitor<V> {
 
 impl<V> StrictVisitor<V> {
     fn new(inner: V) -> Self {
-        StrictVisitor {
-            inner,
-            refuse_seq: false,
-        }
+        StrictVisitor { inner, refuse_seq: false }
     }
 
     fn for_struct(inner: V) -> Self {
-        StrictVisitor {
-            inner,
-            refuse_seq: true,
-        }
+        StrictVisitor { inner, refuse_seq: true }
     }
 }
 
@@ -114,12 +107,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Strict<D> {
         self.0.deserialize_tuple(len, StrictVisitor::new(visitor))
     }
 
-    fn deserialize_tuple_struct<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        len: usize,
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
+    fn deserialize_tuple_struct<V: Visitor<'de>>(self, name: &'static str, len: usize, visitor: V) -> Result<V::Value, D::Error> {
         self.0.deserialize_tuple_struct(name, len, StrictVisitor::new(visitor))
     }
 
@@ -289,11 +277,7 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for StrictVariantAccess<A> {
     /// serde_json reads the variant's body with its own `deserialize_struct`, which we cannot reroute to
     /// `deserialize_map` from here; the struct visitor refuses a sequence itself instead. serde_json has consumed
     /// the `[` by then, so the error's column is that of the `[`, one more than in the `deserialize_struct` case.
-    fn struct_variant<V: Visitor<'de>>(
-        self,
-        fields: &'static [&'static str],
-        visitor: V,
-    ) -> Result<V::Value, A::Error> {
+    fn struct_variant<V: Visitor<'de>>(self, fields: &'static [&'static str], visitor: V) -> Result<V::Value, A::Error> {
         self.0.struct_variant(fields, StrictVisitor::for_struct(visitor))
     }
 }
@@ -349,61 +333,34 @@ mod tests {
     #[test]
     fn top_level_struct_as_array_is_refused() {
         // The loophole being closed: plain serde_json takes the array.
-        assert_eq!(
-            serde_json::from_slice::<ExecBody>(b"[false]").ok(),
-            Some(ExecBody { internet: false })
-        );
-        assert_eq!(
-            err::<ExecBody>("[false]"),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 0"
-        );
+        assert_eq!(serde_json::from_slice::<ExecBody>(b"[false]").ok(), Some(ExecBody { internet: false }));
+        assert_eq!(err::<ExecBody>("[false]"), "invalid type: sequence, expected struct ExecBody at line 1 column 0");
         // Same position convention as serde_json's own invalid-type errors on an array.
         assert_eq!(
             serde_json::from_slice::<bool>(b"[false]").map_err(|e| e.to_string()),
             Err("invalid type: sequence, expected a boolean at line 1 column 0".to_owned())
         );
-        assert_eq!(
-            err::<ExecBody>("  [true]"),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 2"
-        );
+        assert_eq!(err::<ExecBody>("  [true]"), "invalid type: sequence, expected struct ExecBody at line 1 column 2");
     }
 
     #[test]
     fn empty_array_for_all_default_struct_is_refused() {
         assert_eq!(serde_json::from_slice::<Options>(b"[]").ok(), Some(Options::default()));
-        assert_eq!(
-            err::<Options>("[]"),
-            "invalid type: sequence, expected struct Options at line 1 column 0"
-        );
+        assert_eq!(err::<Options>("[]"), "invalid type: sequence, expected struct Options at line 1 column 0");
         assert_eq!(ok::<Options>("{}"), Options::default());
     }
 
     #[test]
     fn object_is_accepted() {
         assert_eq!(ok::<ExecBody>(r#"{"internet": true}"#), ExecBody { internet: true });
-        assert_eq!(
-            ok::<Options>(r#"{"timeout": 5}"#),
-            Options {
-                timeout: Some(5),
-                name: None
-            }
-        );
+        assert_eq!(ok::<Options>(r#"{"timeout": 5}"#), Options { timeout: Some(5), name: None });
         assert_same::<ExecBody>(r#"{"internet": true, "extra": [1, {"a": []}]}"#);
     }
 
     #[test]
     fn nested_struct_field_as_array_is_refused() {
-        assert_eq!(
-            err::<Outer>(r#"{"id": 1, "body": [true]}"#),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 18"
-        );
-        assert_eq!(
-            ok::<Outer>(r#"{"id": 1, "body": {"internet": true}}"#),
-            Outer {
-                id: 1,
-                body: ExecBody { internet: true }
-            }
-        );
+        assert_eq!(err::<Outer>(r#"{"id": 1, "body": [true]}"#), "invalid type: sequence, expected struct ExecBody at line 1 column 18");
+        assert_eq!(ok::<Outer>(r#"{"id": 1, "body": {"internet": true}}"#), Outer { id: 1, body: ExecBody { internet: true } });
     }
 
     #[test]
@@ -412,10 +369,7 @@ mod tests {
             err::<Vec<ExecBody>>(r#"[{"internet": true}, [false]]"#),
             "invalid type: sequence, expected struct ExecBody at line 1 column 21"
         );
-        assert_eq!(
-            ok::<Vec<ExecBody>>(r#"[{"internet": false}]"#),
-            vec![ExecBody { internet: false }]
-        );
+        assert_eq!(ok::<Vec<ExecBody>>(r#"[{"internet": false}]"#), vec![ExecBody { internet: false }]);
         assert_eq!(ok::<Vec<u32>>("[1, 2, 3]"), vec![1, 2, 3]);
         assert_eq!(ok::<Vec<Vec<u32>>>("[[1], []]"), vec![vec![1], vec![]]);
         assert!(err::<Vec<Box<ExecBody>>>("[[true]]").starts_with("invalid type: sequence, expected struct ExecBody"));
@@ -424,14 +378,8 @@ mod tests {
     #[test]
     fn option_of_struct_refuses_array_and_takes_null() {
         assert_eq!(ok::<Option<ExecBody>>("null"), None);
-        assert_eq!(
-            ok::<Option<ExecBody>>(r#"{"internet": true}"#),
-            Some(ExecBody { internet: true })
-        );
-        assert_eq!(
-            err::<Option<ExecBody>>("[true]"),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 0"
-        );
+        assert_eq!(ok::<Option<ExecBody>>(r#"{"internet": true}"#), Some(ExecBody { internet: true }));
+        assert_eq!(err::<Option<ExecBody>>("[true]"), "invalid type: sequence, expected struct ExecBody at line 1 column 0");
 
         #[derive(Debug, Deserialize)]
         struct Holder {
@@ -448,8 +396,7 @@ mod tests {
             err::<BTreeMap<String, ExecBody>>(r#"{"a": {"internet": true}, "b": [false]}"#),
             "invalid type: sequence, expected struct ExecBody at line 1 column 31"
         );
-        assert!(err::<HashMap<String, ExecBody>>(r#"{"b": [false]}"#)
-            .starts_with("invalid type: sequence, expected struct ExecBody"));
+        assert!(err::<HashMap<String, ExecBody>>(r#"{"b": [false]}"#).starts_with("invalid type: sequence, expected struct ExecBody"));
         let map = ok::<BTreeMap<String, ExecBody>>(r#"{"a": {"internet": true}}"#);
         assert_eq!(map.get("a"), Some(&ExecBody { internet: true }));
         // Keys are still read as serde_json reads them, numeric keys included.
@@ -469,14 +416,8 @@ mod tests {
         #[derive(Debug, PartialEq, Deserialize)]
         struct Pair(u32, String);
 
-        assert_eq!(
-            err::<Wrapper>("[true]"),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 0"
-        );
-        assert_eq!(
-            ok::<Wrapper>(r#"{"internet": true}"#),
-            Wrapper(ExecBody { internet: true })
-        );
+        assert_eq!(err::<Wrapper>("[true]"), "invalid type: sequence, expected struct ExecBody at line 1 column 0");
+        assert_eq!(ok::<Wrapper>(r#"{"internet": true}"#), Wrapper(ExecBody { internet: true }));
         assert!(err::<Transparent>("[true]").starts_with("invalid type: sequence, expected struct ExecBody"));
         assert!(err::<(u32, ExecBody)>("[1, [true]]").starts_with("invalid type: sequence, expected struct ExecBody"));
         // Tuple structs and tuples are sequences by nature and stay so.
@@ -507,15 +448,9 @@ mod tests {
             a: u8,
         }
         assert_eq!(ok::<Closed>(r#"{"a": 1}"#), Closed { a: 1 });
-        assert_eq!(
-            err::<Closed>(r#"{"a": 1, "b": 2}"#),
-            "unknown field `b`, expected `a` at line 1 column 12"
-        );
+        assert_eq!(err::<Closed>(r#"{"a": 1, "b": 2}"#), "unknown field `b`, expected `a` at line 1 column 12");
         assert_same::<Closed>(r#"{"a": 1, "b": 2}"#);
-        assert_eq!(
-            err::<Closed>("[1]"),
-            "invalid type: sequence, expected struct Closed at line 1 column 0"
-        );
+        assert_eq!(err::<Closed>("[1]"), "invalid type: sequence, expected struct Closed at line 1 column 0");
     }
 
     #[test]
@@ -535,23 +470,14 @@ mod tests {
             #[serde(flatten)]
             extra: BTreeMap<String, Value>,
         }
-        assert_eq!(
-            ok::<Renamed>(r#"{"maxCount": 3, "old_name": "x"}"#),
-            Renamed {
-                max_count: 3,
-                new_name: "x".to_owned()
-            }
-        );
+        assert_eq!(ok::<Renamed>(r#"{"maxCount": 3, "old_name": "x"}"#), Renamed { max_count: 3, new_name: "x".to_owned() });
         assert_same::<Renamed>(r#"{"max_count": 3, "newName": "x"}"#);
         let flat = ok::<Flat>(r#"{"id": 1, "maxCount": 2, "newName": "n", "other": [1]}"#);
         assert_eq!(flat.rest.max_count, 2);
         assert_eq!(flat.extra.get("other"), Some(&json!([1])));
         // A struct with flattened fields is read as a map by the derive itself; arrays were never taken there.
         assert_same::<Flat>(r#"[1, 2, "n"]"#);
-        assert_eq!(
-            err::<Flat>("[1]"),
-            "invalid type: sequence, expected struct Flat at line 1 column 0"
-        );
+        assert_eq!(err::<Flat>("[1]"), "invalid type: sequence, expected struct Flat at line 1 column 0");
     }
 
     #[derive(Debug, PartialEq, Deserialize)]
@@ -565,23 +491,14 @@ mod tests {
 
     #[test]
     fn externally_tagged_enum_refuses_struct_variant_as_array() {
-        assert_eq!(
-            serde_json::from_slice::<Command>(br#"{"Exec": [true]}"#).ok(),
-            Some(Command::Exec { internet: true })
-        );
+        assert_eq!(serde_json::from_slice::<Command>(br#"{"Exec": [true]}"#).ok(), Some(Command::Exec { internet: true }));
         assert_eq!(
             err::<Command>(r#"{"Exec": [true]}"#),
             "invalid type: sequence, expected struct variant Command::Exec at line 1 column 10"
         );
-        assert_eq!(
-            ok::<Command>(r#"{"Exec": {"internet": true}}"#),
-            Command::Exec { internet: true }
-        );
+        assert_eq!(ok::<Command>(r#"{"Exec": {"internet": true}}"#), Command::Exec { internet: true });
         assert!(err::<Command>(r#"{"Run": [true]}"#).starts_with("invalid type: sequence, expected struct ExecBody"));
-        assert_eq!(
-            ok::<Command>(r#"{"Run": {"internet": false}}"#),
-            Command::Run(ExecBody { internet: false })
-        );
+        assert_eq!(ok::<Command>(r#"{"Run": {"internet": false}}"#), Command::Run(ExecBody { internet: false }));
         for input in [
             r#""Stop""#,
             r#"{"Wait": 5}"#,
@@ -602,12 +519,7 @@ mod tests {
         for input in ["true", "false", "0", "1", "\"true\"", "null", "[]", "{}"] {
             assert_same::<bool>(input);
         }
-        for input in [
-            "9223372036854775807",
-            "-9223372036854775808",
-            "9223372036854775808",
-            "-9223372036854775809",
-        ] {
+        for input in ["9223372036854775807", "-9223372036854775808", "9223372036854775808", "-9223372036854775809"] {
             assert_same::<i64>(input);
         }
         for input in ["18446744073709551615", "18446744073709551616", "-1", "1.5", "1e3"] {
@@ -617,10 +529,7 @@ mod tests {
             assert_same::<u8>(input);
             assert_same::<i8>(input);
         }
-        for input in [
-            "170141183460469231731687303715884105727",
-            "-170141183460469231731687303715884105728",
-        ] {
+        for input in ["170141183460469231731687303715884105727", "-170141183460469231731687303715884105728"] {
             assert_same::<i128>(input);
             assert_same::<u128>(input);
         }
@@ -628,13 +537,7 @@ mod tests {
             assert_same::<f64>(input);
             assert_same::<f32>(input);
         }
-        for input in [
-            r#""plain""#,
-            r#""esc\n\u00e9\ud83d\ude00""#,
-            r#""\ud800""#,
-            "5",
-            r#""ab""#,
-        ] {
+        for input in [r#""plain""#, r#""esc\n\u00e9\ud83d\ude00""#, r#""\ud800""#, "5", r#""ab""#] {
             assert_same::<String>(input);
             assert_same::<char>(input);
         }
@@ -648,15 +551,9 @@ mod tests {
 
     #[test]
     fn ordinary_error_messages_are_serde_jsons() {
-        assert_eq!(
-            err::<ExecBody>(r#"{"internet": "yes"}"#),
-            r#"invalid type: string "yes", expected a boolean at line 1 column 18"#
-        );
+        assert_eq!(err::<ExecBody>(r#"{"internet": "yes"}"#), r#"invalid type: string "yes", expected a boolean at line 1 column 18"#);
         assert_same::<ExecBody>(r#"{"internet": "yes"}"#);
-        assert_eq!(
-            err::<ExecBody>(r#"{"internet": true} x"#),
-            "trailing characters at line 1 column 20"
-        );
+        assert_eq!(err::<ExecBody>(r#"{"internet": true} x"#), "trailing characters at line 1 column 20");
         assert_same::<ExecBody>(r#"{"internet": true} x"#);
         assert_eq!(err::<ExecBody>("{}"), "missing field `internet` at line 1 column 2");
         assert_same::<ExecBody>("{}");
@@ -768,26 +665,17 @@ mod tests {
             Inline { internet: bool, name: String },
         }
         assert_eq!(ok::<Either>("[true]"), Either::Body(ExecBody { internet: true }));
-        assert_eq!(
-            ok::<Either>(r#"{"internet": true}"#),
-            Either::Body(ExecBody { internet: true })
-        );
+        assert_eq!(ok::<Either>(r#"{"internet": true}"#), Either::Body(ExecBody { internet: true }));
         assert_eq!(ok::<Either>("4"), Either::Number(4));
         // Untagged *struct* variants take only maps; serde itself refuses `[true, "n"]` for `Inline`.
         assert_same::<Either>(r#"[true, "n"]"#);
-        assert_eq!(
-            err::<Either>(r#"[true, "n"]"#),
-            "data did not match any variant of untagged enum Either"
-        );
+        assert_eq!(err::<Either>(r#"[true, "n"]"#), "data did not match any variant of untagged enum Either");
         // An untagged enum nested *inside* a guarded struct still reads its own variants from the buffer...
         #[derive(Debug, PartialEq, Deserialize)]
         struct Holder {
             either: Either,
         }
-        assert_eq!(
-            ok::<Holder>(r#"{"either": [false]}"#).either,
-            Either::Body(ExecBody { internet: false })
-        );
+        assert_eq!(ok::<Holder>(r#"{"either": [false]}"#).either, Either::Body(ExecBody { internet: false }));
         // ...but the guarded struct around it is still refused as an array.
         assert!(err::<Holder>("[4]").starts_with("invalid type: sequence, expected struct Holder"));
     }
@@ -804,16 +692,8 @@ mod tests {
         // The enum's own sequence form (tag first) and structs inside the buffered variant both slip through.
         assert_eq!(ok::<Tagged>(r#"["Exec", true]"#), Tagged::Exec { internet: true });
         assert_eq!(ok::<Tagged>(r#"["Pair", 1, 2]"#), Tagged::Pair { x: 1, y: 2 });
-        assert_eq!(
-            ok::<Tagged>(r#"{"type": "Nested", "body": [true]}"#),
-            Tagged::Nested {
-                body: ExecBody { internet: true }
-            }
-        );
-        assert_eq!(
-            ok::<Tagged>(r#"{"type": "Exec", "internet": false}"#),
-            Tagged::Exec { internet: false }
-        );
+        assert_eq!(ok::<Tagged>(r#"{"type": "Nested", "body": [true]}"#), Tagged::Nested { body: ExecBody { internet: true } });
+        assert_eq!(ok::<Tagged>(r#"{"type": "Exec", "internet": false}"#), Tagged::Exec { internet: false });
     }
 
     #[test]
@@ -825,15 +705,9 @@ mod tests {
             Run(ExecBody),
         }
         // Tag first: the content is read straight from the JSON text and the array is refused.
-        assert_eq!(
-            err::<Adjacent>(r#"{"t": "Run", "c": [true]}"#),
-            "invalid type: sequence, expected struct ExecBody at line 1 column 18"
-        );
+        assert_eq!(err::<Adjacent>(r#"{"t": "Run", "c": [true]}"#), "invalid type: sequence, expected struct ExecBody at line 1 column 18");
         // Content first: it is buffered before the tag is known, and the array slips through.
-        assert_eq!(
-            ok::<Adjacent>(r#"{"c": [true], "t": "Run"}"#),
-            Adjacent::Run(ExecBody { internet: true })
-        );
+        assert_eq!(ok::<Adjacent>(r#"{"c": [true], "t": "Run"}"#), Adjacent::Run(ExecBody { internet: true }));
         // Adjacently tagged *struct* variants take only maps in either order; serde itself refuses arrays there.
         assert_same::<Adjacent>(r#"{"t": "Exec", "c": [true]}"#);
         assert_same::<Adjacent>(r#"{"c": [true], "t": "Exec"}"#);
@@ -854,14 +728,9 @@ mod tests {
             inner: Inner,
         }
         // A field of the flattened struct is buffered, so its array form slips through...
-        assert_eq!(
-            ok::<Outer2>(r#"{"id": 1, "body": [true]}"#).inner.body,
-            ExecBody { internet: true }
-        );
+        assert_eq!(ok::<Outer2>(r#"{"id": 1, "body": [true]}"#).inner.body, ExecBody { internet: true });
         // ...while the outer struct's own fields are read directly and stay guarded.
-        assert!(
-            err::<Outer2>(r#"{"id": 1, "direct": [true], "body": {"internet": true}}"#)
-                .starts_with("invalid type: sequence, expected struct ExecBody")
-        );
+        assert!(err::<Outer2>(r#"{"id": 1, "direct": [true], "body": {"internet": true}}"#)
+            .starts_with("invalid type: sequence, expected struct ExecBody"));
     }
 }

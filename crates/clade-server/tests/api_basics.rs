@@ -121,8 +121,7 @@ async fn every_error_is_a_flat_envelope_with_a_request_id() {
 
     // A client's request id is echoed in the header and the envelope.
     let http = reqwest::Client::new();
-    let response =
-        http.get(format!("{}/v1/nope", api.base)).header("x-request-id", "trace-42").send().await.unwrap();
+    let response = http.get(format!("{}/v1/nope", api.base)).header("x-request-id", "trace-42").send().await.unwrap();
     assert_eq!(response.headers()["x-request-id"], "trace-42");
     assert_eq!(response.json::<serde_json::Value>().await.unwrap()["request_id"], "trace-42");
 

@@ -65,10 +65,8 @@ fn sandbox_vm_dirs(data_dir: &Path) -> BTreeSet<String> {
         .flatten()
         .flatten()
         .filter(|e| {
-            let record: Value = std::fs::read(e.path().join("vm.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or(Value::Null);
+            let record: Value =
+                std::fs::read(e.path().join("vm.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(Value::Null);
             !matches!(record["phase"].as_str(), Some("standby" | "holder"))
         })
         .map(|e| e.file_name().to_string_lossy().into_owned())

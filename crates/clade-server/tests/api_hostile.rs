@@ -97,14 +97,17 @@ async fn long_commands_run_and_a_fork_bomb_or_a_memory_hog_leaves_the_sandbox_us
     let reply = api.put(&format!("/v1/sandboxes/{id}/limits"), json!({ "memory_mb": most + 1 }).to_string().into_bytes()).await;
     reply.expect(400);
     assert!(reply.error().contains(&format!("memory_mb must be between 16 and {most}")), "{}", reply.error());
-    for refused in [r#"{"max_processes": 0}"#, r#"{"max_processes": 4194303}"#, r#"{"max_processes": 9223372036854775808}"#, r#"{"memory_mb": -1}"#] {
+    for refused in
+        [r#"{"max_processes": 0}"#, r#"{"max_processes": 4194303}"#, r#"{"max_processes": 9223372036854775808}"#, r#"{"memory_mb": -1}"#]
+    {
         let reply = api.put(&format!("/v1/sandboxes/{id}/limits"), refused.as_bytes().to_vec()).await;
         reply.expect(400);
     }
 
     // A fork bomb: contained, killed at its timeout, the sandbox answers after.
     let started = Instant::now();
-    let reply = api.post(&format!("/v1/sandboxes/{id}/exec"), json!({ "cmd": "bash -c ':(){ :|:& };:; sleep 100'", "timeout_seconds": 20 })).await;
+    let reply =
+        api.post(&format!("/v1/sandboxes/{id}/exec"), json!({ "cmd": "bash -c ':(){ :|:& };:; sleep 100'", "timeout_seconds": 20 })).await;
     reply.expect(504);
     assert!(reply.error().contains("timeout") && reply.error().contains("deadline exceeded"), "{}", reply.error());
     assert!(started.elapsed() < Duration::from_secs(20) + Duration::from_secs(15), "answered after {:?}", started.elapsed());

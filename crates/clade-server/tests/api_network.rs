@@ -58,7 +58,8 @@ async fn policies_are_set_at_create_and_live_and_forks_keep_them() {
     };
     put(json!({ "allow_domains": ["allowed.test"] })).await.expect(200);
     assert!(!reached(&connect(&api, &id, a).await), "no longer allowed");
-    let resolved = api.exec(&id, "getent hosts allowed.test || python3 -c \"import socket; print(socket.gethostbyname('allowed.test'))\"").await;
+    let resolved =
+        api.exec(&id, "getent hosts allowed.test || python3 -c \"import socket; print(socket.gethostbyname('allowed.test'))\"").await;
     assert!(resolved["stdout"].as_str().unwrap().contains(&c.to_string()), "{resolved}");
     assert!(reached(&connect(&api, &id, c).await), "pinned by the resolver");
 

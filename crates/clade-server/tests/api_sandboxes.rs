@@ -77,7 +77,9 @@ async fn a_sandbox_from_create_to_delete() {
     assert_eq!(dir["entries"][0]["name"], "sub");
     assert_eq!(dir["entries"][0]["is_dir"], true);
     assert_eq!(dir["entries"][0]["path"], "/root/d/sub");
-    for path in [fs("/root/missing"), format!("/v1/sandboxes/{id}/fs/stat?path=/root/missing"), format!("/v1/sandboxes/{id}/fs/dir?path=/nope")] {
+    for path in
+        [fs("/root/missing"), format!("/v1/sandboxes/{id}/fs/stat?path=/root/missing"), format!("/v1/sandboxes/{id}/fs/dir?path=/nope")]
+    {
         let reply = api.get(&path).await;
         reply.expect(404);
         assert!(reply.error().starts_with("no such file or directory"), "{}", reply.error());
@@ -203,8 +205,7 @@ async fn a_sandbox_from_create_to_delete() {
 }
 
 fn vmm_pid(data_dir: &std::path::Path, id: &str) -> u32 {
-    let record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(data_dir.join("vms").join(id).join("vm.json")).unwrap()).unwrap();
+    let record: serde_json::Value = serde_json::from_slice(&std::fs::read(data_dir.join("vms").join(id).join("vm.json")).unwrap()).unwrap();
     record["vmm"]["pid"].as_u64().expect("a running VM has a QEMU pid") as u32
 }
 
@@ -237,9 +238,7 @@ async fn a_restarted_server_adopts_its_sandboxes() {
     assert_eq!(server.admin_key(), None);
     let api = Api::new(server.addr(), Some(&key));
     let listed = api.get("/v1/sandboxes").await.expect(200).json();
-    let status = |id: &str| {
-        listed.as_array().unwrap().iter().find(|s| s["id"] == id).unwrap_or_else(|| panic!("{id} not listed")).clone()
-    };
+    let status = |id: &str| listed.as_array().unwrap().iter().find(|s| s["id"] == id).unwrap_or_else(|| panic!("{id} not listed")).clone();
     assert_eq!(status(&running)["status"], "running");
     assert_eq!(status(&hibernated)["status"], "hibernated");
     let failed = status(&dead);

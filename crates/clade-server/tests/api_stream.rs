@@ -119,9 +119,11 @@ async fn exec_stream_events_timeouts_and_cancellation_on_disconnect() {
     }
     eprintln!("cancelled {:?} after the client went away", dropped.elapsed());
     let events = api.get(&format!("/v1/sandboxes/{id}/events")).await.expect(200).json();
-    let cancelled = events["events"].as_array().unwrap().iter().any(|e| {
-        e["type"] == "exec" && e["payload"]["outcome"] == "cancelled: the client disconnected"
-    });
+    let cancelled = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["type"] == "exec" && e["payload"]["outcome"] == "cancelled: the client disconnected");
     assert!(cancelled, "the cancellation is recorded: {events}");
 
     // A quiet stream carries keep-alive comments, never data events.

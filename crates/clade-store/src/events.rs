@@ -24,8 +24,7 @@ impl Event {
             sandbox_id: col(row, "sandbox_id")?,
             workspace_id: col(row, "workspace_id")?,
             kind: col(row, "kind")?,
-            detail: serde_json::from_str(&detail)
-                .map_err(|e| StoreError::Corrupt { what: "event detail", detail: e.to_string() })?,
+            detail: serde_json::from_str(&detail).map_err(|e| StoreError::Corrupt { what: "event detail", detail: e.to_string() })?,
             at: col(row, "at")?,
         })
     }
@@ -68,13 +67,7 @@ impl Store {
 
     /// A sandbox's events after the one with id `after`, in order, at most
     /// `limit` of them: what a follower has not seen yet.
-    pub async fn events_after(
-        &self,
-        workspace_id: &str,
-        sandbox_id: &str,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<Event>, StoreError> {
+    pub async fn events_after(&self, workspace_id: &str, sandbox_id: &str, after: i64, limit: u32) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, sandbox_id, workspace_id, kind, detail, at FROM events \
              WHERE sandbox_id = $1 AND workspace_id = $2 AND id > $3 ORDER BY id LIMIT $4",

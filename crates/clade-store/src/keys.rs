@@ -70,17 +70,16 @@ impl Store {
                 last_used_at: None,
                 revoked_at: None,
             };
-            let inserted = sqlx::query(
-                "INSERT INTO api_keys (id, workspace_id, name, prefix, key_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&key.id)
-            .bind(&key.workspace_id)
-            .bind(&key.name)
-            .bind(&key.prefix)
-            .bind(hash(&secret))
-            .bind(key.created_at)
-            .execute(&self.pool)
-            .await;
+            let inserted =
+                sqlx::query("INSERT INTO api_keys (id, workspace_id, name, prefix, key_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
+                    .bind(&key.id)
+                    .bind(&key.workspace_id)
+                    .bind(&key.name)
+                    .bind(&key.prefix)
+                    .bind(hash(&secret))
+                    .bind(key.created_at)
+                    .execute(&self.pool)
+                    .await;
             match inserted {
                 Ok(_) => return Ok(NewKey { key, secret }),
                 Err(e) if is_unique_violation(&e) => continue,
@@ -128,12 +127,8 @@ impl Store {
     /// anywhere when `workspace_id` is `None`). Revoking twice is fine; a key
     /// that does not exist (there) is [`StoreError::NotFound`].
     pub async fn revoke_key(&self, workspace_id: Option<&str>, id_or_prefix: &str) -> Result<ApiKey, StoreError> {
-        let mut keys: Vec<ApiKey> = self
-            .list_keys(workspace_id)
-            .await?
-            .into_iter()
-            .filter(|k| k.id == id_or_prefix || k.prefix == id_or_prefix)
-            .collect();
+        let mut keys: Vec<ApiKey> =
+            self.list_keys(workspace_id).await?.into_iter().filter(|k| k.id == id_or_prefix || k.prefix == id_or_prefix).collect();
         let Some(mut key) = keys.pop().filter(|_| keys.is_empty()) else {
             return Err(StoreError::NotFound(format!("API key {id_or_prefix:?}")));
         };

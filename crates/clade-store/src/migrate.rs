@@ -33,8 +33,7 @@ pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {
         .execute(&store.pool)
         .await
         .map_err(fail(0))?;
-    let current: Option<i64> =
-        sqlx::query_scalar("SELECT MAX(version) FROM clade_schema").fetch_one(&store.pool).await.map_err(fail(0))?;
+    let current: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM clade_schema").fetch_one(&store.pool).await.map_err(fail(0))?;
     let current = current.unwrap_or(0);
     for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
         let sql = match store.backend {

@@ -14,12 +14,7 @@ pub struct PortLabel {
 
 impl Store {
     /// Adds a port to a sandbox's list, or changes its label.
-    pub async fn set_port_label(
-        &self,
-        sandbox_id: &str,
-        port: u16,
-        label: Option<&str>,
-    ) -> Result<PortLabel, StoreError> {
+    pub async fn set_port_label(&self, sandbox_id: &str, port: u16, label: Option<&str>) -> Result<PortLabel, StoreError> {
         let now = now_ms();
         sqlx::query(
             "INSERT INTO port_labels (sandbox_id, port, label, created_at) VALUES ($1, $2, $3, $4) \
@@ -31,18 +26,12 @@ impl Store {
         .bind(now)
         .execute(&self.pool)
         .await?;
-        let row =
-            sqlx::query("SELECT created_at FROM port_labels WHERE sandbox_id = $1 AND port = $2")
-                .bind(sandbox_id)
-                .bind(i64::from(port))
-                .fetch_one(&self.pool)
-                .await?;
-        Ok(PortLabel {
-            sandbox_id: sandbox_id.to_string(),
-            port,
-            label: label.map(str::to_string),
-            created_at: col(&row, "created_at")?,
-        })
+        let row = sqlx::query("SELECT created_at FROM port_labels WHERE sandbox_id = $1 AND port = $2")
+            .bind(sandbox_id)
+            .bind(i64::from(port))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(PortLabel { sandbox_id: sandbox_id.to_string(), port, label: label.map(str::to_string), created_at: col(&row, "created_at")? })
     }
 
     /// A sandbox's labelled ports, by port.
@@ -56,10 +45,7 @@ impl Store {
                 let port = col::<i64>(row, "port")?;
                 Ok(PortLabel {
                     sandbox_id: col(row, "sandbox_id")?,
-                    port: u16::try_from(port).map_err(|_| StoreError::Corrupt {
-                        what: "port label",
-                        detail: format!("port {port}"),
-                    })?,
+                    port: u16::try_from(port).map_err(|_| StoreError::Corrupt { what: "port label", detail: format!("port {port}") })?,
                     label: col(row, "label")?,
                     created_at: col(row, "created_at")?,
                 })
@@ -80,8 +66,7 @@ impl Store {
     /// Gives `to` the labels of `from` (a fork's child those of its parent).
     pub async fn copy_port_labels(&self, from: &str, to: &str) -> Result<(), StoreError> {
         for label in self.port_labels(from).await? {
-            self.set_port_label(to, label.port, label.label.as_deref())
-                .await?;
+            self.set_port_label(to, label.port, label.label.as_deref()).await?;
         }
         Ok(())
     }
@@ -95,10 +80,7 @@ impl Store {
             .bind(now_ms())
             .execute(&self.pool)
             .await?;
-        let row = sqlx::query("SELECT value FROM server_secrets WHERE name = $1")
-            .bind(name)
-            .fetch_one(&self.pool)
-            .await?;
+        let row = sqlx::query("SELECT value FROM server_secrets WHERE name = $1").bind(name).fetch_one(&self.pool).await?;
         col(&row, "value")
     }
 }

@@ -158,24 +158,21 @@ impl Store {
 
     /// A sandbox of this workspace that is not deleted.
     pub async fn sandbox(&self, workspace_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError> {
-        let row = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND workspace_id = $2 AND state <> 'deleted'"
-        ))
-        .bind(id)
-        .bind(workspace_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND workspace_id = $2 AND state <> 'deleted'"))
+            .bind(id)
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(SandboxRow::from_row).transpose()
     }
 
     /// The sandboxes of a workspace that are not deleted, oldest first.
     pub async fn list_sandboxes(&self, workspace_id: &str) -> Result<Vec<SandboxRow>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM sandboxes WHERE workspace_id = $1 AND state <> 'deleted' ORDER BY created_at, id"
-        ))
-        .bind(workspace_id)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows =
+            sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE workspace_id = $1 AND state <> 'deleted' ORDER BY created_at, id"))
+                .bind(workspace_id)
+                .fetch_all(&self.pool)
+                .await?;
         rows.iter().map(SandboxRow::from_row).collect()
     }
 
@@ -201,12 +198,7 @@ impl Store {
     }
 
     /// Changes the idle TTL and/or the persistent flag.
-    pub async fn set_sandbox_lifecycle(
-        &self,
-        id: &str,
-        ttl_seconds: Option<u64>,
-        persistent: Option<bool>,
-    ) -> Result<(), StoreError> {
+    pub async fn set_sandbox_lifecycle(&self, id: &str, ttl_seconds: Option<u64>, persistent: Option<bool>) -> Result<(), StoreError> {
         let updated = sqlx::query(
             "UPDATE sandboxes SET ttl_seconds = COALESCE($1, ttl_seconds), persistent = COALESCE($2, persistent) WHERE id = $3",
         )

@@ -48,23 +48,17 @@ impl Store {
     }
 
     pub async fn workspace_by_name(&self, name: &str) -> Result<Option<Workspace>, StoreError> {
-        let row = sqlx::query("SELECT id, name, created_at FROM workspaces WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query("SELECT id, name, created_at FROM workspaces WHERE name = $1").bind(name).fetch_optional(&self.pool).await?;
         row.as_ref().map(Workspace::from_row).transpose()
     }
 
     pub async fn workspace(&self, id: &str) -> Result<Option<Workspace>, StoreError> {
-        let row =
-            sqlx::query("SELECT id, name, created_at FROM workspaces WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+        let row = sqlx::query("SELECT id, name, created_at FROM workspaces WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
         row.as_ref().map(Workspace::from_row).transpose()
     }
 
     pub async fn list_workspaces(&self) -> Result<Vec<Workspace>, StoreError> {
-        let rows = sqlx::query("SELECT id, name, created_at FROM workspaces ORDER BY created_at, name")
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query("SELECT id, name, created_at FROM workspaces ORDER BY created_at, name").fetch_all(&self.pool).await?;
         rows.iter().map(Workspace::from_row).collect()
     }
 }

@@ -154,10 +154,7 @@ async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
         assert_eq!(listed.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), [second.id.as_str()]);
         let live = store.sandboxes_in(&[SandboxState::Running, SandboxState::Hibernated]).await.unwrap();
         assert_eq!(live.len(), 1);
-        assert!(matches!(
-            store.set_sandbox_state("nope", SandboxState::Running, None).await,
-            Err(StoreError::NotFound(_))
-        ));
+        assert!(matches!(store.set_sandbox_state("nope", SandboxState::Running, None).await, Err(StoreError::NotFound(_))));
         store.close().await;
     }
 }

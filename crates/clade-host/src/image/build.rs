@@ -21,10 +21,8 @@ pub(super) fn lock(cache_dir: &Path, kind: &str) -> Result<Flock<File>, ImageErr
     std::fs::create_dir_all(cache_dir).map_err(io_err(format!("creating {}", cache_dir.display())))?;
     let path = cache_dir.join(format!(".{kind}.lock"));
     let file = File::create(&path).map_err(io_err(format!("creating {}", path.display())))?;
-    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| ImageError::Io {
-        context: format!("locking {}", path.display()),
-        source: e.into(),
-    })
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| ImageError::Io { context: format!("locking {}", path.display()), source: e.into() })
 }
 
 /// Runs `argv`, teeing its output into `log` (and our stderr when asked).
@@ -179,8 +177,7 @@ fn resolve_in_tree(tree: &Path, path: &Path) -> PathBuf {
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), ImageError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(io_err(format!("chmod {}", path.display())))
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_err(format!("chmod {}", path.display())))
 }
 
 /// A fresh temporary directory beside `out_dir`.

@@ -121,9 +121,11 @@ impl ImageStore {
     }
 
     fn plan(&self, name: &str) -> Result<Plan, ImageError> {
-        let packages = RECIPES.iter().find(|(n, _)| *n == name).map(|(_, p)| *p).ok_or_else(|| {
-            ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") }
-        })?;
+        let packages = RECIPES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, p)| *p)
+            .ok_or_else(|| ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") })?;
         let guestd = self.guestd.clone().or_else(find_guestd).ok_or(ImageError::GuestdMissing)?;
         let guestd_digest = guestd_digest(&guestd).map_err(io_err(format!("reading {}", guestd.display())))?;
 
@@ -203,7 +205,11 @@ impl FileStamp {
 /// A file modified less than a second before it was read is not remembered:
 /// modification times are coarse, so a second write in the same tick
 /// (same size, same inode) could not be told apart (git's "racy" entries).
-fn remembered(memo: &Mutex<Option<(FileStamp, String)>>, source: &Path, compute: impl FnOnce() -> std::io::Result<String>) -> std::io::Result<String> {
+fn remembered(
+    memo: &Mutex<Option<(FileStamp, String)>>,
+    source: &Path,
+    compute: impl FnOnce() -> std::io::Result<String>,
+) -> std::io::Result<String> {
     let stamp = FileStamp::of(source).ok();
     if let (Some(stamp), Some((seen, value))) = (&stamp, &*memo.lock().unwrap_or_else(|p| p.into_inner())) {
         if stamp == seen {
@@ -265,12 +271,9 @@ fn injected_ca_bytes() -> Vec<u8> {
 fn find_guestd() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let static_build = exe.ancestors().skip(1).find_map(|dir| {
-        [
-            dir.join("x86_64-unknown-linux-gnu/release/clade-guestd"),
-            dir.join("target/x86_64-unknown-linux-gnu/release/clade-guestd"),
-        ]
-        .into_iter()
-        .find(|candidate| candidate.is_file())
+        [dir.join("x86_64-unknown-linux-gnu/release/clade-guestd"), dir.join("target/x86_64-unknown-linux-gnu/release/clade-guestd")]
+            .into_iter()
+            .find(|candidate| candidate.is_file())
     });
     let in_checkout = exe.ancestors().any(|dir| dir.file_name().is_some_and(|n| n == "target"));
     static_build.or_else(|| {

@@ -116,10 +116,7 @@ impl DomainList {
     /// Patterns: "example.com" (exactly that name), "*.example.com" (any
     /// subdomain, not the apex); case-insensitive, trailing dot ignored.
     pub fn new(patterns: impl IntoIterator<Item = impl AsRef<str>>) -> Result<Self, DnsError> {
-        let patterns = patterns
-            .into_iter()
-            .map(|pattern| Pattern::parse(pattern.as_ref()))
-            .collect::<Result<Vec<_>, _>>()?;
+        let patterns = patterns.into_iter().map(|pattern| Pattern::parse(pattern.as_ref())).collect::<Result<Vec<_>, _>>()?;
         Ok(Self { patterns })
     }
 
@@ -155,9 +152,7 @@ impl Pattern {
         let invalid = |reason| DnsError::InvalidPattern(raw.to_owned(), reason);
         let name = raw.strip_suffix('.').unwrap_or(raw);
         if name.is_empty() {
-            return Err(invalid(
-                "empty; write a name like \"example.com\" or \"*.example.com\"",
-            ));
+            return Err(invalid("empty; write a name like \"example.com\" or \"*.example.com\""));
         }
         if name.len() > 253 {
             return Err(invalid("longer than 253 characters"));
@@ -168,9 +163,7 @@ impl Pattern {
         if wildcard {
             labels.remove(0);
             if labels.is_empty() {
-                return Err(invalid(
-                    "a bare \"*\" would allow every name; give no domain list to allow everything",
-                ));
+                return Err(invalid("a bare \"*\" would allow every name; give no domain list to allow everything"));
             }
         }
         for label in &labels {
@@ -178,17 +171,12 @@ impl Pattern {
                 return Err(invalid("has an empty label (\"..\" or a leading dot)"));
             }
             if label.contains('*') {
-                return Err(invalid(
-                    "\"*\" may only be the whole first label, as in \"*.example.com\"",
-                ));
+                return Err(invalid("\"*\" may only be the whole first label, as in \"*.example.com\""));
             }
             if label.len() > 63 {
                 return Err(invalid("has a label longer than 63 characters"));
             }
-            if !label
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            {
+            if !label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
                 return Err(invalid(
                     "may only hold letters, digits, '-', '_' and dots \
                      (write internationalized names in punycode, \"xn--...\")",
@@ -198,18 +186,11 @@ impl Pattern {
                 return Err(invalid("has a label that starts or ends with '-'"));
             }
         }
-        Ok(Self {
-            wildcard,
-            labels: labels.into_iter().map(str::to_owned).collect(),
-        })
+        Ok(Self { wildcard, labels: labels.into_iter().map(str::to_owned).collect() })
     }
 
     fn matches(&self, name: &[&[u8]]) -> bool {
-        let fits = if self.wildcard {
-            name.len() > self.labels.len()
-        } else {
-            name.len() == self.labels.len()
-        };
+        let fits = if self.wildcard { name.len() > self.labels.len() } else { name.len() == self.labels.len() };
         fits && name[name.len() - self.labels.len()..]
             .iter()
             .zip(&self.labels)
@@ -237,37 +218,15 @@ pub struct Resolver {
 impl Resolver {
     /// Binds UDP on `listen` (port may be 0), forwards allowed queries to
     /// `upstream` over UDP.
-    pub async fn start(
-        listen: SocketAddr,
-        upstream: SocketAddr,
-        policy: Arc<dyn DnsPolicy>,
-    ) -> Result<Resolver, DnsError> {
-        let upstream = Upstream {
-            addr: upstream,
-            timeout: UPSTREAM_TIMEOUT,
-            attempts: UPSTREAM_ATTEMPTS,
-        };
+    pub async fn start(listen: SocketAddr, upstream: SocketAddr, policy: Arc<dyn DnsPolicy>) -> Result<Resolver, DnsError> {
+        let upstream = Upstream { addr: upstream, timeout: UPSTREAM_TIMEOUT, attempts: UPSTREAM_ATTEMPTS };
         Self::start_with(listen, upstream, policy).await
     }
 
-    async fn start_with(
-        listen: SocketAddr,
-        upstream: Upstream,
-        policy: Arc<dyn DnsPolicy>,
-    ) -> Result<Resolver, DnsError> {
-        let socket = UdpSocket::bind(listen)
-            .await
-            .map_err(|source| DnsError::Bind {
-                addr: listen,
-                source,
-            })?;
+    async fn start_with(listen: SocketAddr, upstream: Upstream, policy: Arc<dyn DnsPolicy>) -> Result<Resolver, DnsError> {
+        let socket = UdpSocket::bind(listen).await.map_err(|source| DnsError::Bind { addr: listen, source })?;
         let local_addr = socket.local_addr().map_err(DnsError::LocalAddr)?;
-        let server = Server {
-            socket,
-            upstream,
-            policy,
-            in_flight: Arc::default(),
-        };
+        let server = Server { socket, upstream, policy, in_flight: Arc::default() };
         let task = tokio::spawn(Arc::new(server).run());
         Ok(Resolver { local_addr, task })
     }
@@ -332,19 +291,13 @@ impl InFlightSlot {
             return None;
         }
         *count += 1;
-        Some(Self {
-            in_flight: in_flight.clone(),
-            source,
-        })
+        Some(Self { in_flight: in_flight.clone(), source })
     }
 }
 
 impl Drop for InFlightSlot {
     fn drop(&mut self) {
-        let mut counts = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut counts = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(count) = counts.get_mut(&self.source) {
             *count = count.saturating_sub(1);
             if *count == 0 {
@@ -416,13 +369,7 @@ impl Server {
             tracing::debug!(%source, "refusing DNS query: too many in flight");
             return refuse(ResponseCode::Refused);
         };
-        Admission::Resolve(Box::new(Job {
-            request,
-            peer,
-            source,
-            domains,
-            _slot: slot,
-        }))
+        Admission::Resolve(Box::new(Job { request, peer, source, domains, _slot: slot }))
     }
 
     async fn resolve(self: Arc<Self>, job: Box<Job>) {
@@ -519,11 +466,10 @@ impl Server {
             }
             let deadline = Instant::now() + self.upstream.timeout;
             loop {
-                let received =
-                    match tokio::time::timeout_at(deadline, socket.recv_from(&mut buf)).await {
-                        Err(_elapsed) => break,
-                        Ok(received) => received,
-                    };
+                let received = match tokio::time::timeout_at(deadline, socket.recv_from(&mut buf)).await {
+                    Err(_elapsed) => break,
+                    Ok(received) => received,
+                };
                 let (len, from) = match received {
                     Ok(received) => received,
                     Err(err) => {
@@ -555,17 +501,12 @@ fn answers(reply: &Message, id: u16, question: &Query) -> bool {
         && reply.metadata.message_type == MessageType::Response
         && reply.queries.len() == 1
         && reply.queries.first().is_some_and(|q| {
-            same_name(q.name(), question.name())
-                && q.query_type() == question.query_type()
-                && q.query_class() == question.query_class()
+            same_name(q.name(), question.name()) && q.query_type() == question.query_type() && q.query_class() == question.query_class()
         })
 }
 
 fn same_name(a: &Name, b: &Name) -> bool {
-    a.num_labels() == b.num_labels()
-        && a.iter()
-            .zip(b.iter())
-            .all(|(a, b)| a.eq_ignore_ascii_case(b))
+    a.num_labels() == b.num_labels() && a.iter().zip(b.iter()).all(|(a, b)| a.eq_ignore_ascii_case(b))
 }
 
 /// Leaves in `response` only the addresses that get pinned, and returns them
@@ -575,17 +516,12 @@ fn keep_only_pinnable(response: &mut Message, name: &Name) -> Vec<(Ipv4Addr, Dur
     let mut chain = vec![name.clone()];
     while chain.len() <= MAX_CNAME_CHAIN {
         let Some(current) = chain.last() else { break };
-        let next = response
-            .answers
-            .iter()
-            .find_map(|record| match &record.data {
-                RData::CNAME(target) if same_name(&record.name, current) => Some(target.0.clone()),
-                _ => None,
-            });
+        let next = response.answers.iter().find_map(|record| match &record.data {
+            RData::CNAME(target) if same_name(&record.name, current) => Some(target.0.clone()),
+            _ => None,
+        });
         match next {
-            Some(target) if !chain.iter().any(|seen| same_name(seen, &target)) => {
-                chain.push(target)
-            }
+            Some(target) if !chain.iter().any(|seen| same_name(seen, &target)) => chain.push(target),
             _ => break,
         }
     }
@@ -608,9 +544,7 @@ fn keep_only_pinnable(response: &mut Message, name: &Name) -> Vec<(Ipv4Addr, Dur
         }
         true
     });
-    let is_address = |record: &hickory_proto::rr::Record| {
-        matches!(record.record_type(), RecordType::A | RecordType::AAAA)
-    };
+    let is_address = |record: &hickory_proto::rr::Record| matches!(record.record_type(), RecordType::A | RecordType::AAAA);
     response.authorities.retain(|record| !is_address(record));
     response.additionals.retain(|record| !is_address(record));
     pins
@@ -728,37 +662,20 @@ mod tests {
                         let mut spoof = reply.clone();
                         spoof.metadata.id ^= 1;
                         spoof.answers = vec![a_record("spoofed.test.", [127, 6, 6, 6], 60)];
-                        socket
-                            .send_to(&spoof.to_vec().unwrap(), peer)
-                            .await
-                            .unwrap();
+                        socket.send_to(&spoof.to_vec().unwrap(), peer).await.unwrap();
                         let mut other = lookup_table(&table, &query);
                         other.queries = vec![Query::query(name("other.test."), RecordType::A)];
                         other.answers = vec![a_record("other.test.", [127, 6, 6, 7], 60)];
-                        socket
-                            .send_to(&other.to_vec().unwrap(), peer)
-                            .await
-                            .unwrap();
+                        socket.send_to(&other.to_vec().unwrap(), peer).await.unwrap();
                     }
                     if behaviour == Behaviour::AddStray {
-                        reply
-                            .answers
-                            .push(a_record("stray.test.", [127, 6, 6, 8], 60));
-                        reply
-                            .additionals
-                            .push(a_record("glue.test.", [127, 6, 6, 9], 60));
+                        reply.answers.push(a_record("stray.test.", [127, 6, 6, 8], 60));
+                        reply.additionals.push(a_record("glue.test.", [127, 6, 6, 9], 60));
                     }
-                    socket
-                        .send_to(&reply.to_vec().unwrap(), peer)
-                        .await
-                        .unwrap();
+                    socket.send_to(&reply.to_vec().unwrap(), peer).await.unwrap();
                 }
             });
-            Self {
-                addr,
-                queries,
-                task,
-            }
+            Self { addr, queries, task }
         }
 
         fn queries(&self) -> Vec<Message> {
@@ -774,9 +691,7 @@ mod tests {
         reply.queries = query.queries.clone();
         let mut current = question.name().clone();
         for _ in 0..8 {
-            let cname = table
-                .iter()
-                .find(|r| same_name(&r.name, &current) && r.record_type() == RecordType::CNAME);
+            let cname = table.iter().find(|r| same_name(&r.name, &current) && r.record_type() == RecordType::CNAME);
             if let Some(cname) = cname {
                 reply.answers.push(cname.clone());
                 if let RData::CNAME(target) = &cname.data {
@@ -784,14 +699,9 @@ mod tests {
                 }
                 continue;
             }
-            reply.answers.extend(
-                table
-                    .iter()
-                    .filter(|r| {
-                        same_name(&r.name, &current) && r.record_type() == question.query_type()
-                    })
-                    .cloned(),
-            );
+            reply
+                .answers
+                .extend(table.iter().filter(|r| same_name(&r.name, &current) && r.record_type() == question.query_type()).cloned());
             break;
         }
         if !table.iter().any(|r| same_name(&r.name, &current)) {
@@ -830,14 +740,8 @@ mod tests {
     }
 
     async fn start_resolver(upstream: &FakeUpstream, policy: Arc<TestPolicy>) -> Resolver {
-        let upstream = Upstream {
-            addr: upstream.addr,
-            timeout: TEST_UPSTREAM_TIMEOUT,
-            attempts: UPSTREAM_ATTEMPTS,
-        };
-        Resolver::start_with((GUEST, 0).into(), upstream, policy)
-            .await
-            .unwrap()
+        let upstream = Upstream { addr: upstream.addr, timeout: TEST_UPSTREAM_TIMEOUT, attempts: UPSTREAM_ATTEMPTS };
+        Resolver::start_with((GUEST, 0).into(), upstream, policy).await.unwrap()
     }
 
     /// A guest: a socket on its own source address.
@@ -854,24 +758,13 @@ mod tests {
 
     async fn receive(socket: &UdpSocket, wait: Duration) -> Option<Message> {
         let mut buf = vec![0u8; MAX_DATAGRAM];
-        let (len, _) = tokio::time::timeout(wait, socket.recv_from(&mut buf))
-            .await
-            .ok()?
-            .unwrap();
+        let (len, _) = tokio::time::timeout(wait, socket.recv_from(&mut buf)).await.ok()?.unwrap();
         Some(Message::from_vec(&buf[..len]).unwrap())
     }
 
-    async fn ask(
-        socket: &UdpSocket,
-        resolver: &Resolver,
-        qname: &str,
-        rtype: RecordType,
-    ) -> Message {
+    async fn ask(socket: &UdpSocket, resolver: &Resolver, qname: &str, rtype: RecordType) -> Message {
         let id = rand::random();
-        socket
-            .send_to(&query(id, qname, rtype), resolver.local_addr())
-            .await
-            .unwrap();
+        socket.send_to(&query(id, qname, rtype), resolver.local_addr()).await.unwrap();
         let reply = receive(socket, REPLY_WAIT).await.expect("an answer");
         assert_eq!(reply.metadata.id, id, "the guest's id comes back");
         assert_eq!(reply.metadata.message_type, MessageType::Response);
@@ -908,10 +801,7 @@ mod tests {
             "ex\u{e4}mple.com",
         ] {
             let err = DomainList::new([bad]).expect_err(bad);
-            assert!(
-                matches!(&err, DnsError::InvalidPattern(p, _) if p == bad),
-                "{bad:?}: {err}"
-            );
+            assert!(matches!(&err, DnsError::InvalidPattern(p, _) if p == bad), "{bad:?}: {err}");
             assert!(err.to_string().contains("invalid domain pattern"), "{err}");
         }
         let long_label = format!("{}.com", "a".repeat(64));
@@ -922,28 +812,11 @@ mod tests {
 
     #[test]
     fn domain_list_exact_and_wildcard_semantics() {
-        let list = DomainList::new([
-            "Example.COM.",
-            "*.svc.test",
-            "xn--bcher-kva.de",
-            "_dmarc.x.org",
-        ])
-        .unwrap();
-        assert_eq!(
-            list.patterns(),
-            [
-                "example.com",
-                "*.svc.test",
-                "xn--bcher-kva.de",
-                "_dmarc.x.org"
-            ]
-        );
+        let list = DomainList::new(["Example.COM.", "*.svc.test", "xn--bcher-kva.de", "_dmarc.x.org"]).unwrap();
+        assert_eq!(list.patterns(), ["example.com", "*.svc.test", "xn--bcher-kva.de", "_dmarc.x.org"]);
         assert!(list.allows("example.com"));
         assert!(list.allows("EXAMPLE.com."));
-        assert!(
-            !list.allows("www.example.com"),
-            "exact patterns allow no subdomains"
-        );
+        assert!(!list.allows("www.example.com"), "exact patterns allow no subdomains");
         assert!(!list.allows("example.co"));
         assert!(!list.allows("badexample.com"));
         assert!(list.allows("a.svc.test"));
@@ -955,13 +828,8 @@ mod tests {
         assert!(list.allows("_dmarc.x.org"));
         assert!(!list.allows(""));
         assert!(!list.allows("."));
-        assert!(DomainList::new(Vec::<String>::new())
-            .unwrap()
-            .patterns()
-            .is_empty());
-        assert!(!DomainList::new(Vec::<String>::new())
-            .unwrap()
-            .allows("example.com"));
+        assert!(DomainList::new(Vec::<String>::new()).unwrap().patterns().is_empty());
+        assert!(!DomainList::new(Vec::<String>::new()).unwrap().allows("example.com"));
     }
 
     #[tokio::test]
@@ -987,18 +855,9 @@ mod tests {
         assert_eq!(
             policy.pins(),
             [
-                (
-                    GUEST,
-                    vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))]
-                ),
-                (
-                    GUEST,
-                    vec![(Ipv4Addr::new(127, 1, 0, 2), Duration::from_secs(30))]
-                ),
-                (
-                    GUEST,
-                    vec![(Ipv4Addr::new(127, 1, 0, 3), Duration::from_secs(3600))]
-                ),
+                (GUEST, vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))]),
+                (GUEST, vec![(Ipv4Addr::new(127, 1, 0, 2), Duration::from_secs(30))]),
+                (GUEST, vec![(Ipv4Addr::new(127, 1, 0, 3), Duration::from_secs(3600))]),
             ]
         );
     }
@@ -1011,12 +870,7 @@ mod tests {
         let socket = guest(GUEST).await;
         let mut guest_ids = Vec::new();
         for _ in 0..4 {
-            guest_ids.push(
-                ask(&socket, &resolver, "example.com.", RecordType::A)
-                    .await
-                    .metadata
-                    .id,
-            );
+            guest_ids.push(ask(&socket, &resolver, "example.com.", RecordType::A).await.metadata.id);
         }
         let upstream_ids: Vec<u16> = upstream.queries().iter().map(|q| q.metadata.id).collect();
         assert_eq!(upstream_ids.len(), 4);
@@ -1024,10 +878,7 @@ mod tests {
         assert_ne!(guest_ids, upstream_ids);
         for forwarded in upstream.queries() {
             assert_eq!(forwarded.queries.len(), 1);
-            assert!(same_name(
-                forwarded.queries[0].name(),
-                &name("example.com.")
-            ));
+            assert!(same_name(forwarded.queries[0].name(), &name("example.com.")));
         }
     }
 
@@ -1041,11 +892,7 @@ mod tests {
         for denied in ["other.org.", "api.example.com.", "com."] {
             for rtype in [RecordType::A, RecordType::AAAA, RecordType::TXT] {
                 let reply = ask(&socket, &resolver, denied, rtype).await;
-                assert_eq!(
-                    reply.metadata.response_code,
-                    ResponseCode::NXDomain,
-                    "{denied}"
-                );
+                assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain, "{denied}");
                 assert!(reply.answers.is_empty());
                 assert_eq!(reply.queries.len(), 1, "the question is echoed");
             }
@@ -1086,13 +933,7 @@ mod tests {
         assert!(upstream.queries().is_empty());
 
         // The known guest on the same resolver is served.
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::A,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::A).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
     }
 
@@ -1119,13 +960,7 @@ mod tests {
         let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
         let resolver = start_resolver(&upstream, policy.clone()).await;
 
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::AAAA,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::AAAA).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
         assert!(reply.answers.is_empty());
         assert!(upstream.queries().is_empty());
@@ -1139,18 +974,9 @@ mod tests {
         policy.fail_pins.store(true, Ordering::SeqCst);
         let resolver = start_resolver(&upstream, policy.clone()).await;
 
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::A,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::A).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
-        assert!(
-            reply.answers.is_empty(),
-            "no unpinned address reaches the guest"
-        );
+        assert!(reply.answers.is_empty(), "no unpinned address reaches the guest");
         assert_eq!(upstream.queries().len(), 1);
     }
 
@@ -1161,21 +987,12 @@ mod tests {
         let resolver = start_resolver(&upstream, policy.clone()).await;
 
         let started = Instant::now();
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::A,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::A).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
         assert!(started.elapsed() >= TEST_UPSTREAM_TIMEOUT * UPSTREAM_ATTEMPTS);
         let queries = upstream.queries();
         assert_eq!(queries.len(), 2, "one retry");
-        assert_ne!(
-            queries[0].metadata.id, queries[1].metadata.id,
-            "the retry has a fresh id"
-        );
+        assert_ne!(queries[0].metadata.id, queries[1].metadata.id, "the retry has a fresh id");
         assert!(policy.pins().is_empty());
     }
 
@@ -1185,22 +1002,10 @@ mod tests {
         let policy = TestPolicy::with(GUEST, Some(&["example.com"]));
         let resolver = start_resolver(&upstream, policy.clone()).await;
 
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::A,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::A).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
         assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 1)]);
-        assert_eq!(
-            policy.pins(),
-            [(
-                GUEST,
-                vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))]
-            )]
-        );
+        assert_eq!(policy.pins(), [(GUEST, vec![(Ipv4Addr::new(127, 1, 0, 1), Duration::from_secs(300))])]);
         assert_eq!(upstream.queries().len(), 1, "answered without a retry");
     }
 
@@ -1223,10 +1028,7 @@ mod tests {
         }
         let big = vec![0xffu8; 9000];
         socket.send_to(&big, resolver.local_addr()).await.unwrap();
-        assert!(
-            receive(&socket, SILENCE_WAIT).await.is_none(),
-            "malformed packets get no answer"
-        );
+        assert!(receive(&socket, SILENCE_WAIT).await.is_none(), "malformed packets get no answer");
 
         let reply = ask(&socket, &resolver, "example.com.", RecordType::A).await;
         assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 1)]);
@@ -1239,26 +1041,14 @@ mod tests {
         let policy = TestPolicy::with(GUEST, Some(&["www.example.com"]));
         let resolver = start_resolver(&upstream, policy.clone()).await;
 
-        let reply = ask(
-            &guest(GUEST).await,
-            &resolver,
-            "WWW.example.com.",
-            RecordType::A,
-        )
-        .await;
+        let reply = ask(&guest(GUEST).await, &resolver, "WWW.example.com.", RecordType::A).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
         // The chain's CNAMEs stay, the stray A record and the glue are gone.
         let kinds: Vec<RecordType> = reply.answers.iter().map(|r| r.record_type()).collect();
         assert_eq!(kinds, [RecordType::CNAME, RecordType::CNAME, RecordType::A]);
         assert_eq!(addresses(&reply), [Ipv4Addr::new(127, 1, 0, 5)]);
         assert!(reply.additionals.is_empty());
-        assert_eq!(
-            policy.pins(),
-            [(
-                GUEST,
-                vec![(Ipv4Addr::new(127, 1, 0, 5), Duration::from_secs(120))]
-            )]
-        );
+        assert_eq!(policy.pins(), [(GUEST, vec![(Ipv4Addr::new(127, 1, 0, 5), Duration::from_secs(120))])]);
     }
 
     #[tokio::test]
@@ -1270,18 +1060,10 @@ mod tests {
 
         let over = u16::try_from(MAX_IN_FLIGHT_PER_SOURCE).unwrap();
         for id in 0..=over {
-            socket
-                .send_to(
-                    &query(id, "example.com.", RecordType::A),
-                    resolver.local_addr(),
-                )
-                .await
-                .unwrap();
+            socket.send_to(&query(id, "example.com.", RecordType::A), resolver.local_addr()).await.unwrap();
         }
         // Only the one over the limit is answered before the upstream times out.
-        let reply = receive(&socket, TEST_UPSTREAM_TIMEOUT)
-            .await
-            .expect("a REFUSED");
+        let reply = receive(&socket, TEST_UPSTREAM_TIMEOUT).await.expect("a REFUSED");
         assert_eq!(reply.metadata.id, over);
         assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
         // The slots come back: all others end in SERVFAIL, then a new query is served.
@@ -1304,13 +1086,7 @@ mod tests {
         let policy = TestPolicy::with(GUEST, None);
         let resolver = start_resolver(&upstream, policy).await;
         let addr = resolver.local_addr();
-        ask(
-            &guest(GUEST).await,
-            &resolver,
-            "example.com.",
-            RecordType::A,
-        )
-        .await;
+        ask(&guest(GUEST).await, &resolver, "example.com.", RecordType::A).await;
         drop(resolver);
 
         // The port is free again once the aborted tasks are gone.

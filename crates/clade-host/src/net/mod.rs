@@ -202,7 +202,11 @@ impl NetPool {
                 let _lock = StateLock::take(&state_dir)?;
                 ensure_base_table(&config.range)?;
                 sweep_claims(&state_dir, &config.range);
-                let slot = claim_free(&state_dir, &config.range, &Claim { owner: ProcessId::current(), vm_dir: None, policy: None, resolver: true })?;
+                let slot = claim_free(
+                    &state_dir,
+                    &config.range,
+                    &Claim { owner: ProcessId::current(), vm_dir: None, policy: None, resolver: true },
+                )?;
                 let address = slot.host_address();
                 run("ip", &["addr", "replace", &format!("{address}/32"), "dev", "lo"], None, "adding the resolver address")?;
                 nft(&format!("add element {TABLE} resolvers {{ {address} }}\n"), "registering the resolver")?;
@@ -263,7 +267,8 @@ impl NetPool {
                 None => inner.prepare_one()?,
             };
             let leased = (|| {
-                let claim = Claim { owner: ProcessId::current(), vm_dir: Some(vm_dir.clone()), policy: Some(policy.clone()), resolver: false };
+                let claim =
+                    Claim { owner: ProcessId::current(), vm_dir: Some(vm_dir.clone()), policy: Some(policy.clone()), resolver: false };
                 write_claim(&inner.state_dir, slot.index, &claim)?;
                 apply_policy(slot, &policy)?;
                 inner.domains.set(slot, policy.domain_list()?);
@@ -288,8 +293,8 @@ impl NetPool {
         let inner = self.inner.clone();
         let policy = policy.clone();
         tokio::task::spawn_blocking(move || {
-            let mut claim = read_claim(&inner.state_dir, slot.index)
-                .ok_or_else(|| NetError::Policy(format!("slot {} is not claimed", slot.index)))?;
+            let mut claim =
+                read_claim(&inner.state_dir, slot.index).ok_or_else(|| NetError::Policy(format!("slot {} is not claimed", slot.index)))?;
             claim.policy = Some(policy.clone());
             write_claim(&inner.state_dir, slot.index, &claim)?;
             apply_policy(slot, &policy)?;
@@ -328,15 +333,12 @@ impl NetPool {
     /// The byte and packet counters of the VM in `vm_dir`.
     pub async fn traffic(&self, vm_dir: &Path) -> Result<Traffic, NetError> {
         let slot = self.slot_of(vm_dir)?;
-        tokio::task::spawn_blocking(move || read_traffic(slot))
-            .await
-            .map_err(|e| NetError::Unavailable(format!("counter task: {e}")))?
+        tokio::task::spawn_blocking(move || read_traffic(slot)).await.map_err(|e| NetError::Unavailable(format!("counter task: {e}")))?
     }
 
     /// The slot of the VM in `vm_dir`, if it has one.
     pub fn slot_of(&self, vm_dir: &Path) -> Result<Slot, NetError> {
-        slot_in(vm_dir, &self.inner.config.range)
-            .ok_or_else(|| NetError::Policy(format!("{} has no network", vm_dir.display())))
+        slot_in(vm_dir, &self.inner.config.range).ok_or_else(|| NetError::Policy(format!("{} has no network", vm_dir.display())))
     }
 
     /// Tears down the prepared slots and the resolver; leased slots stay
@@ -617,8 +619,7 @@ fn sweep_claims(state_dir: &Path, range: &Ipv4Cidr) {
             continue;
         }
         let vm_runs = claim.vm_dir.as_deref().is_some_and(|dir| {
-            slot_in(dir, range).map(|s| s.index) == Some(index)
-                && VmRecord::load(dir).and_then(|r| r.vmm).is_some_and(|vmm| vmm.is_alive())
+            slot_in(dir, range).map(|s| s.index) == Some(index) && VmRecord::load(dir).and_then(|r| r.vmm).is_some_and(|vmm| vmm.is_alive())
         });
         if vm_runs {
             continue;
@@ -650,9 +651,7 @@ fn build_slot(slot: Slot, resolver: Ipv4Addr) -> Result<(), NetError> {
     run(
         "ip",
         &["-b", "-"],
-        Some(&format!(
-            "link add {veth} type veth peer name eth0 netns {ns}\naddr add {host}/30 dev {veth}\nlink set {veth} up\n"
-        )),
+        Some(&format!("link add {veth} type veth peer name eth0 netns {ns}\naddr add {host}/30 dev {veth}\nlink set {veth} up\n")),
         "creating the veth pair",
     )?;
     run(
@@ -782,7 +781,8 @@ fn apply_policy(slot: Slot, policy: &EgressPolicy) -> Result<(), NetError> {
     // The connection-count set keeps the limit it was created with: remake
     // it, after emptying the chain whose rules refer to it.
     let i = slot.index;
-    let mut script = format!("flush chain {TABLE} sb{i}\ndelete set {TABLE} conn{i}\nadd set {TABLE} conn{i} {{ type ipv4_addr; flags dynamic; }}\n");
+    let mut script =
+        format!("flush chain {TABLE} sb{i}\ndelete set {TABLE} conn{i}\nadd set {TABLE} conn{i} {{ type ipv4_addr; flags dynamic; }}\n");
     script.push_str(&policy_rules(slot, policy));
     nft(&script, "applying the network policy")
 }
@@ -791,15 +791,10 @@ fn read_traffic(slot: Slot) -> Result<Traffic, NetError> {
     let i = slot.index;
     let read = |name: String| -> Result<(u64, u64), NetError> {
         let json = run("nft", &["-j", "list", "counter", "inet", "clade", &name], None, "reading a traffic counter")?;
-        let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| NetError::Command {
-            context: "parsing a traffic counter".into(),
-            detail: e.to_string(),
-        })?;
-        let counter = value["nftables"]
-            .as_array()
-            .and_then(|items| items.iter().find_map(|item| item.get("counter")))
-            .cloned()
-            .unwrap_or_default();
+        let value: serde_json::Value = serde_json::from_str(&json)
+            .map_err(|e| NetError::Command { context: "parsing a traffic counter".into(), detail: e.to_string() })?;
+        let counter =
+            value["nftables"].as_array().and_then(|items| items.iter().find_map(|item| item.get("counter"))).cloned().unwrap_or_default();
         Ok((counter["bytes"].as_u64().unwrap_or(0), counter["packets"].as_u64().unwrap_or(0)))
     };
     let (tx_bytes, tx_packets) = read(format!("tx{i}"))?;
@@ -855,10 +850,7 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>, context: &str) -> Resu
     }
     let output = child.wait_with_output().map_err(io_err(format!("{context}: waiting for {program}")))?;
     if !output.status.success() {
-        return Err(NetError::Command {
-            context: context.to_string(),
-            detail: String::from_utf8_lossy(&output.stderr).trim().to_string(),
-        });
+        return Err(NetError::Command { context: context.to_string(), detail: String::from_utf8_lossy(&output.stderr).trim().to_string() });
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
@@ -891,10 +883,11 @@ mod tests {
             max_connections: 7,
         };
         let rules = policy_rules(slot(5), &policy);
-        let order: Vec<usize> = ["ct count over 7", "@never", "{ 198.51.100.0/24 } accept", "203.0.113.0/24 } reject", "@private", "sb5 reject"]
-            .iter()
-            .map(|needle| rules.find(needle).unwrap_or_else(|| panic!("{needle:?} missing from\n{rules}")))
-            .collect();
+        let order: Vec<usize> =
+            ["ct count over 7", "@never", "{ 198.51.100.0/24 } accept", "203.0.113.0/24 } reject", "@private", "sb5 reject"]
+                .iter()
+                .map(|needle| rules.find(needle).unwrap_or_else(|| panic!("{needle:?} missing from\n{rules}")))
+                .collect();
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{rules}");
         let domains = EgressPolicy { allow_domains: vec!["example.com".into()], ..EgressPolicy::default() };
         let rules = policy_rules(slot(5), &domains);

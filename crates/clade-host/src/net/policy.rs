@@ -42,8 +42,7 @@ pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 pub const MAX_LIST_LEN: usize = 256;
 
 /// Never reachable from a sandbox, whatever its policy.
-pub const NEVER_REACHABLE: &[&str] =
-    &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "192.0.0.0/24", "224.0.0.0/4", "240.0.0.0/4"];
+pub const NEVER_REACHABLE: &[&str] = &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "192.0.0.0/24", "224.0.0.0/4", "240.0.0.0/4"];
 
 /// Reachable only through `allow_cidrs`.
 pub const PRIVATE: &[&str] = &["10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15"];
@@ -81,11 +80,9 @@ impl EgressPolicy {
 
     /// Checks limits and patterns; the error says what is wrong.
     pub fn validate(&self) -> Result<(), NetError> {
-        for (name, len) in [
-            ("allow_cidrs", self.allow_cidrs.len()),
-            ("deny_cidrs", self.deny_cidrs.len()),
-            ("allow_domains", self.allow_domains.len()),
-        ] {
+        for (name, len) in
+            [("allow_cidrs", self.allow_cidrs.len()), ("deny_cidrs", self.deny_cidrs.len()), ("allow_domains", self.allow_domains.len())]
+        {
             if len > MAX_LIST_LEN {
                 return Err(NetError::Policy(format!("{name} has {len} entries; at most {MAX_LIST_LEN} are allowed")));
             }
@@ -204,8 +201,7 @@ mod tests {
     #[test]
     fn policies_round_trip_as_json_and_reject_bad_input() {
         let policy: EgressPolicy =
-            serde_json::from_str(r#"{"internet":false,"allow_cidrs":["198.51.100.0/24"],"allow_domains":["*.example.com"]}"#)
-                .unwrap();
+            serde_json::from_str(r#"{"internet":false,"allow_cidrs":["198.51.100.0/24"],"allow_domains":["*.example.com"]}"#).unwrap();
         assert!(!policy.internet);
         assert_eq!(policy.max_connections, DEFAULT_MAX_CONNECTIONS);
         policy.validate().unwrap();

@@ -95,9 +95,7 @@ fn remove_dead_runs(root: &Path) {
         let owner = std::fs::read_to_string(entry.path().join("owner")).unwrap_or_default();
         let mut fields = owner.split_whitespace().map(|f| f.parse::<u64>().ok());
         let alive = match (fields.next().flatten(), fields.next().flatten()) {
-            (Some(pid), Some(start_ticks)) => {
-                crate::vm::ProcessId { pid: pid as u32, start_ticks }.is_alive()
-            }
+            (Some(pid), Some(start_ticks)) => crate::vm::ProcessId { pid: pid as u32, start_ticks }.is_alive(),
             _ => false,
         };
         if !alive {
@@ -128,9 +126,7 @@ fn image_once(config: &HostConfig) -> Result<GuestImage, String> {
 /// once can serve many tests (its agent session lives on this runtime).
 pub fn runtime() -> &'static tokio::runtime::Runtime {
     static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("tokio runtime")
-    })
+    RUNTIME.get_or_init(|| tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("tokio runtime"))
 }
 
 /// Longer than any one command of a test takes on a loaded host (a create

@@ -200,7 +200,10 @@ mod tests {
         let host_mb = mem_available_mb().unwrap();
         let many = (host_mb / 256 + 1) as u32;
         assert!(admission.admit(&promises, 1, 512, 0, tmp, none).is_ok(), "one of them fits");
-        assert!(matches!(admission.admit(&promises, many, 512, 0, tmp, none), Err(AdmissionError::Memory { .. })), "all {many} at once do not");
+        assert!(
+            matches!(admission.admit(&promises, many, 512, 0, tmp, none), Err(AdmissionError::Memory { .. })),
+            "all {many} at once do not"
+        );
         assert_eq!(promises.lock().memory_mb, 0, "every promise was given back");
     }
 
@@ -212,7 +215,8 @@ mod tests {
         let host_mb = mem_available_mb().unwrap();
         // Each VM counts as 40 % of the host's free memory (its disk share,
         // 1 GiB, is small).
-        let admission = Admission { overcommit: 1024.0 / (host_mb as f64 * 0.4), host_reserve_mb: 0, disk_reserve_mb: 0, ..Admission::default() };
+        let admission =
+            Admission { overcommit: 1024.0 / (host_mb as f64 * 0.4), host_reserve_mb: 0, disk_reserve_mb: 0, ..Admission::default() };
         let none = DiskClaims::default();
         let tmp = Path::new("/tmp");
         let racers: Vec<_> = (0..8)

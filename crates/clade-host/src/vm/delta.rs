@@ -358,8 +358,8 @@ impl Precopy {
             return Capture::read(pid, blocks, template, CaptureBuffer(memory));
         };
         let t = blocks.iter().position(|b| b.name == template.name).expect("pages_to_read found the template's block");
-        let same_blocks = captured.len() == blocks.len()
-            && captured.iter().zip(blocks).all(|(c, b)| c.name == b.name && c.length == b.length);
+        let same_blocks =
+            captured.len() == blocks.len() && captured.iter().zip(blocks).all(|(c, b)| c.name == b.name && c.length == b.length);
         let first = &captured[t];
         let new = missing_from(&to_read[t], &first.indices);
         let gone = first.indices.len() + new.len() != to_read[t].len();
@@ -951,10 +951,8 @@ impl SavedDelta {
         let file = std::fs::File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
         let file_len = file.metadata().map_err(io_err(format!("reading {}", path.display())))?.len();
         let bad = || DeltaError::Format(path.display().to_string());
-        let mut input = Headers {
-            input: BufReader::with_capacity(1 << 16, file.try_clone().map_err(io_err("duplicating a file handle"))?),
-            offset: 0,
-        };
+        let mut input =
+            Headers { input: BufReader::with_capacity(1 << 16, file.try_clone().map_err(io_err("duplicating a file handle"))?), offset: 0 };
         let mut magic = [0u8; 8];
         let (mut u16_, mut u32_, mut u64_) = ([0u8; 2], [0u8; 4], [0u8; 8]);
         input.read(&mut magic).map_err(|_| bad())?;
@@ -1010,7 +1008,8 @@ impl SavedDelta {
 mod tests {
     use super::*;
 
-    const INFO_RAMBLOCK: &str = "              Block Name    PSize              Offset               Used              Total                HVA  RO
+    const INFO_RAMBLOCK: &str =
+        "              Block Name    PSize              Offset               Used              Total                HVA  RO
                      mem    4 KiB  0x0000000000000000 0x0000000020000000 0x0000000020000000 0x00007fb22ffff000  rw
                  pc.bios    4 KiB  0x0000000020000000 0x0000000000010000 0x0000000000010000 0x00007fb29c200000  rw
 ";
@@ -1078,7 +1077,9 @@ mod tests {
         }
         assert_eq!(target[0], 1, "reading faults in a file page, which is not a written one");
         let pid = std::process::id();
-        let block = |address: &[u8]| vec![RamBlock { name: "mem".into(), length: PAGES as u64 * PAGE as u64, host_address: address.as_ptr() as u64 }];
+        let block = |address: &[u8]| {
+            vec![RamBlock { name: "mem".into(), length: PAGES as u64 * PAGE as u64, host_address: address.as_ptr() as u64 }]
+        };
         let template = TemplateBlock { name: "mem".into(), file: file_path.clone() };
         let buffer = CaptureBuffer::sized_for(pid, &block(source), &template).unwrap();
         let capture = Capture::read(pid, &block(source), &template, buffer).unwrap();
@@ -1122,7 +1123,10 @@ mod tests {
         assert!(matches!(apply(&saved, pid, &block(target), "mem", None), Err(DeltaError::Format(_))));
         unaligned.truncate(unaligned.len() - 1);
         std::fs::write(&old, &unaligned).unwrap();
-        assert!(matches!(apply(&old, pid, &block(target), "mem", None), Err(DeltaError::Format(_))), "a short file is refused before any write");
+        assert!(
+            matches!(apply(&old, pid, &block(target), "mem", None), Err(DeltaError::Format(_))),
+            "a short file is refused before any write"
+        );
     }
 
     /// A capture read while the guest ran, finished once it stopped: the
@@ -1141,7 +1145,8 @@ mod tests {
         let map = || private_mapping(&file, PAGES);
         let pid = std::process::id();
         let template = TemplateBlock { name: "mem".into(), file: file_path.clone() };
-        let block = |memory: &[u8]| vec![RamBlock { name: "mem".into(), length: (PAGES * PAGE) as u64, host_address: memory.as_ptr() as u64 }];
+        let block =
+            |memory: &[u8]| vec![RamBlock { name: "mem".into(), length: (PAGES * PAGE) as u64, host_address: memory.as_ptr() as u64 }];
         let first_read = |memory: &[u8]| {
             let to_read = Capture::pages_to_read(pid, &block(memory), &template).unwrap();
             let buffer = CaptureBuffer::sized_for(pid, &block(memory), &template).unwrap();
@@ -1159,7 +1164,7 @@ mod tests {
         let precopy = first_read(source);
         source[200 * PAGE + 9] = 0x77; // written again
         source[6000 * PAGE..6003 * PAGE].fill(0x66); // written for the first time
-        // The tracker reports page 200, and pages it never protected (here 7000, unwritten).
+                                                     // The tracker reports page 200, and pages it never protected (here 7000, unwritten).
         let capture = precopy.finish(pid, &block(source), &template, Some(&[200, 7000])).unwrap();
         let expected: Vec<u32> = (100..5100).chain((5200..5800).step_by(3)).chain(6000..6003).collect();
         assert_eq!(capture.blocks[0].indices, expected, "the new pages follow the first read's");
@@ -1172,7 +1177,14 @@ mod tests {
         // A page of the first read back to the template's: all read again.
         let precopy = first_read(source);
         // SAFETY: page 150 of the private mapping, which nothing else refers to now.
-        unsafe { nix::sys::mman::madvise(std::ptr::NonNull::new(source[150 * PAGE..].as_mut_ptr().cast()).unwrap(), PAGE, nix::sys::mman::MmapAdvise::MADV_DONTNEED).unwrap() };
+        unsafe {
+            nix::sys::mman::madvise(
+                std::ptr::NonNull::new(source[150 * PAGE..].as_mut_ptr().cast()).unwrap(),
+                PAGE,
+                nix::sys::mman::MmapAdvise::MADV_DONTNEED,
+            )
+            .unwrap()
+        };
         let capture = precopy.finish(pid, &block(source), &template, Some(&[])).unwrap();
         assert!(!capture.blocks[0].indices.contains(&150));
         capture.save(&saved).unwrap();
@@ -1245,7 +1257,12 @@ mod tests {
 
     #[test]
     fn the_longest_runs_are_mapped_and_the_short_ones_written() {
-        let block = SavedBlock { name: "mem".into(), length: 1 << 30, indices: [0, 1, 2].into_iter().chain(10..30).chain(40..80).collect(), pages_at: 8192 };
+        let block = SavedBlock {
+            name: "mem".into(),
+            length: 1 << 30,
+            indices: [0, 1, 2].into_iter().chain(10..30).chain(40..80).collect(),
+            pages_at: 8192,
+        };
         let runs = file_runs(&block.indices, block.pages_at);
         assert_eq!(
             runs,
@@ -1258,7 +1275,8 @@ mod tests {
         let (to_map, to_write) = split_for_mapping(runs.clone());
         assert_eq!(to_map, vec![runs[2], runs[1]]);
         assert_eq!(to_write, vec![runs[0]]);
-        let many: Vec<FileRun> = (0..MAX_MAPPINGS as u32 + 5).map(|i| FileRun { first: i * 100, pages: 16 + i % 7, file_offset: 0 }).collect();
+        let many: Vec<FileRun> =
+            (0..MAX_MAPPINGS as u32 + 5).map(|i| FileRun { first: i * 100, pages: 16 + i % 7, file_offset: 0 }).collect();
         let (to_map, to_write) = split_for_mapping(many);
         assert_eq!((to_map.len(), to_write.len()), (MAX_MAPPINGS, 5));
         assert!(to_write.iter().all(|w| to_map.iter().all(|m| m.pages >= w.pages)), "the longest are mapped");

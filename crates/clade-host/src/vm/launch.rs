@@ -145,10 +145,7 @@ pub fn kernel_cmdline(spec: &LaunchSpec) -> String {
         "quiet".into(),
     ];
     args.extend(ROOT_MOUNT_ARGS.map(String::from));
-    args.extend([
-        format!("init={}", crate::image::GUESTD_PATH_IN_GUEST),
-        format!("clade.hostname={}", spec.hostname),
-    ]);
+    args.extend([format!("init={}", crate::image::GUESTD_PATH_IN_GUEST), format!("clade.hostname={}", spec.hostname)]);
     if spec.accel == Accel::Tcg {
         // Without these, TCG boots can hang in TSC calibration, or the clocksource
         // watchdog marks the TSC unstable and the guest falls back to jiffies.
@@ -625,7 +622,10 @@ mod tests {
             qmp: 5,
             agent: 6,
             ram: None,
-            disk: vec![(7, layer("/var/lib/clade/vms/abc/disk.qcow2", qcow2::Format::Qcow2)), (8, layer("/images/base.ext4", qcow2::Format::Raw))],
+            disk: vec![
+                (7, layer("/var/lib/clade/vms/abc/disk.qcow2", qcow2::Format::Qcow2)),
+                (8, layer("/images/base.ext4", qcow2::Format::Raw)),
+            ],
             tap: None,
         }
     }

@@ -126,12 +126,8 @@ pub async fn save_devices(qmp: &Qmp, file: &Path, machine: &str) -> Result<(), M
     let set = json!({ "fdset-id": DEVICE_STATE_SET });
     // `live` off: with it, a stopped VM's disks would be handed over (inactivated).
     let save = json!({ "filename": format!("/dev/fdset/{DEVICE_STATE_SET}"), "live": false });
-    let commands = [
-        ("remove-fd", Some(set.clone())),
-        ("add-fd", Some(set.clone())),
-        ("xen-save-devices-state", Some(save)),
-        ("remove-fd", Some(set)),
-    ];
+    let commands =
+        [("remove-fd", Some(set.clone())), ("add-fd", Some(set.clone())), ("xen-save-devices-state", Some(save)), ("remove-fd", Some(set))];
     for reply in qmp.execute_batch(&commands, Some(target.as_fd())).await?.into_iter().skip(1) {
         reply?;
     }
@@ -321,10 +317,8 @@ pub async fn abandon(qmp: &Qmp) -> Result<(), MigrateError> {
     let deadline = tokio::time::Instant::now() + ABANDON_TIMEOUT;
     loop {
         let info = qmp.execute("query-migrate", None).await?;
-        let active = matches!(
-            info.get("status").and_then(Value::as_str),
-            Some("setup" | "active" | "pre-switchover" | "device" | "cancelling")
-        );
+        let active =
+            matches!(info.get("status").and_then(Value::as_str), Some("setup" | "active" | "pre-switchover" | "device" | "cancelling"));
         if !active {
             break;
         }

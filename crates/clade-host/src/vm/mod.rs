@@ -17,8 +17,8 @@ mod launch;
 mod migrate;
 mod pagemap;
 mod process;
-mod remote_map;
 mod record;
+mod remote_map;
 mod snapshot;
 mod standby;
 pub mod template;
@@ -34,8 +34,8 @@ use tokio::sync::watch;
 
 pub use admission::{Admission, AdmissionError, DEFAULT_DISK_OVERCOMMIT};
 pub use idle::translation_cache_kib;
-pub use migrate::MigrateError;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
+pub use migrate::MigrateError;
 pub use process::ProcessId;
 pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
 pub use snapshot::SnapshotRecord;
@@ -48,8 +48,8 @@ use crate::accel::{self, Accel, HostVirt};
 use crate::agent::{AgentClient, AgentError, ExecOutput};
 use crate::config::HostConfig;
 use crate::image::{GuestImage, ImageError, ImageStore};
-use crate::qcow2::{self, Layer};
 use crate::net::{EgressPolicy, NetError, NetPool, Traffic};
+use crate::qcow2::{self, Layer};
 use crate::qmp::{Qmp, QmpError};
 
 #[derive(Debug, thiserror::Error)]
@@ -695,10 +695,8 @@ impl VmRuntime {
         let _admitted = self.admit(1, record.memory_mb, 0)?;
         let key = record.template.clone().ok_or_else(|| VmError::Config("hibernated VM has no template".into()))?;
         let template = Template { dir: self.templates_dir.join(&key), key };
-        let image = self
-            .images
-            .cached(&record.image)?
-            .ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
+        let image =
+            self.images.cached(&record.image)?.ok_or_else(|| VmError::Config(format!("image {} of VM {id} is gone", record.image)))?;
         let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
         // Checked before anything starts: a chain its records do not give
         // is refused without a QEMU.
@@ -745,7 +743,8 @@ impl VmRuntime {
         };
         let woken = async {
             let (qmp, ignore_shared) = attach_deferred_disk(&dir, &layers, memory, &exit_rx, self.boot_timeout()).await?;
-            let (qmp, agent) = restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
+            let (qmp, agent) =
+                restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;
             Ok::<_, VmError>((qmp, agent))
         }
@@ -846,9 +845,7 @@ async fn resend_restore_hook(
 }
 
 /// Runs a blocking read or write of guest memory off the async workers.
-async fn memory_task<T: Send + 'static>(
-    task: impl FnOnce() -> Result<T, delta::DeltaError> + Send + 'static,
-) -> Result<T, VmError> {
+async fn memory_task<T: Send + 'static>(task: impl FnOnce() -> Result<T, delta::DeltaError> + Send + 'static) -> Result<T, VmError> {
     Ok(tokio::task::spawn_blocking(task).await.map_err(|e| VmError::Config(format!("memory task: {e}")))??)
 }
 
@@ -892,10 +889,7 @@ fn spawn_qemu(
     };
     let tap = tap_slot.as_ref().map(|slot| launch::TapFd(std::os::fd::AsRawFd::as_raw_fd(slot)));
     let mut command = Command::new(&runtime.qemu);
-    command
-        .args(qemu_args(launch, &handed.fds(tap)))
-        .stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?)
-        .stderr(qemu_log);
+    command.args(qemu_args(launch, &handed.fds(tap))).stdout(qemu_log.try_clone().map_err(io_err("cloning the log fd"))?).stderr(qemu_log);
     let confinement = launch::Confinement {
         die_with_owner,
         netns,
@@ -959,11 +953,7 @@ fn exited_during_boot(dir: &Path, status: Option<String>) -> VmError {
 }
 
 /// Connects QMP and the agent of a booting VM, failing early if QEMU exits.
-async fn wait_for_agent(
-    dir: &Path,
-    exit_rx: &watch::Receiver<Option<String>>,
-    timeout: Duration,
-) -> Result<(Qmp, AgentClient), VmError> {
+async fn wait_for_agent(dir: &Path, exit_rx: &watch::Receiver<Option<String>>, timeout: Duration) -> Result<(Qmp, AgentClient), VmError> {
     let connect = async {
         let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
         let agent = AgentClient::connect(&launch::agent_socket(dir), timeout).await?;
@@ -1412,7 +1402,10 @@ impl Vm {
         let (b, t, id) = (blocks.clone(), template.clone(), self.id());
         let start = memory_task(move || {
             let started = std::time::Instant::now();
-            let tracked = b.iter().find(|block| block.name == t.name).map(|ram| write_tracker::WriteTracker::start(pid, ram.host_address, ram.length));
+            let tracked = b
+                .iter()
+                .find(|block| block.name == t.name)
+                .map(|ram| write_tracker::WriteTracker::start(pid, ram.host_address, ram.length));
             match tracked {
                 Some(Ok(tracker)) => {
                     let tracking = started.elapsed();
@@ -1621,10 +1614,7 @@ async fn monitor(mut m: Monitor) {
                 missed = 0;
             }
             if missed >= dog.misses {
-                return (
-                    FailureKind::Unresponsive,
-                    format!("the guest stopped answering ({missed} pings of {:?} missed)", dog.timeout),
-                );
+                return (FailureKind::Unresponsive, format!("the guest stopped answering ({missed} pings of {:?} missed)", dog.timeout));
             }
         }
     };

@@ -56,9 +56,7 @@ impl ProcessId {
     /// ours to reap, and left to init if we exit first.
     pub fn awaits_our_reap(&self) -> bool {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
-        parse_stat(&stat).is_some_and(|s| {
-            s.start_ticks == self.start_ticks && s.state == 'Z' && s.parent == std::process::id()
-        })
+        parse_stat(&stat).is_some_and(|s| s.start_ticks == self.start_ticks && s.state == 'Z' && s.parent == std::process::id())
     }
 
     /// How it ended, in the words of `std::process::ExitStatus` ("signal: 9
@@ -201,10 +199,7 @@ mod tests {
     #[test]
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19";
-        assert_eq!(
-            parse_stat(line),
-            Some(Stat { state: 'S', parent: 1, cpu_ticks: 11 + 12, start_ticks: 777, exit_code: None })
-        );
+        assert_eq!(parse_stat(line), Some(Stat { state: 'S', parent: 1, cpu_ticks: 11 + 12, start_ticks: 777, exit_code: None }));
     }
 
     #[test]

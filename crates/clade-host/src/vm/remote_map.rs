@@ -173,7 +173,9 @@ impl Borrowed {
         };
         match stopped {
             Ok(None) => {}
-            Ok(Some(signal)) => return fail(Some(signal), RemoteMapError::Trace { tid: tid.as_raw(), what: format!("a pending {signal}") }),
+            Ok(Some(signal)) => {
+                return fail(Some(signal), RemoteMapError::Trace { tid: tid.as_raw(), what: format!("a pending {signal}") })
+            }
             Err(e) => return fail(None, e),
         }
         let saved = match ptrace::getregs(tid) {
@@ -183,12 +185,8 @@ impl Borrowed {
         let in_syscall = saved.orig_rax as i64 >= 0;
         let syscall_at = saved.rip.wrapping_sub(2);
         let mut before = [0u8; 2];
-        let readable = process_vm_readv(
-            tid,
-            &mut [IoSliceMut::new(&mut before)],
-            &[RemoteIoVec { base: syscall_at as usize, len: 2 }],
-        )
-        .is_ok();
+        let readable =
+            process_vm_readv(tid, &mut [IoSliceMut::new(&mut before)], &[RemoteIoVec { base: syscall_at as usize, len: 2 }]).is_ok();
         if !in_syscall || !readable || before != SYSCALL_INSTRUCTION {
             return fail(None, RemoteMapError::Trace { tid: tid.as_raw(), what: "not waiting in a system call".into() });
         }

@@ -46,9 +46,8 @@ use super::launch::Memory;
 use super::record::{self, Lifetime, Phase};
 use super::template::Template;
 use super::{
-    delta,
-    hex_id, io_err, migrate, restore_into, restore_request, RestoredMemory, spawn_qemu, BootKind, ProcessId, State, Translations, Vm, VmError, VmRuntime, VmSpec,
-    Watchdog, AGENT_RECONNECT_TIMEOUT,
+    delta, hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, ProcessId, RestoredMemory, State, Translations,
+    Vm, VmError, VmRuntime, VmSpec, Watchdog, AGENT_RECONNECT_TIMEOUT,
 };
 
 /// Under the data directory: one directory per snapshot.
@@ -143,12 +142,7 @@ impl VmRuntime {
 
     /// Every snapshot record still on disk, deleted ones included.
     pub fn snapshots_all_records(&self) -> Vec<SnapshotRecord> {
-        std::fs::read_dir(self.snapshots_dir())
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| SnapshotRecord::load(&e.path()))
-            .collect()
+        std::fs::read_dir(self.snapshots_dir()).into_iter().flatten().flatten().filter_map(|e| SnapshotRecord::load(&e.path())).collect()
     }
 
     /// A snapshot's record, deleted ones included.
@@ -332,7 +326,12 @@ impl VmRuntime {
                 // older Clade, which did not record it) old enough to be sure.
                 None => match taker(dir) {
                     Some(taker) => !taker.is_alive(),
-                    None => dir.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > Duration::from_secs(600)),
+                    None => dir
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_some_and(|age| age > Duration::from_secs(600)),
                 },
             };
             if removable && std::fs::remove_dir_all(dir).is_ok() {
@@ -388,7 +387,10 @@ impl Vm {
             SnapshotRecord {
                 id: hex_id(),
                 source_vm: r.id.clone(),
-                template: r.template.clone().ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?,
+                template: r
+                    .template
+                    .clone()
+                    .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?,
                 image: r.image.clone(),
                 memory_mb: r.memory_mb,
                 vcpus: r.vcpus,
@@ -528,7 +530,8 @@ impl Vm {
             let memory = super::memory_task(move || capture.into_memory_delta()).await?;
             let memory_path = memory.path();
             let children = futures::future::join_all(
-                (0..count).map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&memory_path))),
+                (0..count)
+                    .map(|_| runtime.restore_snapshot(&dir, &snapshot, lifetime, Some(Watchdog::default()), None, Some(&memory_path))),
             )
             .await;
             Ok::<_, VmError>((children, started.elapsed()))

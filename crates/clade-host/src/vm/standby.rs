@@ -331,7 +331,12 @@ impl VmRuntime {
 
     /// The new VM's id, directory and record: those of the standby VMM it
     /// takes, or new ones.
-    pub(super) async fn new_or_standby(&self, standby: Option<&Standby>, spec: &VmSpec, template: &Template) -> Result<(String, PathBuf, VmRecord), VmError> {
+    pub(super) async fn new_or_standby(
+        &self,
+        standby: Option<&Standby>,
+        spec: &VmSpec,
+        template: &Template,
+    ) -> Result<(String, PathBuf, VmRecord), VmError> {
         match standby {
             Some(s) => Ok((s.id.clone(), s.dir.clone(), s.record.clone())),
             None => self.new_vm(spec, Some(template)).await,
@@ -342,7 +347,13 @@ impl VmRuntime {
     /// own, from [`Self::new_or_standby`]) becomes the VM's, its egress
     /// policy is put in force (the slot was isolated until now), and its
     /// disk is `disk`.
-    pub(super) async fn claim_standby(&self, standby: &Standby, record: &mut VmRecord, spec: &VmSpec, disk: TakenDisk<'_>) -> Result<(), VmError> {
+    pub(super) async fn claim_standby(
+        &self,
+        standby: &Standby,
+        record: &mut VmRecord,
+        spec: &VmSpec,
+        disk: TakenDisk<'_>,
+    ) -> Result<(), VmError> {
         if let Some(vmm) = record.vmm {
             vmm.set_niceness(0).map_err(io_err("restoring a taken standby VMM's priority"))?;
         }
@@ -383,7 +394,9 @@ async fn until_agent_disconnected(qmp: &Qmp) -> Result<(), VmError> {
             return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(VmError::Config(format!("QEMU did not see the rehearsal's agent connection end within {AGENT_DISCONNECT_TIMEOUT:?}")));
+            return Err(VmError::Config(format!(
+                "QEMU did not see the rehearsal's agent connection end within {AGENT_DISCONNECT_TIMEOUT:?}"
+            )));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
@@ -408,7 +421,10 @@ pub(super) async fn attach_disk(qmp: &Qmp, node: &str, layers: &[Layer], replace
     // QEMU keeps the files it opened from the sets.
     commands.extend(held.iter().map(|set| ("remove-fd", Some(json!({ "fdset-id": set.fdset_id })))));
     // `discard` as at launch: the guest's trims reach the layer.
-    commands.push(("blockdev-reopen", Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "discard": "unmap", "file": node }] }))));
+    commands.push((
+        "blockdev-reopen",
+        Some(json!({ "options": [{ "driver": "raw", "node-name": "root", "discard": "unmap", "file": node }] })),
+    ));
     if let Some(replaced) = replaced {
         commands.push(("blockdev-del", Some(json!({ "node-name": replaced }))));
     }

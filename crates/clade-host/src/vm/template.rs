@@ -143,7 +143,11 @@ impl TemplateLock {
 /// Never waits for the lock on the caller's thread: an exclusive holder may
 /// be another future of the same task (two creates joined, one of them
 /// still in `ensure`), which could then never run to let it go.
-pub(super) async fn record_use(templates_dir: &Path, template: &Template, save: impl FnOnce() -> std::io::Result<()>) -> Result<(), VmError> {
+pub(super) async fn record_use(
+    templates_dir: &Path,
+    template: &Template,
+    save: impl FnOnce() -> std::io::Result<()>,
+) -> Result<(), VmError> {
     let free = TemplateLock::take(templates_dir, &template.key, FlockArg::LockSharedNonblock).map_err(io_err("locking the template"))?;
     let _shared = match free {
         Some(lock) => lock,
@@ -180,12 +184,7 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
 
 /// The template for this shape, baked now if there is none. The flag says
 /// whether this call baked it.
-pub(super) async fn ensure(
-    runtime: &VmRuntime,
-    image: &GuestImage,
-    memory_mb: u32,
-    vcpus: u32,
-) -> Result<(Template, bool), VmError> {
+pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32) -> Result<(Template, bool), VmError> {
     let key = key(runtime, image, memory_mb, vcpus);
     let template = Template { dir: runtime.templates_dir.join(&key), key: key.clone() };
     if template.is_complete() {
@@ -276,9 +275,9 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
             agent.quiesce().await?;
             Ok::<_, VmError>(())
         };
-        tokio::time::timeout(runtime.boot_timeout(), steps).await.map_err(|_| {
-            VmError::Config(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout()))
-        })??;
+        tokio::time::timeout(runtime.boot_timeout(), steps)
+            .await
+            .map_err(|_| VmError::Config(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout())))??;
         migrate::save(&qmp, &dir.join("state"), true).await.map_err(|e| VmError::Config(format!("saving the template: {e}")))?;
         let _ = qmp.execute_timeout("quit", None, Duration::from_secs(2)).await;
         Ok::<_, VmError>(())
@@ -374,11 +373,8 @@ impl VmRuntime {
 
     /// Every template key a VM or snapshot record on this host names.
     fn templates_in_use(&self) -> HashSet<String> {
-        let vms = std::fs::read_dir(&self.vms_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| super::VmRecord::load(&e.path())?.template);
+        let vms =
+            std::fs::read_dir(&self.vms_dir).into_iter().flatten().flatten().filter_map(|e| super::VmRecord::load(&e.path())?.template);
         let snapshots = self.snapshots_all_records().into_iter().map(|s| s.template);
         vms.chain(snapshots).collect()
     }
@@ -411,17 +407,14 @@ fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     use clade_proto::{Command, ExecRequest};
     vec![
         ExecRequest::new(Command::Argv(vec!["true".into()])),
-        ExecRequest::new(Command::Shell(
-            "python3 -c 'import json, os, uuid, subprocess' && git --version >/dev/null".into(),
-        )),
+        ExecRequest::new(Command::Shell("python3 -c 'import json, os, uuid, subprocess' && git --version >/dev/null".into())),
         ExecRequest::new(Command::Argv(vec!["sync".into()])),
     ]
 }
 
 fn set_read_only(path: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
-        .map_err(io_err(format!("chmod {}", path.display())))
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)).map_err(io_err(format!("chmod {}", path.display())))
 }
 
 #[cfg(test)]

@@ -14,8 +14,8 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::sandbox::{vm_error, Running};
-use clade_host::VmError;
 use crate::{AppState, Limits};
+use clade_host::VmError;
 
 /// A shell command (`sh -c`) and its timeout.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -152,11 +152,5 @@ pub async fn exec(
         stdout_dropped: status.stdout_dropped,
         stderr_dropped: status.stderr_dropped,
     });
-    Ok(Json(ExecResult {
-        stdout: output.stdout_str(),
-        stderr: output.stderr_str(),
-        exit_code,
-        duration_ms,
-        truncated,
-    }))
+    Ok(Json(ExecResult { stdout: output.stdout_str(), stderr: output.stderr_str(), exit_code, duration_ms, truncated }))
 }

@@ -65,7 +65,10 @@ pub async fn exec_stream(
 
 /// How a streamed command ended.
 enum End {
-    Exited { exit_code: i32, timed_out: bool },
+    Exited {
+        exit_code: i32,
+        timed_out: bool,
+    },
     /// Past its timeout and the grace, the guest had not ended it: the host did.
     Overdue,
     /// The client went away; the command was cancelled.

@@ -163,8 +163,7 @@ pub async fn write(
     let running = state.service.running(&caller.workspace.id, &id).await?;
     let length = content_length(&request);
     let data = read_body(request.into_body(), length, state.limits.fs_write_bytes, "the file").await?;
-    let written =
-        running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
+    let written = running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
     Ok(Json(Written { path, bytes: written }))
 }
 
@@ -184,8 +183,7 @@ pub async fn list(
 ) -> Result<Json<DirListing>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let mut entries =
-        running.vm.agent().list_dir(&path).await.map_err(|e| agent_error("listing the directory", e, Some(&path)))?;
+    let mut entries = running.vm.agent().list_dir(&path).await.map_err(|e| agent_error("listing the directory", e, Some(&path)))?;
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     let entries = entries.iter().map(|e| FileEntry::new(&e.name, &join(&path, &e.name), &e.stat)).collect();
     Ok(Json(DirListing { path, entries }))

@@ -143,7 +143,13 @@ pub async fn fork_tree(
     let children = children(&forked);
     Ok((
         StatusCode::CREATED,
-        Json(ForkTreeResult { tree_id: forked.tree_id, parent_id: forked.parent_id, at: rfc3339(forked.at), children, errors: forked.errors }),
+        Json(ForkTreeResult {
+            tree_id: forked.tree_id,
+            parent_id: forked.parent_id,
+            at: rfc3339(forked.at),
+            children,
+            errors: forked.errors,
+        }),
     ))
 }
 
@@ -168,12 +174,6 @@ pub async fn promote(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<PromoteBody>,
 ) -> Result<Json<PromoteResult>, ApiError> {
-    let promoted =
-        state.service.promote(&caller.workspace.id, &id, body.cleanup_siblings.unwrap_or(false), body.tree_id).await?;
-    Ok(Json(PromoteResult {
-        winner: promoted.winner,
-        tree_id: promoted.tree_id,
-        deleted: promoted.deleted,
-        failures: promoted.failures,
-    }))
+    let promoted = state.service.promote(&caller.workspace.id, &id, body.cleanup_siblings.unwrap_or(false), body.tree_id).await?;
+    Ok(Json(PromoteResult { winner: promoted.winner, tree_id: promoted.tree_id, deleted: promoted.deleted, failures: promoted.failures }))
 }

@@ -140,9 +140,6 @@ pub async fn patch(
         return Err(ApiError::bad_request("nothing to change: send ttl_seconds or persistent"));
     }
     state.store.set_sandbox_lifecycle(&entry.id, ttl, body.persistent).await?;
-    state
-        .service
-        .record(&entry, "lifecycle", json!({ "ttl_seconds": ttl, "persistent": body.persistent }))
-        .await;
+    state.service.record(&entry, "lifecycle", json!({ "ttl_seconds": ttl, "persistent": body.persistent })).await;
     settings(&state, &caller.workspace.id, &id).await
 }

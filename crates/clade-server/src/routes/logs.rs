@@ -18,9 +18,9 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::json;
-use utoipa::IntoParams;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::mpsc;
+use utoipa::IntoParams;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};

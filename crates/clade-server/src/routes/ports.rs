@@ -93,18 +93,10 @@ fn info(state: &AppState, base: &UrlBase, id: &str, port: u16) -> PortInfo {
 }
 
 /// Listening sockets and labels, one entry per port, by port.
-fn merge(
-    state: &AppState,
-    base: &UrlBase,
-    id: &str,
-    listening: &[ListeningPort],
-    labels: &[clade_store::PortLabel],
-) -> Vec<PortInfo> {
+fn merge(state: &AppState, base: &UrlBase, id: &str, listening: &[ListeningPort], labels: &[clade_store::PortLabel]) -> Vec<PortInfo> {
     let mut ports: BTreeMap<u16, PortInfo> = BTreeMap::new();
     for socket in listening.iter().filter(|s| s.port != SSH_PORT) {
-        let entry = ports
-            .entry(socket.port)
-            .or_insert_with(|| info(state, base, id, socket.port));
+        let entry = ports.entry(socket.port).or_insert_with(|| info(state, base, id, socket.port));
         entry.listening = true;
         // Of several sockets on one port, the wildcard address says the most.
         if entry.address.is_none() || matches!(socket.address.as_str(), "0.0.0.0" | "::") {
@@ -113,9 +105,7 @@ fn merge(
         }
     }
     for label in labels {
-        let entry = ports
-            .entry(label.port)
-            .or_insert_with(|| info(state, base, id, label.port));
+        let entry = ports.entry(label.port).or_insert_with(|| info(state, base, id, label.port));
         entry.label = label.label.clone();
         entry.source = "user";
     }
@@ -136,21 +126,10 @@ pub async fn list(
     headers: HeaderMap,
 ) -> Result<Json<Vec<PortInfo>>, ApiError> {
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let listening = running
-        .vm
-        .agent()
-        .listening_ports()
-        .await
-        .map_err(|e| agent_error("listing ports", e, None))?;
+    let listening = running.vm.agent().listening_ports().await.map_err(|e| agent_error("listing ports", e, None))?;
     drop(running);
     let labels = state.store.port_labels(&id).await?;
-    Ok(Json(merge(
-        &state,
-        &UrlBase::of(&headers),
-        &id,
-        &listening,
-        &labels,
-    )))
+    Ok(Json(merge(&state, &UrlBase::of(&headers), &id, &listening, &labels)))
 }
 
 /// A port to list, with its label.
@@ -176,35 +155,17 @@ pub async fn add(
     JsonBody(body): JsonBody<AddPort>,
 ) -> Result<(StatusCode, Json<PortInfo>), ApiError> {
     let port = match body.port {
-        Some(p) if p == i64::from(SSH_PORT) => {
-            return Err(ApiError::bad_request("port 22 cannot be exposed"))
-        }
+        Some(p) if p == i64::from(SSH_PORT) => return Err(ApiError::bad_request("port 22 cannot be exposed")),
         Some(p) if (1..=65535).contains(&p) => p as u16,
-        Some(p) => {
-            return Err(ApiError::bad_request(format!(
-                "port {p} is not between 1 and 65535"
-            )))
-        }
+        Some(p) => return Err(ApiError::bad_request(format!("port {p} is not between 1 and 65535"))),
         None => return Err(ApiError::bad_request("port is required")),
     };
     let label = body.label.filter(|l| !l.trim().is_empty());
-    if label
-        .as_ref()
-        .is_some_and(|l| l.chars().count() > MAX_LABEL)
-    {
-        return Err(ApiError::bad_request(format!(
-            "label is longer than {MAX_LABEL} characters"
-        )));
+    if label.as_ref().is_some_and(|l| l.chars().count() > MAX_LABEL) {
+        return Err(ApiError::bad_request(format!("label is longer than {MAX_LABEL} characters")));
     }
-    state
-        .store
-        .sandbox(&caller.workspace.id, &id)
-        .await?
-        .ok_or_else(|| not_found(&id))?;
-    let stored = state
-        .store
-        .set_port_label(&id, port, label.as_deref())
-        .await?;
+    state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
+    let stored = state.store.set_port_label(&id, port, label.as_deref()).await?;
     // Whether it listens, if the sandbox can say so without being woken.
     let listening = match state.service.entry(&caller.workspace.id, &id) {
         Ok(entry) => listening_now(&state, &entry, port).await,
@@ -220,10 +181,7 @@ async fn listening_now(state: &AppState, entry: &Entry, port: u16) -> bool {
     let Some(vm) = state.service.running_vm(entry).await else {
         return false;
     };
-    vm.agent()
-        .listening_ports()
-        .await
-        .is_ok_and(|ports| ports.iter().any(|p| p.port == port))
+    vm.agent().listening_ports().await.is_ok_and(|ports| ports.iter().any(|p| p.port == port))
 }
 
 #[utoipa::path(delete, operation_id = "removePort", path = "/v1/sandboxes/{id}/ports/{port}", tag = "ports",
@@ -239,15 +197,9 @@ pub async fn remove(
     Path((id, port)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     let port = parse_port(&port)?;
-    state
-        .store
-        .sandbox(&caller.workspace.id, &id)
-        .await?
-        .ok_or_else(|| not_found(&id))?;
+    state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
     if !state.store.remove_port_label(&id, port).await? {
-        return Err(ApiError::not_found(format!(
-            "port {port} of sandbox {id} has no label"
-        )));
+        return Err(ApiError::not_found(format!("port {port} of sandbox {id} has no label")));
     }
     Ok(StatusCode::NO_CONTENT)
 }
@@ -278,24 +230,14 @@ pub async fn connect(
         strip: Vec::new(),
         strip_cookie: None,
     };
-    let stream = running
-        .vm
-        .agent()
-        .connect_port(port)
-        .await
-        .map_err(|e| connect_error(&target, e))?;
+    let stream = running.vm.agent().connect_port(port).await.map_err(|e| connect_error(&target, e))?;
     let entry = running.entry.clone();
     drop(running);
     Ok(upgrade.on_upgrade(move |socket| bridge(socket, stream, entry, state)))
 }
 
 /// Binary frames ↔ the connection's bytes, until the connection ends or the client leaves.
-async fn bridge(
-    mut socket: WebSocket,
-    stream: PortStream,
-    entry: std::sync::Arc<Entry>,
-    state: AppState,
-) {
+async fn bridge(mut socket: WebSocket, stream: PortStream, entry: std::sync::Arc<Entry>, state: AppState) {
     let (mut reader, mut writer) = tokio::io::split(stream);
     let mut buf = vec![0u8; 64 << 10];
     let mut in_use = tokio::time::interval(std::time::Duration::from_secs(10));

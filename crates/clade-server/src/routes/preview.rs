@@ -51,9 +51,7 @@ pub(crate) async fn route_host(State(state): State<AppState>, mut request: Reque
         .or_else(|| request.uri().authority().map(|a| a.to_string()));
     if let Some(found) = host.and_then(|h| state.previews.recognise(&h)) {
         let uri = request.uri().clone();
-        request
-            .extensions_mut()
-            .insert(PreviewRequest { host: found, uri });
+        request.extensions_mut().insert(PreviewRequest { host: found, uri });
         *request.uri_mut() = Uri::from_static(PREVIEW_ROUTE);
     }
     request
@@ -65,30 +63,15 @@ fn now_s() -> u64 {
 
 /// Serves a preview host's request: the token if the sandbox wants one,
 /// then the port, waking the sandbox if it sleeps.
-pub(crate) async fn serve(
-    State(state): State<AppState>,
-    request: Request,
-) -> Result<Response, ApiError> {
-    let Some(PreviewRequest { host, uri }) = request.extensions().get::<PreviewRequest>().cloned()
-    else {
-        return Err(ApiError::not_found(format!(
-            "no route for {} {}",
-            request.method(),
-            request.uri().path()
-        )));
+pub(crate) async fn serve(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let Some(PreviewRequest { host, uri }) = request.extensions().get::<PreviewRequest>().cloned() else {
+        return Err(ApiError::not_found(format!("no route for {} {}", request.method(), request.uri().path())));
     };
     let host = host.map_err(ApiError::bad_request)?;
-    let row = state
-        .store
-        .sandbox_by_id(&host.sandbox_id)
-        .await?
-        .ok_or_else(|| not_found(&host.sandbox_id))?;
+    let row = state.store.sandbox_by_id(&host.sandbox_id).await?.ok_or_else(|| not_found(&host.sandbox_id))?;
     let mut set_cookie = None;
     if row.preview_auth {
-        let from_query = uri
-            .query()
-            .and_then(|q| preview::query_param(q, TOKEN_QUERY))
-            .filter(|t| !t.is_empty());
+        let from_query = uri.query().and_then(|q| preview::query_param(q, TOKEN_QUERY)).filter(|t| !t.is_empty());
         let token = from_query.map(str::to_string).or_else(|| token_in_headers(request.headers())).ok_or_else(|| {
             ApiError::Unauthorized(format!(
                 "this preview needs a token (POST /v1/sandboxes/{}/preview-token), as ?{TOKEN_QUERY}=, a {TOKEN_COOKIE} cookie \
@@ -98,26 +81,17 @@ pub(crate) async fn serve(
         })?;
         let key = state.previews.key(&state.store).await?;
         let now = now_s();
-        let expires = preview::verify(key, &token, &row.id, host.port, now)
-            .map_err(|e| ApiError::Forbidden(e.to_string()))?;
+        let expires = preview::verify(key, &token, &row.id, host.port, now).map_err(|e| ApiError::Forbidden(e.to_string()))?;
         if from_query.is_some() {
-            let cookie = format!(
-                "{TOKEN_COOKIE}={token}; Path=/; Max-Age={}; HttpOnly; SameSite=Lax",
-                expires - now
-            );
-            let cookie = HeaderValue::from_str(&cookie)
-                .map_err(|_| ApiError::Forbidden("invalid preview token".into()))?;
-            let plain_get = matches!(*request.method(), Method::GET | Method::HEAD)
-                && !request.headers().contains_key(header::UPGRADE);
+            let cookie = format!("{TOKEN_COOKIE}={token}; Path=/; Max-Age={}; HttpOnly; SameSite=Lax", expires - now);
+            let cookie = HeaderValue::from_str(&cookie).map_err(|_| ApiError::Forbidden("invalid preview token".into()))?;
+            let plain_get = matches!(*request.method(), Method::GET | Method::HEAD) && !request.headers().contains_key(header::UPGRADE);
             if plain_get {
                 // The token leaves the address bar (and the guest's logs); the cookie carries it from now on.
                 let location = path_and_query(uri.path(), uri.query(), TOKEN_QUERY);
-                let mut response =
-                    (StatusCode::FOUND, [(header::LOCATION, location)]).into_response();
+                let mut response = (StatusCode::FOUND, [(header::LOCATION, location)]).into_response();
                 response.headers_mut().insert(header::SET_COOKIE, cookie);
-                response
-                    .headers_mut()
-                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
                 return Ok(response);
             }
             set_cookie = Some(cookie);
@@ -139,10 +113,7 @@ pub(crate) async fn serve(
 }
 
 fn token_in_headers(headers: &HeaderMap) -> Option<String> {
-    let header = headers
-        .get(TOKEN_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim().to_string());
+    let header = headers.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_string());
     let cookie = || {
         headers
             .get_all(header::COOKIE)
@@ -151,10 +122,7 @@ fn token_in_headers(headers: &HeaderMap) -> Option<String> {
             .find_map(|v| preview::cookie(v, TOKEN_COOKIE))
             .map(str::to_string)
     };
-    header
-        .filter(|t| !t.is_empty())
-        .or_else(cookie)
-        .filter(|t| !t.is_empty())
+    header.filter(|t| !t.is_empty()).or_else(cookie).filter(|t| !t.is_empty())
 }
 
 /// What a token opens, and for how long.
@@ -200,36 +168,16 @@ pub async fn create_token(
     let port = match body.port {
         None => None,
         Some(p) if (1..=65535).contains(&p) => Some(p as u16),
-        Some(p) => {
-            return Err(ApiError::bad_request(format!(
-                "port {p} is not between 1 and 65535"
-            )))
-        }
+        Some(p) => return Err(ApiError::bad_request(format!("port {p} is not between 1 and 65535"))),
     };
     let ttl = body.ttl_seconds.unwrap_or(DEFAULT_TTL_SECONDS);
     if !(1..=MAX_TTL_SECONDS).contains(&ttl) {
-        return Err(ApiError::bad_request(format!(
-            "ttl_seconds must be between 1 and {MAX_TTL_SECONDS}"
-        )));
+        return Err(ApiError::bad_request(format!("ttl_seconds must be between 1 and {MAX_TTL_SECONDS}")));
     }
-    let row = state
-        .store
-        .sandbox(&caller.workspace.id, &id)
-        .await?
-        .ok_or_else(|| not_found(&id))?;
+    let row = state.store.sandbox(&caller.workspace.id, &id).await?.ok_or_else(|| not_found(&id))?;
     let key = state.previews.key(&state.store).await?;
     let expires = now_s() + ttl as u64;
     let token = preview::sign(key, &row.id, port, expires);
-    let url = port.map(|p| {
-        format!(
-            "{}/?{TOKEN_QUERY}={token}",
-            UrlBase::of(&headers).preview_url(&state, p, &row.id)
-        )
-    });
-    Ok(Json(PreviewToken {
-        token,
-        expires_at: rfc3339(expires as i64 * 1000),
-        port,
-        url,
-    }))
+    let url = port.map(|p| format!("{}/?{TOKEN_QUERY}={token}", UrlBase::of(&headers).preview_url(&state, p, &row.id)));
+    Ok(Json(PreviewToken { token, expires_at: rfc3339(expires as i64 * 1000), port, url }))
 }

@@ -31,16 +31,8 @@ use crate::sandbox::{agent_error, Entry};
 use crate::AppState;
 
 /// Headers of one hop only (RFC 9110 §7.6.1), never forwarded as they are.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-];
+const HOP_BY_HOP: [&str; 8] =
+    ["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding"];
 
 /// How often an open WebSocket through the proxy marks its sandbox as used.
 const IN_USE_TOUCH: Duration = Duration::from_secs(10);
@@ -61,19 +53,13 @@ pub(crate) struct Target {
 pub(crate) fn parse_port(text: &str) -> Result<u16, ApiError> {
     match text.parse::<u16>() {
         Ok(port) if port > 0 => Ok(port),
-        _ => Err(ApiError::bad_request(format!(
-            "invalid port {text:?}: expected 1-65535"
-        ))),
+        _ => Err(ApiError::bad_request(format!("invalid port {text:?}: expected 1-65535"))),
     }
 }
 
 /// The path (with its leading `/`) and the query, without Clade's own parameter `strip_param`.
 pub(crate) fn path_and_query(path: &str, query: Option<&str>, strip_param: &str) -> String {
-    let path = if path.starts_with('/') {
-        path.to_string()
-    } else {
-        format!("/{path}")
-    };
+    let path = if path.starts_with('/') { path.to_string() } else { format!("/{path}") };
     match query.and_then(|q| preview::without_query_param(q, strip_param)) {
         Some(query) => format!("{path}?{query}"),
         None => path,
@@ -113,14 +99,7 @@ pub async fn proxy_path(
     proxy(state, caller, id, port, path, request).await
 }
 
-async fn proxy(
-    state: AppState,
-    caller: Caller,
-    id: String,
-    port: String,
-    path: String,
-    request: Request,
-) -> Result<Response, ApiError> {
+async fn proxy(state: AppState, caller: Caller, id: String, port: String, path: String, request: Request) -> Result<Response, ApiError> {
     let port = parse_port(&port)?;
     let target = Target {
         workspace_id: caller.workspace.id.clone(),
@@ -134,35 +113,17 @@ async fn proxy(
 }
 
 /// Sends `request` to the target port and streams its answer back.
-pub(crate) async fn forward(
-    state: &AppState,
-    target: Target,
-    mut request: Request,
-) -> Result<Response, ApiError> {
-    let running = state
-        .service
-        .running(&target.workspace_id, &target.sandbox_id)
-        .await?;
-    let stream = running
-        .vm
-        .agent()
-        .connect_port(target.port)
-        .await
-        .map_err(|e| connect_error(&target, e))?;
+pub(crate) async fn forward(state: &AppState, target: Target, mut request: Request) -> Result<Response, ApiError> {
+    let running = state.service.running(&target.workspace_id, &target.sandbox_id).await?;
+    let stream = running.vm.agent().connect_port(target.port).await.map_err(|e| connect_error(&target, e))?;
     let entry = running.entry.clone();
     // A proxied connection may stay open long; it must not hold off a
     // hibernate or delete (which end it).
     drop(running);
 
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
-            .await
-            .map_err(|e| {
-                ApiError::BadGateway(format!(
-                    "port {} of sandbox {}: {e}",
-                    target.port, target.sandbox_id
-                ))
-            })?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
+        .await
+        .map_err(|e| ApiError::BadGateway(format!("port {} of sandbox {}: {e}", target.port, target.sandbox_id)))?;
     let sandbox = target.sandbox_id.clone();
     tokio::spawn(async move {
         if let Err(e) = connection.with_upgrades().await {
@@ -173,16 +134,9 @@ pub(crate) async fn forward(
     let upgrade = upgrade_protocol(request.headers());
     let client_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut request));
     let (mut parts, body) = request.into_parts();
-    let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
-    parts.uri = target
-        .path_and_query
-        .parse::<Uri>()
-        .map_err(|e| ApiError::bad_request(format!("invalid path: {e}")))?;
+    let original_host =
+        parts.headers.get(header::HOST).cloned().or_else(|| parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+    parts.uri = target.path_and_query.parse::<Uri>().map_err(|e| ApiError::bad_request(format!("invalid path: {e}")))?;
     parts.version = Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
     for name in &target.strip {
@@ -195,40 +149,24 @@ pub(crate) async fn forward(
         parts.headers.insert("x-forwarded-host", host.clone());
         parts.headers.entry(header::HOST).or_insert(host);
     }
-    parts
-        .headers
-        .insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    parts.headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
     if let Some(protocol) = &upgrade {
-        parts
-            .headers
-            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         parts.headers.insert(header::UPGRADE, protocol.clone());
     }
 
     let mut response = sender
         .send_request(axum::http::Request::from_parts(parts, body))
         .await
-        .map_err(|e| {
-            ApiError::BadGateway(format!(
-                "port {} of sandbox {} did not answer: {e}",
-                target.port, target.sandbox_id
-            ))
-        })?;
+        .map_err(|e| ApiError::BadGateway(format!("port {} of sandbox {} did not answer: {e}", target.port, target.sandbox_id)))?;
     state.service.touch(&entry);
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_upgrade) = client_upgrade else {
-            return Err(ApiError::BadGateway(
-                "the sandbox switched protocols without being asked to".into(),
-            ));
+            return Err(ApiError::BadGateway("the sandbox switched protocols without being asked to".into()));
         };
         let guest_upgrade = hyper::upgrade::on(&mut response);
-        tokio::spawn(join_upgraded(
-            client_upgrade,
-            guest_upgrade,
-            entry,
-            state.clone(),
-        ));
+        tokio::spawn(join_upgraded(client_upgrade, guest_upgrade, entry, state.clone()));
         let (parts, _) = response.into_parts();
         let mut response = Response::from_parts(parts, Body::empty());
         response.extensions_mut().insert(Proxied);
@@ -244,12 +182,7 @@ pub(crate) async fn forward(
 
 /// Copies bytes between the client's and the guest's upgraded connections
 /// until either side closes.
-async fn join_upgraded(
-    client: hyper::upgrade::OnUpgrade,
-    guest: hyper::upgrade::OnUpgrade,
-    entry: Arc<Entry>,
-    state: AppState,
-) {
+async fn join_upgraded(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnUpgrade, entry: Arc<Entry>, state: AppState) {
     let (client, guest) = match tokio::try_join!(client, guest) {
         Ok(both) => both,
         Err(e) => {
@@ -283,9 +216,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
-    connection_upgrade
-        .then(|| headers.get(header::UPGRADE).cloned())
-        .flatten()
+    connection_upgrade.then(|| headers.get(header::UPGRADE).cloned()).flatten()
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -305,12 +236,8 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 fn strip_cookie(headers: &mut HeaderMap, name: &str) {
-    let kept: Vec<String> = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .filter_map(|v| preview::without_cookie(v, name))
-        .collect();
+    let kept: Vec<String> =
+        headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).filter_map(|v| preview::without_cookie(v, name)).collect();
     headers.remove(header::COOKIE);
     if !kept.is_empty() {
         if let Ok(value) = HeaderValue::from_str(&kept.join("; ")) {
@@ -324,15 +251,11 @@ fn strip_cookie(headers: &mut HeaderMap, name: &str) {
 pub(crate) fn connect_error(target: &Target, err: AgentError) -> ApiError {
     match err {
         AgentError::Guest(e) if e.kind == clade_proto::ErrorKind::ConnectionRefused => {
-            ApiError::BadGateway(format!(
-                "nothing is listening on port {} in sandbox {}",
-                target.port, target.sandbox_id
-            ))
+            ApiError::BadGateway(format!("nothing is listening on port {} in sandbox {}", target.port, target.sandbox_id))
         }
-        AgentError::Guest(e) => ApiError::BadGateway(format!(
-            "cannot connect to port {} in sandbox {}: {}",
-            target.port, target.sandbox_id, e.message
-        )),
+        AgentError::Guest(e) => {
+            ApiError::BadGateway(format!("cannot connect to port {} in sandbox {}: {}", target.port, target.sandbox_id, e.message))
+        }
         other => agent_error("connecting to the sandbox's port", other, None),
     }
 }

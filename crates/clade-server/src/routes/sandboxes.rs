@@ -8,9 +8,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use clade_store::SandboxRow;
-use tokio::sync::mpsc;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio::sync::mpsc;
 use utoipa::{IntoParams, ToSchema};
 
 use super::rfc3339;
@@ -80,8 +80,7 @@ impl SandboxDisk {
 
 impl Sandbox {
     pub fn from_row(row: &SandboxRow) -> Self {
-        let metadata =
-            row.metadata.iter().filter(|(k, _)| !k.starts_with(SECRET_METADATA)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let metadata = row.metadata.iter().filter(|(k, _)| !k.starts_with(SECRET_METADATA)).map(|(k, v)| (k.clone(), v.clone())).collect();
         Self {
             id: row.id.clone(),
             template: row.template.clone(),
@@ -321,4 +320,3 @@ async fn follow_events(
         }
     }
 }
-

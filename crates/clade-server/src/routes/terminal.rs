@@ -20,9 +20,9 @@ use axum::response::Response;
 use clade_host::agent::{ExecEvent, ExecInput, ExecSession};
 use clade_proto::{Command, ExecRequest, PtySize};
 use serde::Deserialize;
-use utoipa::IntoParams;
 use serde_json::json;
 use tokio::sync::mpsc;
+use utoipa::IntoParams;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};

@@ -76,11 +76,7 @@ pub struct CreateToken {
 #[utoipa::path(post, operation_id = "createToken", path = "/v1/me/tokens", tag = "tokens", request_body = CreateToken,
     responses((status = 200, description = "The new key, with its secret (shown only here)", body = Token),
         (status = 400, description = "Invalid body", body = ErrorBody)))]
-pub async fn create(
-    State(state): State<AppState>,
-    caller: Caller,
-    JsonBody(body): JsonBody<CreateToken>,
-) -> Result<Json<Token>, ApiError> {
+pub async fn create(State(state): State<AppState>, caller: Caller, JsonBody(body): JsonBody<CreateToken>) -> Result<Json<Token>, ApiError> {
     if body.expires_in_days.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request("expires_in_days is not supported: keys are valid until revoked"));
     }
@@ -95,11 +91,7 @@ pub async fn create(
 #[utoipa::path(delete, operation_id = "revokeToken", path = "/v1/me/tokens/{prefix}", tag = "tokens",
     params(("prefix" = String, Path, description = "The key's prefix (or id)")),
     responses((status = 204, description = "Revoked"), (status = 404, description = "No such key in the workspace", body = ErrorBody)))]
-pub async fn revoke(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(prefix): Path<String>,
-) -> Result<StatusCode, ApiError> {
+pub async fn revoke(State(state): State<AppState>, caller: Caller, Path(prefix): Path<String>) -> Result<StatusCode, ApiError> {
     match state.store.revoke_key(Some(&caller.workspace.id), &prefix).await {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
         Err(StoreError::NotFound(_)) => Err(ApiError::not_found(format!("token {prefix} not found"))),

@@ -83,11 +83,7 @@ impl SandboxService {
             let pending_workspace = pending.get(workspace_id).copied().unwrap_or(0);
             let pending_all: usize = pending.values().sum();
             if in_workspace + pending_workspace + count > settings.max_sandboxes_per_workspace {
-                return Err(ApiError::TooManyRequests {
-                    message: "max sandboxes reached".into(),
-                    retry_after: None,
-                    workspace: None,
-                });
+                return Err(ApiError::TooManyRequests { message: "max sandboxes reached".into(), retry_after: None, workspace: None });
             }
             if running + pending_all + count > settings.max_running_per_host {
                 return Err(no_capacity());

@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use clade_host::image::Progress;
-use clade_host::vm::BootKind;
 use clade_host::net::EgressPolicy;
+use clade_host::vm::BootKind;
 use clade_host::{Lifetime, VmSpec};
 use clade_store::{NewSandbox, SandboxRow, SandboxState, Workspace};
 
 use super::{vm_error, watchdog, Entry, SandboxService, Slot};
-use clade_host::VmError;
 use crate::error::{chain, ApiError};
+use clade_host::VmError;
 
 #[derive(Debug, Clone)]
 pub struct CreateParams {
@@ -170,7 +170,8 @@ impl SandboxService {
                 return Err(e.into());
             }
         };
-        let entry = Entry::new(&id, &workspace.id, Slot { state: SandboxState::Running, reason: None, vm: None, watcher: None }, row.created_at);
+        let entry =
+            Entry::new(&id, &workspace.id, Slot { state: SandboxState::Running, reason: None, vm: None, watcher: None }, row.created_at);
         {
             let mut slot = entry.slot.write().await;
             slot.watcher = Some(self.watch(&entry, &vm));

@@ -105,11 +105,7 @@ impl SandboxService {
         let (vms, errors) = self.keep_children(id, outcomes, params.tree).await?;
         let tree_id = params.tree.then(|| format!("tree-{:016x}", rand::random::<u64>()));
         // `explore()` asks for its orphans to go after `explore_ttl` idle seconds.
-        let ttl_seconds = params
-            .metadata
-            .get("explore_ttl")
-            .and_then(|t| t.parse::<u64>().ok())
-            .unwrap_or(parent.ttl_seconds);
+        let ttl_seconds = params.metadata.get("explore_ttl").and_then(|t| t.parse::<u64>().ok()).unwrap_or(parent.ttl_seconds);
         let mut children = Vec::with_capacity(vms.len());
         let mut failed = None;
         for (index, vm) in &vms {
@@ -223,8 +219,7 @@ impl SandboxService {
         tree_id: Option<String>,
     ) -> Result<Promoted, ApiError> {
         let (workspace_id, id) = (workspace_id.to_string(), id.to_string());
-        self.run_to_end(move |service| async move { service.promote_task(&workspace_id, &id, cleanup_siblings, tree_id).await })
-            .await
+        self.run_to_end(move |service| async move { service.promote_task(&workspace_id, &id, cleanup_siblings, tree_id).await }).await
     }
 
     async fn promote_task(

@@ -208,10 +208,7 @@ impl SandboxService {
     /// The live sandbox `id` of this workspace; another workspace's is "not found" too.
     pub fn entry(&self, workspace_id: &str, id: &str) -> Result<Arc<Entry>, ApiError> {
         let live = self.inner.live.lock().expect("sandbox map lock");
-        live.get(id)
-            .filter(|entry| entry.workspace_id == workspace_id)
-            .cloned()
-            .ok_or_else(|| not_found(id))
+        live.get(id).filter(|entry| entry.workspace_id == workspace_id).cloned().ok_or_else(|| not_found(id))
     }
 
     fn insert(&self, entry: Arc<Entry>) {
@@ -374,9 +371,7 @@ pub fn not_found(id: &str) -> ApiError {
 
 fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
     match state {
-        SandboxState::Paused => {
-            ApiError::conflict(format!("sandbox {id} is paused: resume it first (POST /v1/sandboxes/{id}/resume)"))
-        }
+        SandboxState::Paused => ApiError::conflict(format!("sandbox {id} is paused: resume it first (POST /v1/sandboxes/{id}/resume)")),
         SandboxState::Failed => ApiError::conflict(format!(
             "sandbox {id} has failed ({}); delete it and create another",
             reason.unwrap_or("no reason recorded")

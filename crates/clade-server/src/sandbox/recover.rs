@@ -64,11 +64,7 @@ impl SandboxService {
             };
             match outcome {
                 Ok(Some(vm)) => {
-                    let state = if records.get(&row.id) == Some(&Phase::Paused) {
-                        SandboxState::Paused
-                    } else {
-                        SandboxState::Running
-                    };
+                    let state = if records.get(&row.id) == Some(&Phase::Paused) { SandboxState::Paused } else { SandboxState::Running };
                     slot.watcher = Some(self.watch(&entry, &vm));
                     slot.vm = Some(vm);
                     self.set_state(&entry, &mut slot, state, None).await?;

@@ -77,4 +77,3 @@ impl SandboxService {
         self.runtime().vms_dir().parent().map(|d| d.join("snapshots")).unwrap_or_default()
     }
 }
-

@@ -44,8 +44,7 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.bytes)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.bytes)))
+        serde_json::from_slice(&self.bytes).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.bytes)))
     }
 
     /// The message of an error envelope, checking its shape.
@@ -82,11 +81,7 @@ impl Api {
             request = request.body(body);
         }
         let response = request.send().await.expect("the server answers");
-        Reply {
-            status: response.status(),
-            headers: response.headers().clone(),
-            bytes: response.bytes().await.expect("body").to_vec(),
-        }
+        Reply { status: response.status(), headers: response.headers().clone(), bytes: response.bytes().await.expect("body").to_vec() }
     }
 
     pub async fn get(&self, path: &str) -> Reply {

@@ -70,10 +70,7 @@ impl PgCluster {
         std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).map_err(|e| format!("chown: {e}"))?;
         let cluster = Self { dir, bin, uid, gid };
         let data = cluster.data_dir();
-        cluster.run(
-            "initdb",
-            &["-D", &data, "-U", PG_USER, "-A", "trust", "--no-sync", "-E", "UTF8", "--locale=C"],
-        )?;
+        cluster.run("initdb", &["-D", &data, "-U", PG_USER, "-A", "trust", "--no-sync", "-E", "UTF8", "--locale=C"])?;
         let socket_dir = cluster.dir.path().display().to_string();
         let options = format!("-k {socket_dir} -c listen_addresses='' -c fsync=off -c full_page_writes=off");
         let log = cluster.dir.path().join("server.log").display().to_string();
@@ -120,12 +117,8 @@ impl Drop for PgCluster {
 }
 
 fn pg_bin_dir() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("bin"))
-        .collect();
+    let mut candidates: Vec<PathBuf> =
+        std::fs::read_dir("/usr/lib/postgresql").into_iter().flatten().flatten().map(|e| e.path().join("bin")).collect();
     candidates.sort();
     candidates.reverse(); // newest major version first
     for dir in std::env::var_os("PATH").iter().flat_map(std::env::split_paths) {
@@ -163,4 +156,3 @@ fn unprivileged_user() -> Result<(u32, u32), String> {
         .find_map(|user| Some((id("-u", Some(user))?, id("-g", Some(user))?)))
         .ok_or_else(|| "no unprivileged user (postgres or nobody) to run PostgreSQL as".to_string())
 }
-
