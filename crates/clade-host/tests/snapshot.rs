@@ -672,7 +672,7 @@ fn a_fork_of_sixteen_works_on_two_cores() {
         for child in &children {
             assert_eq!(child.agent().read_file("/root/seed").await.unwrap(), b"seed");
         }
-        assert!(matches!(parent.fork(&env.runtime, 17, Lifetime::Ephemeral).await, Err(VmError::Config(_))));
+        assert!(matches!(parent.fork(&env.runtime, 17, Lifetime::Ephemeral).await, Err(VmError::InvalidSpec(_))));
     });
 }
 

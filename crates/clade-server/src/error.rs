@@ -6,6 +6,10 @@
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use clade_host::agent::AgentError;
+use clade_host::net::NetError;
+use clade_host::{ImageError, VmError};
+use clade_proto::{ErrorKind, GuestError};
 
 tokio::task_local! {
     /// The id of the request being served (set by the request-id middleware).
@@ -173,6 +177,58 @@ impl IntoResponse for ApiError {
             _ => {}
         }
         response
+    }
+}
+
+// The VM layer's and the guest's failures, as the API answers them: the
+// refusals with their reason (4xx, or 503 to retry), the faults as a 500
+// whose cause is logged.
+
+/// A VM-layer failure as an API error; `what` names the operation for the
+/// client (the cause is logged, not shown).
+pub fn vm_error(what: &str, err: VmError) -> ApiError {
+    match err {
+        VmError::Admission(_) => ApiError::InsufficientStorage("insufficient host memory/storage for sandbox".into()),
+        VmError::Image(ImageError::UnknownImage { name, available }) => {
+            ApiError::bad_request(format!("unknown template {name:?}: available: {available}"))
+        }
+        VmError::Agent(AgentError::Guest(e)) => guest_error(e, None),
+        VmError::Hibernated(id) => ApiError::conflict(format!("sandbox {id} is hibernated")),
+        VmError::WrongState { id, state, hint } => ApiError::conflict(format!("sandbox {id} is {state}; {hint}")),
+        VmError::Net(NetError::Policy(message)) => ApiError::bad_request(message),
+        VmError::Net(e @ NetError::Exhausted(_)) => ApiError::Unavailable { message: e.to_string(), retry_after: Some(5) },
+        VmError::InvalidSpec(message) => ApiError::bad_request(message),
+        VmError::Unsupported(message) => ApiError::conflict(message),
+        VmError::Busy(message) => ApiError::Unavailable { message, retry_after: Some(1) },
+        other => ApiError::internal(format!("{what} failed"), other),
+    }
+}
+
+/// A guest agent failure (`path` is what the operation was about).
+pub fn agent_error(what: &str, err: AgentError, path: Option<&str>) -> ApiError {
+    match err {
+        AgentError::Guest(e) => guest_error(e, path),
+        AgentError::Timeout(limit) => ApiError::Timeout(format!("{what}: timeout: the guest did not answer within {limit:?}")),
+        other => ApiError::internal(format!("{what} failed"), other),
+    }
+}
+
+fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
+    let subject = path.map(|p| format!(": {p}")).unwrap_or_default();
+    match e.kind {
+        ErrorKind::NotFound => ApiError::not_found(format!("no such file or directory{subject}")),
+        ErrorKind::PermissionDenied => ApiError::bad_request(format!("permission denied{subject}")),
+        ErrorKind::IsADirectory => ApiError::bad_request(format!("is a directory{subject}")),
+        ErrorKind::NotADirectory => ApiError::bad_request(format!("not a directory{subject}")),
+        ErrorKind::AlreadyExists => ApiError::conflict(format!("already exists{subject}")),
+        ErrorKind::DirectoryNotEmpty => ApiError::conflict(format!("directory not empty{subject}")),
+        ErrorKind::InvalidInput => ApiError::bad_request(e.message),
+        // An I/O error on the path the request named (EIO reading
+        // /proc/self/mem) is about that path, not a failure of the server.
+        ErrorKind::Io if path.is_some() => ApiError::bad_request(e.message),
+        ErrorKind::ConnectionRefused => ApiError::BadGateway(e.message),
+        ErrorKind::LimitReached => ApiError::conflict(e.message),
+        ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
     }
 }
 

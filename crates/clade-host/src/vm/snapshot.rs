@@ -42,13 +42,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::net::EgressPolicy;
 
+use super::error::{io_err, task_err, VmError};
+use super::handle::{State, Vm};
 use super::launch::Memory;
+use super::migrate::Translations;
 use super::record::{self, Lifetime, Phase};
+use super::restore::{restore_into, restore_request, spawn_qemu, RestoredMemory};
+use super::runtime::{hex_id, VmRuntime, AGENT_RECONNECT_TIMEOUT};
+use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
-use super::{
-    delta, hex_id, io_err, migrate, restore_into, restore_request, spawn_qemu, BootKind, ProcessId, RestoredMemory, State, Translations,
-    Vm, VmError, VmRuntime, VmSpec, Watchdog, AGENT_RECONNECT_TIMEOUT,
-};
+use super::{delta, migrate, ProcessId};
 
 /// Under the data directory: one directory per snapshot.
 pub(super) const SNAPSHOTS_DIR: &str = "snapshots";
@@ -175,7 +178,7 @@ impl VmRuntime {
         network: Option<EgressPolicy>,
     ) -> Result<Vm, VmError> {
         let (snap_dir, snap) = self.load_snapshot(snapshot_id)?;
-        let disk_bytes = super::disk_use(&snap_dir.join(super::DISK_LAYER)).map_or(0, |(disk, _)| disk);
+        let disk_bytes = super::runtime::disk_use(&snap_dir.join(super::runtime::DISK_LAYER)).map_or(0, |(disk, _)| disk);
         let _admitted = self.admit(1, snap.memory_mb, disk_bytes)?;
         self.restore_snapshot(&snap_dir, &snap, lifetime, watchdog, network, None).await
     }
@@ -195,7 +198,7 @@ impl VmRuntime {
         let image = self
             .images
             .cached(&snap.image)?
-            .ok_or_else(|| VmError::Config(format!("image {} of snapshot {snapshot_id} is gone", snap.image)))?;
+            .ok_or_else(|| VmError::Records(format!("image {} of snapshot {snapshot_id} is gone", snap.image)))?;
         let spec = VmSpec {
             memory_mb: snap.memory_mb,
             vcpus: snap.vcpus,
@@ -224,11 +227,11 @@ impl VmRuntime {
             let preparing = std::time::Instant::now();
             let (exit_rx, qmp, ignore_shared) = match standby {
                 Some(s) => {
-                    let vmm = record.vmm.ok_or_else(|| VmError::Config("a standby without a VMM process".into()))?;
+                    let vmm = record.vmm.ok_or_else(|| VmError::Records("a standby without a VMM process".into()))?;
                     // The disk and the memory are independent: put in place together.
                     let (claimed, placed) = tokio::join!(
                         self.claim_standby(&s, &mut record, &spec, super::standby::TakenDisk::Layer(&child_layer)),
-                        super::place_memory(&s.qmp, restored_memory(vmm))
+                        super::restore::place_memory(&s.qmp, restored_memory(vmm))
                     );
                     claimed?;
                     let ignore_shared = placed?;
@@ -241,7 +244,7 @@ impl VmRuntime {
                     match std::fs::copy(&child_layer, &layer) {
                         Ok(_) => {}
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &layer, None).await?;
+                            super::runtime::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &layer, None).await?;
                         }
                         Err(e) => return Err(io_err("creating the disk layer")(e)),
                     }
@@ -251,14 +254,14 @@ impl VmRuntime {
                         false => template.ram(),
                     };
                     // The layer stands on the snapshot's: attached after start.
-                    let disk = super::launch::Disk::Deferred { bytes: super::qcow2_virtual_size(&layer)? };
+                    let disk = super::launch::Disk::Deferred { bytes: super::runtime::qcow2_virtual_size(&layer)? };
                     let mut launch = self.launch_spec(&id, &dir, &spec, disk, Memory::FromTemplate(ram), true);
                     launch.tap = netns.is_some();
                     let (vmm, exit_rx) = spawn_qemu(self, &launch, lifetime == Lifetime::Ephemeral, netns.as_deref())?;
                     record.vmm = Some(vmm);
                     record.save(&dir).map_err(io_err("writing the VM record"))?;
                     let (qmp, ignore_shared) =
-                        super::attach_deferred_disk(&dir, &layers, restored_memory(vmm), &exit_rx, self.boot_timeout()).await?;
+                        super::restore::attach_deferred_disk(&dir, &layers, restored_memory(vmm), &exit_rx, self.boot_timeout()).await?;
                     (exit_rx, Some(qmp), ignore_shared)
                 }
             };
@@ -268,7 +271,7 @@ impl VmRuntime {
             let restoring = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
             let restored = restoring.elapsed();
-            super::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
+            super::restore::run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
             tracing::debug!(vm = %id, prepared = ?prepared, ?restored, total = ?restoring.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
@@ -356,12 +359,12 @@ impl Vm {
             let (paused, capture) = saved?;
             resumed?;
             let memory = dir.join(MEMORY);
-            super::memory_task(move || capture.save(&memory)).await?;
+            super::restore::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
             let (record, record_dir) = (record.clone(), dir.clone());
             tokio::task::spawn_blocking(move || record.save_durably(&record_dir))
                 .await
-                .map_err(|e| VmError::Config(format!("record task: {e}")))?
+                .map_err(task_err("record"))?
                 .map_err(io_err("writing the snapshot record"))?;
             let _ = std::fs::remove_file(dir.join(TAKER));
             Ok(())
@@ -380,7 +383,7 @@ impl Vm {
     /// snapshot's directory; returns it with the record to complete.
     fn begin_snapshot(&self, runtime: &VmRuntime) -> Result<(PathBuf, SnapshotRecord), VmError> {
         if !self.memory_is_template_based() {
-            return Err(VmError::Config("this VM was made from a snapshot of an older Clade and cannot be snapshotted".into()));
+            return Err(VmError::Unsupported("this VM was made from a snapshot of an older Clade and cannot be snapshotted".into()));
         }
         let snapshot = {
             let r = self.inner.record.lock().expect("record lock");
@@ -390,7 +393,7 @@ impl Vm {
                 template: r
                     .template
                     .clone()
-                    .ok_or_else(|| VmError::Config("only VMs created from a template can be snapshotted".into()))?,
+                    .ok_or_else(|| VmError::Unsupported("only VMs created from a template can be snapshotted".into()))?,
                 image: r.image.clone(),
                 memory_mb: r.memory_mb,
                 vcpus: r.vcpus,
@@ -443,9 +446,9 @@ impl Vm {
     /// yet). Best effort: without it, each VM made gets a layer of its own.
     async fn prepare_child_layer(&self, snap_dir: &Path) {
         let made = async {
-            let size = super::qcow2_virtual_size(&self.inner.dir.join("disk.qcow2"))?;
+            let size = super::runtime::qcow2_virtual_size(&self.inner.dir.join("disk.qcow2"))?;
             let staged = snap_dir.join(format!(".{CHILD_LAYER}.tmp"));
-            super::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &staged, Some(size)).await?;
+            super::runtime::create_overlay(&snap_dir.join("disk.qcow2"), "qcow2", &staged, Some(size)).await?;
             std::fs::rename(&staged, snap_dir.join(CHILD_LAYER)).map_err(io_err("publishing the child layer"))
         };
         if let Err(e) = made.await {
@@ -456,13 +459,13 @@ impl Vm {
     /// After a snapshot, whatever happened: the VM runs, has a new session,
     /// and its clock no longer lags by the pause.
     async fn resume_after_snapshot(&self) -> Result<(), VmError> {
-        let resumed = migrate::abandon(&self.inner.qmp).await.map_err(|e| VmError::Config(format!("resuming after the snapshot: {e}")));
+        let resumed = migrate::abandon(&self.inner.qmp).await.map_err(|e| VmError::Vmm(format!("resuming after the snapshot: {e}")));
         let reconnected = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
         *self.inner.state.lock().expect("vm state lock") = State::Running;
         resumed?;
         reconnected?;
         // Its clock lost the pause.
-        let _ = super::run_restore_hook(&self.inner.agent, restore_request(&self.id(), false), AGENT_RECONNECT_TIMEOUT).await;
+        let _ = super::restore::run_restore_hook(&self.inner.agent, restore_request(&self.id(), false), AGENT_RECONNECT_TIMEOUT).await;
         Ok(())
     }
 
@@ -500,10 +503,10 @@ impl Vm {
     /// module's description).
     pub async fn fork_each(&self, runtime: &VmRuntime, count: usize, lifetime: Lifetime) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         if !(1..=16).contains(&count) {
-            return Err(VmError::Config(format!("a fork makes 1 to 16 VMs, not {count}")));
+            return Err(VmError::InvalidSpec(format!("a fork makes 1 to 16 VMs, not {count}")));
         }
         let memory_mb = self.inner.record.lock().expect("record lock").memory_mb;
-        let disk_bytes = super::disk_use(&self.inner.dir.join(super::DISK_LAYER)).map_or(0, |(disk, _)| disk);
+        let disk_bytes = super::runtime::disk_use(&self.inner.dir.join(super::runtime::DISK_LAYER)).map_or(0, |(disk, _)| disk);
         let _admitted = runtime.admit(count as u32, memory_mb, disk_bytes)?;
         let started = std::time::Instant::now();
         let (dir, mut snapshot) = self.begin_snapshot(runtime)?;
@@ -527,7 +530,7 @@ impl Vm {
         };
         let captured = started.elapsed();
         let children = async {
-            let memory = super::memory_task(move || capture.into_memory_delta()).await?;
+            let memory = super::restore::memory_task(move || capture.into_memory_delta()).await?;
             let memory_path = memory.path();
             let children = futures::future::join_all(
                 (0..count)
@@ -580,7 +583,7 @@ async fn copy_file(from: &Path, to: &Path) -> Result<(), VmError> {
     let (from, to) = (from.to_path_buf(), to.to_path_buf());
     tokio::task::spawn_blocking(move || std::fs::copy(&from, &to))
         .await
-        .map_err(|e| VmError::Config(format!("copy task: {e}")))?
+        .map_err(task_err("copy"))?
         .map_err(io_err("copying the disk layer"))?;
     Ok(())
 }

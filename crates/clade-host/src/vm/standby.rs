@@ -36,11 +36,15 @@ use tokio::sync::watch;
 
 use clade_proto::{Command, ExecRequest};
 
+use super::error::{io_err, VmError};
 use super::launch::{Disk, Memory};
 use super::migrate::{self, Translations};
+use super::record;
 use super::record::{Lifetime, Phase, VmRecord};
+use super::restore::{connect_qmp, spawn_qemu};
+use super::runtime::{make_writable, VmRuntime};
+use super::spec::VmSpec;
 use super::template::Template;
-use super::{connect_qmp, io_err, make_writable, record, spawn_qemu, VmError, VmRuntime, VmSpec};
 use crate::accel::Accel;
 use crate::agent::AgentClient;
 use crate::net::EgressPolicy;
@@ -231,7 +235,7 @@ impl VmRuntime {
         let starting = std::time::Instant::now();
         let (id, dir, mut record) = self.new_vm(spec, Some(template)).await?;
         let started = async {
-            let bytes = super::qcow2_virtual_size(&template.overlay())?;
+            let bytes = super::runtime::qcow2_virtual_size(&template.overlay())?;
             // With networking, a standby holds an isolated slot: the create
             // that takes it puts its own policy in force before the guest runs.
             let isolated = self.network.as_ref().map(|_| crate::net::EgressPolicy::isolated());
@@ -256,7 +260,7 @@ impl VmRuntime {
             let qmp = tokio::select! {
                 qmp = connect_qmp(&socket, self.boot_timeout()) => qmp?,
                 status = exit_watch.wait_for(Option::is_some) => {
-                    return Err(super::exited_during_boot(&dir, status.ok().and_then(|s| s.clone())));
+                    return Err(super::restore::exited_during_boot(&dir, status.ok().and_then(|s| s.clone())));
                 }
             };
             if let Some(vmm) = record.vmm {
@@ -310,10 +314,10 @@ impl VmRuntime {
         std::fs::copy(template.overlay(), &scratch).map_err(io_err("creating the rehearsal's disk layer"))?;
         make_writable(&scratch)?;
         attach_disk(qmp, REHEARSAL_DISK_NODE, &self.disk_chain(&scratch, record)?, None).await?;
-        let rehearsing = |e: &dyn std::fmt::Display| VmError::Config(format!("rehearsing the template's restore: {e}"));
+        let rehearsing = |e: &dyn std::fmt::Display| VmError::Vmm(format!("rehearsing the template's restore: {e}"));
         migrate::load(qmp, &template.state(), true, Translations::Flush).await.map_err(|e| rehearsing(&e))?;
         let agent = AgentClient::connect_restored(&super::launch::agent_socket(dir), self.boot_timeout()).await?;
-        super::run_restore_hook(&agent, super::restore_request(&record.id, true), self.boot_timeout()).await?;
+        super::restore::run_restore_hook(&agent, super::restore::restore_request(&record.id, true), self.boot_timeout()).await?;
         let command = Command::Argv(REHEARSAL_COMMAND.iter().map(|arg| arg.to_string()).collect());
         let output = agent.run(ExecRequest::new(command)).await?;
         if output.exit_code() != 0 {
@@ -388,15 +392,13 @@ async fn until_agent_disconnected(qmp: &Qmp) -> Result<(), VmError> {
         let chardevs = qmp.execute("query-chardev", None).await?;
         let agent = chardevs.as_array().and_then(|list| list.iter().find(|c| c["label"] == super::launch::AGENT_CHARDEV));
         let Some(agent) = agent else {
-            return Err(VmError::Config(format!("QEMU has no chardev {:?}: {chardevs}", super::launch::AGENT_CHARDEV)));
+            return Err(VmError::Vmm(format!("no chardev {:?}: {chardevs}", super::launch::AGENT_CHARDEV)));
         };
         if agent["filename"].as_str().is_some_and(|name| name.starts_with("disconnected:")) {
             return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(VmError::Config(format!(
-                "QEMU did not see the rehearsal's agent connection end within {AGENT_DISCONNECT_TIMEOUT:?}"
-            )));
+            return Err(VmError::Vmm(format!("QEMU did not see the rehearsal's agent connection end within {AGENT_DISCONNECT_TIMEOUT:?}")));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

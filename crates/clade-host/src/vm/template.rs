@@ -34,8 +34,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
+use super::error::{io_err, task_err, VmError};
 use super::launch::{Disk, LaunchSpec, Memory};
-use super::{io_err, migrate, spawn_qemu, wait_for_agent, VmError, VmRuntime};
+use super::migrate;
+use super::restore::{spawn_qemu, wait_for_agent};
+use super::runtime::VmRuntime;
 use crate::image::GuestImage;
 
 #[derive(Debug, Clone)]
@@ -126,9 +129,9 @@ impl TemplateLock {
         let (dir, key) = (templates_dir.to_path_buf(), key.to_string());
         tokio::task::spawn_blocking(move || Self::take(&dir, &key, arg))
             .await
-            .map_err(|e| VmError::Config(format!("template lock task: {e}")))?
+            .map_err(task_err("template lock"))?
             .map_err(io_err("locking the template"))?
-            .ok_or_else(|| VmError::Config("template lock refused".into()))
+            .ok_or_else(|| VmError::Busy("the template's lock was refused; try again".into()))
     }
 
     /// Removes the lock file while holding it (the template is gone).
@@ -154,7 +157,7 @@ pub(super) async fn record_use(
         None => TemplateLock::take_async(templates_dir, &template.key, FlockArg::LockShared).await?,
     };
     if !template.is_complete() {
-        return Err(VmError::Config(format!(
+        return Err(VmError::Busy(format!(
             "template {} was removed while this VM was being made (superseded by a newer bake); try again",
             template.key
         )));
@@ -207,7 +210,7 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
             accel: runtime.accel.to_string(),
             baked_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
         };
-        let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Config(format!("template metadata: {e}")))?;
+        let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Records(format!("template metadata: {e}")))?;
         std::fs::write(staging.join(TemplateMeta::FILE), json).map_err(io_err("writing the template metadata"))
     }
     .await;
@@ -219,7 +222,7 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
     std::fs::rename(&staging, &template.dir).map_err(io_err("publishing the template"))?;
     // The seed overlay names the published disk layer as its backing file.
     let seed_tmp = template.dir.join("overlay.qcow2.tmp");
-    super::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp, None).await?;
+    super::runtime::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp, None).await?;
     set_read_only(&seed_tmp)?;
     std::fs::rename(&seed_tmp, template.overlay()).map_err(io_err("publishing the template overlay"))?;
     tracing::info!(template = %key, image = %image.name, "template baked");
@@ -234,7 +237,7 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
 
 async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32, dir: &Path) -> Result<(), VmError> {
     let disk = dir.join("disk.qcow2");
-    super::create_overlay(&image.rootfs, "raw", &disk, None).await?;
+    super::runtime::create_overlay(&image.rootfs, "raw", &disk, None).await?;
     let chain = runtime.over_image(vec![crate::qcow2::Layer::qcow2(disk.clone())])?;
     let launch = LaunchSpec {
         id: "template".into(),
@@ -262,14 +265,14 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
             // Also the agent's own first steps after a restore (hook, exec, files),
             // so that their code is in the template's memory, not read from disk
             // by every new VM.
-            agent.restore_hook(super::restore_request("template", false)).await?;
+            agent.restore_hook(super::restore::restore_request("template", false)).await?;
             agent.write_file("/tmp/.clade-warmup", b"warm").await?;
             agent.read_file("/tmp/.clade-warmup").await?;
             agent.remove("/tmp/.clade-warmup", false).await?;
             for command in warmup_commands() {
                 let out = agent.run(command).await?;
                 if out.exit_code() != 0 {
-                    return Err(VmError::Config(format!("template warm-up failed: {}", out.stderr_str())));
+                    return Err(VmError::Vmm(format!("template warm-up failed: {}", out.stderr_str())));
                 }
             }
             agent.quiesce().await?;
@@ -277,8 +280,8 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         };
         tokio::time::timeout(runtime.boot_timeout(), steps)
             .await
-            .map_err(|_| VmError::Config(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout())))??;
-        migrate::save(&qmp, &dir.join("state"), true).await.map_err(|e| VmError::Config(format!("saving the template: {e}")))?;
+            .map_err(|_| VmError::Vmm(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout())))??;
+        migrate::save(&qmp, &dir.join("state"), true).await.map_err(|e| VmError::Vmm(format!("saving the template: {e}")))?;
         let _ = qmp.execute_timeout("quit", None, Duration::from_secs(2)).await;
         Ok::<_, VmError>(())
     }
@@ -450,7 +453,7 @@ mod tests {
             saved = true;
             Ok(())
         }));
-        assert!(matches!(refused, Err(VmError::Config(ref m)) if m.contains("was removed")), "{refused:?}");
+        assert!(matches!(refused, Err(VmError::Busy(ref m)) if m.contains("was removed")), "{refused:?}");
         assert!(!saved);
         std::fs::create_dir(&template.dir).unwrap();
         for file in ["ram", "state", "overlay.qcow2"] {

@@ -11,9 +11,10 @@ use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
+use crate::error::vm_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::{vm_error, Running};
+use crate::sandbox::Running;
 use crate::{AppState, Limits};
 use clade_host::VmError;
 

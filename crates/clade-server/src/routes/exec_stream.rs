@@ -18,9 +18,10 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::{agent_error, Running, SandboxService};
+use crate::sandbox::{Running, SandboxService};
 use crate::sse::{self, SseEvent, Utf8Decoder};
 use crate::AppState;
 

@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::{content_length, human_bytes, read_body};
-use crate::sandbox::agent_error;
 use crate::AppState;
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::agent_error;
 use crate::AppState;
 
 /// Limits on every command of a sandbox together; an absent field is left

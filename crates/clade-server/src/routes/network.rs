@@ -10,9 +10,9 @@ use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
+use crate::error::vm_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::vm_error;
 use crate::AppState;
 
 /// What a sandbox may reach. Every field is optional; absent fields take

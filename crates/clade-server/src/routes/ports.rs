@@ -18,9 +18,10 @@ use utoipa::ToSchema;
 
 use super::proxy::{connect_error, parse_port, Target};
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::sandbox::{agent_error, not_found, Entry};
+use crate::sandbox::{not_found, Entry};
 use crate::{preview, AppState};
 
 /// The port PandaStack keeps out of port lists and refuses to label (§3.10).

@@ -24,10 +24,11 @@ use clade_host::agent::AgentError;
 use hyper_util::rt::TokioIo;
 
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::Proxied;
 use crate::preview;
-use crate::sandbox::{agent_error, Entry};
+use crate::sandbox::Entry;
 use crate::AppState;
 
 /// Headers of one hop only (RFC 9110 §7.6.1), never forwarded as they are.

@@ -25,8 +25,9 @@ use tokio::sync::mpsc;
 use utoipa::IntoParams;
 
 use crate::auth::Caller;
+use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
-use crate::sandbox::{agent_error, Entry};
+use crate::sandbox::Entry;
 use crate::AppState;
 
 #[derive(Debug, Deserialize, IntoParams)]

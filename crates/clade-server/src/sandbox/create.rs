@@ -11,7 +11,8 @@ use clade_host::vm::BootKind;
 use clade_host::{Lifetime, VmSpec};
 use clade_store::{NewSandbox, SandboxRow, SandboxState, Workspace};
 
-use super::{vm_error, watchdog, Entry, SandboxService, Slot};
+use super::{watchdog, Entry, SandboxService, Slot};
+use crate::error::vm_error;
 use crate::error::{chain, ApiError};
 use clade_host::VmError;
 
@@ -78,7 +79,7 @@ impl SandboxService {
                 if let Err(stop) = vm.stop().await {
                     tracing::error!(vm = %vm.id(), "removing a sandbox whose limits were refused: {}", chain(&stop));
                 }
-                return Err(super::agent_error("setting the limits", e, None));
+                return Err(crate::error::agent_error("setting the limits", e, None));
             }
         }
         self.adopt_new(workspace, params, vm, started).await

@@ -13,7 +13,8 @@ use std::time::Instant;
 use clade_host::{Lifetime, Vm, VmError};
 use clade_store::{now_ms, NewSandbox, SandboxRow, SandboxState, UnixMillis, Workspace};
 
-use super::{not_found, not_usable, vm_error, Entry, SandboxService, Slot};
+use super::{not_found, not_usable, Entry, SandboxService, Slot};
+use crate::error::vm_error;
 use crate::error::{chain, ApiError};
 
 /// Most children of one fork (§3.9).

@@ -2,7 +2,8 @@
 
 use clade_store::SandboxState;
 
-use super::{not_found, not_usable, vm_error, watchdog, Entry, SandboxService, Slot};
+use super::{not_found, not_usable, watchdog, Entry, SandboxService, Slot};
+use crate::error::vm_error;
 use crate::error::{chain, ApiError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

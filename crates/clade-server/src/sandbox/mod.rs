@@ -24,11 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use clade_host::agent::AgentError;
-use clade_host::net::NetError;
 use clade_host::vm::{VmFailure, Watchdog};
-use clade_host::{ImageError, Vm, VmError, VmRuntime};
-use clade_proto::{ErrorKind, GuestError};
+use clade_host::{Vm, VmRuntime};
 use clade_store::{now_ms, SandboxState, Store};
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio::task::AbortHandle;
@@ -381,51 +378,6 @@ fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
         SandboxState::Running | SandboxState::Hibernated => {
             ApiError::internal("internal error", format!("sandbox {id} is {state} without a VM"))
         }
-    }
-}
-
-/// A VM-layer failure as an API error; `what` names the operation for the
-/// client (the cause is logged, not shown).
-pub fn vm_error(what: &str, err: VmError) -> ApiError {
-    match err {
-        VmError::Admission(_) => ApiError::InsufficientStorage("insufficient host memory/storage for sandbox".into()),
-        VmError::Image(ImageError::UnknownImage { name, available }) => {
-            ApiError::bad_request(format!("unknown template {name:?}: available: {available}"))
-        }
-        VmError::Agent(AgentError::Guest(e)) => guest_error(e, None),
-        VmError::Hibernated(id) => ApiError::conflict(format!("sandbox {id} is hibernated")),
-        VmError::WrongState { id, state, hint } => ApiError::conflict(format!("sandbox {id} is {state}; {hint}")),
-        VmError::Net(NetError::Policy(message)) => ApiError::bad_request(message),
-        VmError::Net(e @ NetError::Exhausted(_)) => ApiError::Unavailable { message: e.to_string(), retry_after: Some(5) },
-        other => ApiError::internal(format!("{what} failed"), other),
-    }
-}
-
-/// A guest agent failure (`path` is what the operation was about).
-pub fn agent_error(what: &str, err: AgentError, path: Option<&str>) -> ApiError {
-    match err {
-        AgentError::Guest(e) => guest_error(e, path),
-        AgentError::Timeout(limit) => ApiError::Timeout(format!("{what}: timeout: the guest did not answer within {limit:?}")),
-        other => ApiError::internal(format!("{what} failed"), other),
-    }
-}
-
-fn guest_error(e: GuestError, path: Option<&str>) -> ApiError {
-    let subject = path.map(|p| format!(": {p}")).unwrap_or_default();
-    match e.kind {
-        ErrorKind::NotFound => ApiError::not_found(format!("no such file or directory{subject}")),
-        ErrorKind::PermissionDenied => ApiError::bad_request(format!("permission denied{subject}")),
-        ErrorKind::IsADirectory => ApiError::bad_request(format!("is a directory{subject}")),
-        ErrorKind::NotADirectory => ApiError::bad_request(format!("not a directory{subject}")),
-        ErrorKind::AlreadyExists => ApiError::conflict(format!("already exists{subject}")),
-        ErrorKind::DirectoryNotEmpty => ApiError::conflict(format!("directory not empty{subject}")),
-        ErrorKind::InvalidInput => ApiError::bad_request(e.message),
-        // An I/O error on the path the request named (EIO reading
-        // /proc/self/mem) is about that path, not a failure of the server.
-        ErrorKind::Io if path.is_some() => ApiError::bad_request(e.message),
-        ErrorKind::ConnectionRefused => ApiError::BadGateway(e.message),
-        ErrorKind::LimitReached => ApiError::conflict(e.message),
-        ErrorKind::Io | ErrorKind::Protocol => ApiError::internal("the guest agent reported an error", e),
     }
 }
 

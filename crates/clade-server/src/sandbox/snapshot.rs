@@ -6,7 +6,8 @@
 use clade_host::VmError;
 use clade_store::{now_ms, SandboxState, SnapshotRow};
 
-use super::{not_found, not_usable, vm_error, SandboxService};
+use super::{not_found, not_usable, SandboxService};
+use crate::error::vm_error;
 use crate::error::{chain, ApiError};
 
 pub fn snapshot_not_found(id: &str) -> ApiError {
