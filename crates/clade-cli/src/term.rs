@@ -1,7 +1,5 @@
 //! The local terminal: raw mode for interactive shells, and its size.
 
-#![allow(unsafe_code)]
-
 use std::os::fd::{AsFd, BorrowedFd};
 
 use clade_proto::PtySize;
@@ -10,6 +8,7 @@ use nix::sys::termios::{self, SetArg, Termios};
 nix::ioctl_read_bad!(tiocgwinsz, libc::TIOCGWINSZ, libc::winsize);
 
 /// The size of the terminal on `fd`, if it is one.
+#[allow(unsafe_code)]
 pub fn size(fd: BorrowedFd<'_>) -> Option<PtySize> {
     use std::os::fd::AsRawFd;
     let mut ws = libc::winsize { ws_row: 0, ws_col: 0, ws_xpixel: 0, ws_ypixel: 0 };

@@ -5,8 +5,6 @@
 //! because an agent that reaches the host can still be debugged, and PID 1
 //! must never exit. Reaping is the reaper's job, not this module's.
 
-#![allow(unsafe_code)]
-
 use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
@@ -218,6 +216,7 @@ pub(crate) fn valid_hostname(name: &str) -> bool {
 }
 
 /// `ip link set lo up`, with one ioctl instead of a process.
+#[allow(unsafe_code)]
 fn loopback_up() -> Result<(), InitError> {
     use std::os::fd::AsRawFd;
     // Any socket will do as a handle for interface ioctls.

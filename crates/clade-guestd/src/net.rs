@@ -6,8 +6,6 @@
 //! Done with ioctls rather than `ip`: the agent runs before any userland
 //! tool could be relied on, and a missing tool must not cost the network.
 
-#![allow(unsafe_code)]
-
 use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;
@@ -60,6 +58,7 @@ fn ipv6_off() -> Result<(), NetError> {
     }
 }
 
+#[allow(unsafe_code)]
 fn interface_request() -> libc::ifreq {
     // SAFETY: ifreq is plain old data; all zeroes is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
@@ -69,6 +68,7 @@ fn interface_request() -> libc::ifreq {
     req
 }
 
+#[allow(unsafe_code)]
 fn sockaddr(address: Ipv4Addr) -> libc::sockaddr {
     let inet = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
@@ -81,6 +81,7 @@ fn sockaddr(address: Ipv4Addr) -> libc::sockaddr {
     unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(inet) }
 }
 
+#[allow(unsafe_code)]
 fn set_address(fd: i32, request: libc::Ioctl, address: Ipv4Addr, step: &'static str) -> Result<(), NetError> {
     let mut req = interface_request();
     req.ifr_ifru.ifru_addr = sockaddr(address);
@@ -92,6 +93,7 @@ fn set_address(fd: i32, request: libc::Ioctl, address: Ipv4Addr, step: &'static 
     Ok(())
 }
 
+#[allow(unsafe_code)]
 fn bring_up(fd: i32) -> Result<(), NetError> {
     let mut req = interface_request();
     // SAFETY: as in `set_address`; the kernel writes the flags member.
@@ -108,6 +110,7 @@ fn bring_up(fd: i32) -> Result<(), NetError> {
     Ok(())
 }
 
+#[allow(unsafe_code)]
 fn add_default_route(fd: i32) -> Result<(), NetError> {
     // SAFETY: rtentry is plain old data; all zeroes is a valid value.
     let mut route: libc::rtentry = unsafe { std::mem::zeroed() };

@@ -6,8 +6,6 @@
 //! sends to the port's owner when a host connects) or 1 s, whichever is
 //! first, and tries again. That keeps an idle guest idle.
 
-#![allow(unsafe_code)]
-
 use std::fs::OpenOptions;
 use std::future::Future;
 use std::io;
@@ -322,6 +320,7 @@ impl SessionChannel for Port {
 }
 
 /// The port's poll events now (data waiting, host gone), without waiting.
+#[allow(unsafe_code)]
 fn look(fd: &OwnedFd) -> io::Result<libc::c_short> {
     let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     loop {
@@ -340,6 +339,7 @@ fn look(fd: &OwnedFd) -> io::Result<libc::c_short> {
     }
 }
 
+#[allow(unsafe_code)]
 fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     // SAFETY: an OwnedFd is a valid open fd, and it stays owned (never
     // closed or swapped) by the AsyncFd until the AsyncFd is dropped or
@@ -349,6 +349,7 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
 }
 
 /// Makes this process the one the driver signals on port events (F_SETOWN).
+#[allow(unsafe_code)]
 fn own_sigio(fd: &OwnedFd) -> io::Result<()> {
     // SAFETY: the fd is open for the duration of the call; F_SETOWN takes a pid by value.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETOWN, libc::getpid()) } < 0 {
@@ -358,6 +359,7 @@ fn own_sigio(fd: &OwnedFd) -> io::Result<()> {
 }
 
 /// Arms (O_ASYNC) or disarms the driver's SIGIO on port events.
+#[allow(unsafe_code)]
 fn set_sigio(fd: &OwnedFd, armed: bool) -> io::Result<()> {
     let raw = fd.as_raw_fd();
     // SAFETY: `raw` is an open fd for the duration of the call; F_GETFL takes no argument.
@@ -672,6 +674,7 @@ mod tests {
 
     /// CPU time the calling thread has used (user + system): the test's
     /// own runtime thread, so tests running beside it do not count.
+    #[allow(unsafe_code)]
     fn cpu_used() -> Duration {
         // SAFETY: `usage` is a valid, writable rusage for the call.
         let usage = unsafe {

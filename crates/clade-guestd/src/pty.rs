@@ -4,8 +4,6 @@
 //! `O_CLOEXEC`, the slave through `TIOCGPTPEER`), so a concurrent spawn can
 //! never inherit a slave and keep the master from seeing the child's hangup.
 
-#![allow(unsafe_code)]
-
 use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -37,6 +35,7 @@ pub struct Pty {
 }
 
 /// Opens a pty of the given size. Must be called inside a tokio runtime.
+#[allow(unsafe_code)]
 pub fn open(size: PtySize) -> Result<Pty, PtyError> {
     // std adds O_CLOEXEC itself.
     let master: OwnedFd = OpenOptions::new()
@@ -67,6 +66,7 @@ pub fn open(size: PtySize) -> Result<Pty, PtyError> {
     Ok(Pty { master: PtyMaster { fd }, slave })
 }
 
+#[allow(unsafe_code)]
 fn set_size(fd: &impl AsRawFd, size: PtySize) -> io::Result<()> {
     let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
     // SAFETY: TIOCSWINSZ reads one `winsize` through the pointer, which points at a live local.

@@ -9,8 +9,6 @@
 //! a block-layer round trip and, under TCG, ~50 ms of guest code translated
 //! for the first time. A link the user replaced with a file is written as a file.
 
-#![allow(unsafe_code)]
-
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -137,6 +135,7 @@ fn valid_machine_id(id: &str) -> bool {
 
 /// Credits host entropy to the kernel pool and reseeds the CRNG at once, so
 /// the very next `getrandom()` differs between copies of one snapshot.
+#[allow(unsafe_code)]
 fn reseed(entropy: &[u8]) -> std::io::Result<()> {
     let entropy = &entropy[..entropy.len().min(MAX_ENTROPY)];
     // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }

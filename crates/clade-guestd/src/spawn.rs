@@ -17,8 +17,6 @@
 //! `setgroups`/`setgid`/`setuid` system calls: glibc's wrappers would try to
 //! switch every thread of the agent too.
 
-#![allow(unsafe_code)]
-
 use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -109,6 +107,7 @@ impl Program {
     /// The outer error is the clone's; the inner one the child's, with the
     /// candidate whose exec gave it.
     #[allow(clippy::type_complexity)]
+    #[allow(unsafe_code)]
     fn spawn_once(&self, stdio: [&OwnedFd; 3], setup: &ChildSetup) -> io::Result<Result<i32, (io::Error, Option<CString>)>> {
         let pointers = |strings: &[CString]| -> Vec<*const libc::c_char> {
             strings.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
@@ -178,6 +177,7 @@ struct Stack {
 }
 
 impl Stack {
+    #[allow(unsafe_code)]
     fn new() -> io::Result<Self> {
         let len = CHILD_STACK + page_size();
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
@@ -203,6 +203,7 @@ impl Stack {
     }
 
     /// The highest address, 16-byte aligned (the stack grows down).
+    #[allow(unsafe_code)]
     fn top(&self) -> *mut libc::c_void {
         // SAFETY: one past the end of the mapping, which is page aligned.
         unsafe { self.base.cast::<u8>().add(self.len).cast() }
@@ -210,12 +211,14 @@ impl Stack {
 }
 
 impl Drop for Stack {
+    #[allow(unsafe_code)]
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unused once the child has exec'd.
         unsafe { libc::munmap(self.base, self.len) };
     }
 }
 
+#[allow(unsafe_code)]
 fn page_size() -> usize {
     // SAFETY: sysconf has no memory effects.
     usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
@@ -232,6 +235,7 @@ struct Child<'a> {
     failed_candidate: AtomicI32,
 }
 
+#[allow(unsafe_code)]
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `Child` that `spawn_once` passed, alive until
     // this child execs or exits (CLONE_VFORK).
@@ -252,6 +256,7 @@ impl Child<'_> {
     /// sigprocmask, dup2, fcntl, setsid, ioctl, open, write, close, chdir,
     /// execve, raw syscalls), on memory the parent prepared; `errno` is the
     /// suspended calling thread's, which nothing else reads meanwhile.
+    #[allow(unsafe_code)]
     fn run(&self) -> (i32, i32) {
         reset_signal_handlers();
         for (target, &fd) in (0..).zip(&self.stdio) {
@@ -332,6 +337,7 @@ impl Child<'_> {
 /// Handlers of the agent's (tokio's) would run in the child on the agent's
 /// memory; every caught signal goes back to its default, and SIGPIPE, which
 /// Rust programs ignore, too (as std's spawn does).
+#[allow(unsafe_code)]
 fn reset_signal_handlers() {
     for signal in 1..=libc::SIGRTMAX() {
         if signal == libc::SIGKILL || signal == libc::SIGSTOP {
@@ -360,6 +366,7 @@ fn last_errno() -> i32 {
 }
 
 /// Writes "0" (this process) into a `cgroup.procs` file; the errno on failure.
+#[allow(unsafe_code)]
 fn join_cgroup(procs: &CStr) -> Result<(), i32> {
     // SAFETY: `procs` is a valid NUL-terminated path that outlives the call;
     // open returns a new fd that only this function uses and closes.
