@@ -46,7 +46,8 @@ async fn measure(args: &NetArgs, data: &std::path::Path) -> anyhow::Result<()> {
     println!("# clade-bench net — accel {}, 1 vCPU, 512 MiB, image {}", plain.accel(), image.name);
 
     // Preparation: an empty pool makes each slot inside the lease.
-    let cold_pool = NetPool::start(NetConfig { ready: 0, dns_upstream: Some(internet.dns), ..NetConfig::default() }).await?;
+    let cold_pool =
+        NetPool::start(NetConfig { ready: 0, dns_upstream: Some(internet.dns), ..NetConfig::default() }, clade_host::vm::vm_runs).await?;
     let mut prepare = Vec::new();
     for i in 0..args.slots {
         let dir = data.join(format!("slot-{i}"));
@@ -68,7 +69,7 @@ async fn measure(args: &NetArgs, data: &std::path::Path) -> anyhow::Result<()> {
     cold_pool.close().await;
 
     // Create latency: the pool keeps slots ready, so a create only leases one.
-    let pool = NetPool::start(NetConfig { dns_upstream: Some(internet.dns), ..NetConfig::default() }).await?;
+    let pool = NetPool::start(NetConfig { dns_upstream: Some(internet.dns), ..NetConfig::default() }, clade_host::vm::vm_runs).await?;
     let networked = plain.clone().with_network(pool.clone());
     let spec = VmSpec::new(image.clone());
     let net_spec = VmSpec { network: Some(EgressPolicy::default()), ..spec.clone() };

@@ -321,24 +321,6 @@ fn fork_children(answer: &Value) -> Vec<String> {
     answer.get("sandbox").and_then(id_of).or_else(|| id_of(answer)).into_iter().collect()
 }
 
-/// The command line as one shell string: a single argument as it is, several
-/// quoted so that the guest's shell sees the same words.
-pub fn shell_command(args: &[String]) -> String {
-    match args {
-        [single] => single.clone(),
-        many => many.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "),
-    }
-}
-
-fn shell_quote(arg: &str) -> String {
-    let plain = !arg.is_empty() && arg.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
-    if plain {
-        arg.to_string()
-    } else {
-        format!("'{}'", arg.replace('\'', r"'\''"))
-    }
-}
-
 fn exit_code(code: i64) -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
 }
@@ -347,7 +329,7 @@ fn exit_code(code: i64) -> ExitCode {
 /// has it, else blocking `exec`. Output goes to stdout/stderr as the guest
 /// wrote it; the exit code is the command's.
 async fn exec(client: &Client, id: &str, timeout: Option<u64>, args: &[String], json_out: bool) -> anyhow::Result<ExitCode> {
-    let mut body = json!({ "cmd": shell_command(args) });
+    let mut body = json!({ "cmd": crate::shell::shell_command(args) });
     if let Some(timeout) = timeout {
         body["timeout_seconds"] = json!(timeout);
     }
@@ -489,13 +471,6 @@ async fn logs(client: &Client, id: &str, follow: bool, stream: &str, json_out: b
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn commands_keep_their_words() {
-        assert_eq!(shell_command(&["echo a; exit 3".into()]), "echo a; exit 3");
-        assert_eq!(shell_command(&["ls".into(), "-la".into(), "/my dir".into(), "it's".into()]), r"ls -la '/my dir' 'it'\''s'");
-        assert_eq!(shell_command(&["echo".into(), "".into()]), "echo ''");
-    }
 
     #[test]
     fn metadata_pairs() {

@@ -30,7 +30,7 @@ pub async fn run(client: &Client, id: &str, command: &[String]) -> anyhow::Resul
         let mut query = url.query_pairs_mut();
         query.append_pair("rows", &size.rows.to_string()).append_pair("cols", &size.cols.to_string());
         if !command.is_empty() {
-            query.append_pair("cmd", &crate::sandbox::shell_command(command));
+            query.append_pair("cmd", &shell_command(command));
         }
         if let Ok(term) = std::env::var("TERM") {
             query.append_pair("term", &term);
@@ -104,5 +104,35 @@ pub async fn run(client: &Client, id: &str, command: &[String]) -> anyhow::Resul
     match failure {
         Some(error) => anyhow::bail!("{error}"),
         None => Ok(ExitCode::from(exit.clamp(0, 255) as u8)),
+    }
+}
+
+/// The command line as one shell string: a single argument as it is, several
+/// quoted so that the guest's shell sees the same words.
+pub fn shell_command(args: &[String]) -> String {
+    match args {
+        [single] => single.clone(),
+        many => many.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "),
+    }
+}
+
+fn shell_quote(arg: &str) -> String {
+    let plain = !arg.is_empty() && arg.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
+    if plain {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_keep_their_words() {
+        assert_eq!(shell_command(&["echo a; exit 3".into()]), "echo a; exit 3");
+        assert_eq!(shell_command(&["ls".into(), "-la".into(), "/my dir".into(), "it's".into()]), r"ls -la '/my dir' 'it'\''s'");
+        assert_eq!(shell_command(&["echo".into(), "".into()]), "echo ''");
     }
 }

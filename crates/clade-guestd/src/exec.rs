@@ -30,10 +30,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::agent::Agent;
 use crate::cgroup::{CgroupError, ExecCgroup};
 use crate::pty::{self, PtyError, PtyMaster};
 use crate::reaper::ProcessExit;
-use crate::server::Agent;
 use crate::spawn::{ChildSetup, Credentials, Program};
 use crate::users::{self, User, UsersError};
 
@@ -169,7 +169,7 @@ where
             tracing::debug!("exec refused: {err}");
             let _ = write_frame(&mut wr, &GuestFrame::Error(err.to_guest_error())).await;
             let _ = wr.shutdown().await;
-            crate::server::drain_until_closed(&mut rd, &session).await;
+            crate::agent::drain_until_closed(&mut rd, &session).await;
         }
     }
 }

@@ -12,8 +12,7 @@ use std::path::Path;
 use nix::errno::Errno;
 use nix::mount::{mount, MsFlags};
 
-/// Used when the kernel command line has no `clade.hostname=`.
-pub const DEFAULT_HOSTNAME: &str = "sandbox";
+use crate::identity::{hostname_from_cmdline, IdentityFiles};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InitError {
@@ -113,7 +112,7 @@ pub fn prepare_system() {
     if let Err(e) = nix::unistd::sethostname(&hostname).map_err(InitError::Hostname) {
         tracing::warn!("{}", crate::error_chain(&e));
     }
-    if let Err(e) = crate::restore::IdentityFiles::system().prepare(&hostname) {
+    if let Err(e) = IdentityFiles::system().prepare(&hostname) {
         tracing::warn!("{}", crate::error_chain(&e));
     }
 }
@@ -196,25 +195,6 @@ fn unescape_octal(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// `clade.hostname=NAME` from the kernel command line, if it is a valid hostname.
-pub fn hostname_from_cmdline(cmdline: &str) -> String {
-    // The last occurrence wins, as for kernel parameters.
-    cmdline
-        .split_whitespace()
-        .rev()
-        .filter_map(|arg| arg.strip_prefix("clade.hostname="))
-        .find(|name| valid_hostname(name))
-        .unwrap_or(DEFAULT_HOSTNAME)
-        .to_string()
-}
-
-pub(crate) fn valid_hostname(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
-        && !name.starts_with(['-', '.'])
-}
-
 /// `ip link set lo up`, with one ioctl instead of a process.
 #[allow(unsafe_code)]
 fn loopback_up() -> Result<(), InitError> {
@@ -245,14 +225,6 @@ fn loopback_up() -> Result<(), InitError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hostname_comes_from_the_command_line() {
-        assert_eq!(hostname_from_cmdline("console=ttyS0 clade.hostname=box-1 quiet"), "box-1");
-        assert_eq!(hostname_from_cmdline("console=ttyS0"), DEFAULT_HOSTNAME);
-        assert_eq!(hostname_from_cmdline("clade.hostname=bad/name"), DEFAULT_HOSTNAME);
-        assert_eq!(hostname_from_cmdline("clade.hostname="), DEFAULT_HOSTNAME);
-    }
 
     #[test]
     fn mountinfo_is_parsed() {

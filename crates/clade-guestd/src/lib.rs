@@ -2,24 +2,26 @@
 //!
 //! It runs as PID 1 (`init=/sbin/clade-guestd`): it prepares the system
 //! ([`init`]), reaps orphans ([`reaper`]), and serves the host over a
-//! virtio-serial port ([`port`]) with the `clade-proto` protocol: one
+//! virtio-serial port ([`channel`]) with the `clade-proto` protocol: one
 //! session at a time ([`server`]), one task per operation ([`exec`],
-//! [`files`], [`info`], [`ports`]). It is linked statically, so nothing
+//! [`files`], [`info`], [`tcp_ports`]). It is linked statically, so nothing
 //! here may use NSS: accounts are read from /etc directly ([`users`]).
 
+pub mod agent;
 pub mod cgroup;
+pub mod channel;
 pub mod exec;
 pub mod files;
+pub mod identity;
 pub mod info;
 pub mod init;
 pub mod net;
-pub mod port;
-pub mod ports;
 mod pty;
 pub mod reaper;
 pub mod restore;
 pub mod server;
 mod spawn;
+pub mod tcp_ports;
 pub mod users;
 
 #[cfg(test)]
@@ -27,7 +29,8 @@ mod testing;
 
 use std::time::Duration;
 
-pub use server::{serve_connection, Agent, AgentConfig, ServerError};
+pub use agent::{Agent, AgentConfig, AgentError};
+pub use server::{serve_connection, ServerError};
 
 /// The agent's version, as reported to the host.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -72,7 +75,7 @@ fn serve_forever(config: AgentConfig) -> ! {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             runtime.block_on(async move {
                 match Agent::new(config) {
-                    Ok(agent) => port::serve_forever(agent).await,
+                    Ok(agent) => channel::serve_forever(agent).await,
                     Err(e) => tracing::error!("cannot start the agent: {}", error_chain(&e)),
                 }
             })

@@ -2,9 +2,8 @@
 //! substream's first frame.
 //!
 //! [`serve_connection`] works on any byte stream, so tests drive it through
-//! an in-memory pipe; the port loop in `port` feeds it the virtio-serial port.
+//! an in-memory pipe; the loop in `channel` feeds it the virtio-serial port.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,10 +14,10 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::cgroup::{CgroupError, Cgroups};
+use crate::agent::{drain_until_closed, Agent};
+use crate::cgroup::CgroupError;
 use crate::files::{self, FilesError};
 use crate::info;
-use crate::reaper::{ReapScope, Reaper, ReaperError};
 
 /// How long a quiesced session still drives the channel so its answer leaves.
 const QUIESCE_FLUSH: Duration = Duration::from_millis(50);
@@ -32,106 +31,6 @@ pub enum ServerError {
     Handshake(#[from] HandshakeError),
     #[error("session failed")]
     Mux(#[from] MuxError),
-    #[error(transparent)]
-    Reaper(#[from] ReaperError),
-    #[error(transparent)]
-    Cgroup(#[from] CgroupError),
-}
-
-/// How the agent is set up.
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    /// [`ReapScope::AnyChild`] only when the agent is PID 1.
-    pub reap_scope: ReapScope,
-    /// Where a cgroup v2 hierarchy may be mounted; execs get a cgroup each when it is.
-    pub cgroup_root: Option<PathBuf>,
-    /// Holds user commands to limits (see `cgroup`): only the guest's own
-    /// agent, whose cgroup tree is the guest's.
-    pub limit_user_commands: bool,
-    /// The agent's own files (long commands' scripts): a tmpfs in the guest.
-    pub run_dir: PathBuf,
-}
-
-impl AgentConfig {
-    /// As PID 1 of a guest.
-    pub fn init() -> Self {
-        Self {
-            reap_scope: ReapScope::AnyChild,
-            cgroup_root: Some("/sys/fs/cgroup".into()),
-            limit_user_commands: true,
-            run_dir: "/run/clade".into(),
-        }
-    }
-
-    /// As an ordinary process (development, tests): reaps only its own children.
-    pub fn unprivileged() -> Self {
-        Self {
-            reap_scope: ReapScope::Registered,
-            cgroup_root: Some("/sys/fs/cgroup".into()),
-            limit_user_commands: false,
-            run_dir: std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())),
-        }
-    }
-}
-
-/// State shared by every session and operation.
-pub struct Agent {
-    version: String,
-    reaper: Reaper,
-    cgroups: Option<Cgroups>,
-    run_dir: PathBuf,
-    /// Environment set by the post-restore hook, under each command's own.
-    default_env: std::sync::Mutex<Vec<(String, String)>>,
-}
-
-impl Agent {
-    /// Starts the reaper; must be called inside a tokio runtime.
-    pub fn new(config: AgentConfig) -> Result<Arc<Self>, ServerError> {
-        let cgroups = match &config.cgroup_root {
-            Some(root) => Cgroups::detect(root)?,
-            None => None,
-        };
-        match &cgroups {
-            None => tracing::info!("no cgroup v2 hierarchy: execs are tracked by process group only"),
-            Some(cgroups) if config.limit_user_commands => match cgroups.limit_user_commands() {
-                Ok(limits) => tracing::debug!(?limits, "user commands are limited"),
-                // The agent still serves; commands run unlimited, as before limits existed.
-                Err(e) => tracing::warn!("user commands run without limits: {}", crate::error_chain(&e)),
-            },
-            Some(_) => {}
-        }
-        Ok(Arc::new(Self {
-            version: crate::VERSION.to_string(),
-            reaper: Reaper::start(config.reap_scope)?,
-            cgroups,
-            run_dir: config.run_dir,
-            default_env: std::sync::Mutex::default(),
-        }))
-    }
-
-    pub fn version(&self) -> &str {
-        &self.version
-    }
-
-    pub(crate) fn reaper(&self) -> &Reaper {
-        &self.reaper
-    }
-
-    pub(crate) fn cgroups(&self) -> Option<&Cgroups> {
-        self.cgroups.as_ref()
-    }
-
-    pub(crate) fn run_dir(&self) -> &std::path::Path {
-        &self.run_dir
-    }
-
-    pub(crate) fn default_env(&self) -> Vec<(String, String)> {
-        self.default_env.lock().expect("env lock").clone()
-    }
-
-    pub(crate) fn set_default_env(&self, env: Vec<(String, String)>) {
-        *self.default_env.lock().expect("env lock") = env;
-    }
 }
 
 /// Runs one session on `io`: waits for the host's hello, then serves
@@ -143,7 +42,7 @@ pub async fn serve_connection<T>(agent: &Arc<Agent>, io: T) -> Result<(), Server
 where
     T: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let channel = handshake::guest(io, &agent.version).await?;
+    let channel = handshake::guest(io, agent.version()).await?;
     // Debug, not info: a console write (a serial port under TCG) on every
     // session would sit on every create's path; the host logs sessions.
     tracing::debug!("host connected");
@@ -211,16 +110,16 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
         }
         Request::Connect { port } => {
             // Owns the stream from here: it becomes the connection's pipe.
-            crate::ports::connect(stream, port, session).await;
+            crate::tcp_ports::connect(stream, port, session).await;
             return;
         }
-        Request::ListeningPorts => simple(&mut stream, crate::ports::listening).await,
+        Request::ListeningPorts => simple(&mut stream, crate::tcp_ports::listening).await,
         Request::Ping => match info::uptime_ms() {
-            Ok(uptime_ms) => reply(&mut stream, Reply::Pong { agent_version: agent.version.clone(), uptime_ms }).await,
+            Ok(uptime_ms) => reply(&mut stream, Reply::Pong { agent_version: agent.version().to_string(), uptime_ms }).await,
             Err(e) => Err(GuestError::new(ErrorKind::Io, e.to_string()).into()),
         },
         Request::Info => {
-            let version = agent.version.clone();
+            let version = agent.version().to_string();
             match blocking(move || info::collect(&version).map_err(|e| GuestError::new(ErrorKind::Io, e.to_string()))).await {
                 Ok(info) => reply(&mut stream, Reply::Info(info)).await,
                 Err(e) => Err(e.into()),
@@ -294,18 +193,6 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
     drain_until_closed(&mut stream, &session).await;
 }
 
-/// Reads and drops whatever the host still sends until it closes the
-/// substream. A host may send a whole upload before reading the answer
-/// (for instance a refusal): if we stopped reading, yamux flow control
-/// would block its writes forever.
-pub(crate) async fn drain_until_closed<R: AsyncRead + Unpin>(stream: &mut R, session: &CancellationToken) {
-    let mut sink = tokio::io::sink();
-    tokio::select! {
-        _ = tokio::io::copy(stream, &mut sink) => {}
-        _ = session.cancelled() => {}
-    }
-}
-
 async fn reply(stream: &mut Substream, reply: Reply) -> Result<(), FilesError> {
     write_frame(stream, &GuestFrame::Reply(reply)).await?;
     Ok(())
@@ -375,7 +262,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_channel_before_any_hello_is_reported_as_closed() {
-        let agent = Agent::new(AgentConfig { cgroup_root: None, ..AgentConfig::unprivileged() }).unwrap();
+        let agent = Agent::new(crate::agent::AgentConfig { cgroup_root: None, ..crate::agent::AgentConfig::unprivileged() }).unwrap();
         let (host, guest) = tokio::io::duplex(64);
         drop(host);
         let err = serve_connection(&agent, guest).await.unwrap_err();

@@ -8,7 +8,8 @@ use clade_proto::handshake;
 use clade_proto::mux::{MuxClient, Substream};
 use clade_proto::{read_frame, write_frame, ExecRequest, ExitStatus, GuestFrame, HostFrame, Request};
 
-use crate::server::{serve_connection, Agent, AgentConfig};
+use crate::agent::{Agent, AgentConfig};
+use crate::server::serve_connection;
 
 pub struct Harness {
     pub client: MuxClient,

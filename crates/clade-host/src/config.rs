@@ -41,7 +41,7 @@ impl Default for HostConfig {
             guestd: None,
             rehearse_standby: true,
             drop_idle_translations_after: Some(Duration::from_secs(30)),
-            disk_overcommit: crate::vm::DEFAULT_DISK_OVERCOMMIT,
+            disk_overcommit: DEFAULT_DISK_OVERCOMMIT,
         }
     }
 }
@@ -105,6 +105,10 @@ impl HostConfig {
         std::fs::canonicalize(self.cache_dir.join(OWN_QEMU)).unwrap_or_else(|_| PathBuf::from(DISTRIBUTION_QEMU))
     }
 }
+
+/// The default share of guest disks' growth admission promises: a quarter
+/// (see `vm::admission`).
+pub const DEFAULT_DISK_OVERCOMMIT: f64 = 4.0;
 
 /// Where `scripts/build-qemu` links Clade's own QEMU, under the cache directory.
 pub const OWN_QEMU: &str = "qemu/qemu-system-x86_64";

@@ -17,7 +17,7 @@ use common::{block_on, sh};
 fn networked(env: &VmTestEnv, names: &[(&str, usize)]) -> (VmRuntime, NetPool, TestInternet) {
     let internet = TestInternet::start(names).expect("test internet");
     let config = NetConfig { dns_upstream: Some(internet.dns), ..NetConfig::default() };
-    let pool = block_on(NetPool::start(config)).expect("network pool");
+    let pool = block_on(NetPool::start(config, clade_host::vm::vm_runs)).expect("network pool");
     (env.runtime.clone().with_network(pool.clone()), pool, internet)
 }
 

@@ -7,23 +7,24 @@
 //! - [`auth`]: API keys → workspace; the first start's admin key.
 //! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery,
 //!   quotas, snapshots, forks, the idle reaper).
-//! - [`capacity`]: the per-workspace request rate limiter.
+//! - [`rate_limit`]: the per-workspace request rate limiter.
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
 //! - [`preview`]: preview hosts (`{port}-{id}.{suffix}`) and their signed tokens.
 //! - [`routes`]: the endpoints, one file per resource.
-//! - [`openapi`]: the OpenAPI document, generated from the routes' types.
+//! - [`openapi`]: the OpenAPI document, generated from the routes' types (in `routes`, which owns the route list).
 //!
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
 
 pub mod auth;
-pub mod capacity;
 pub mod error;
 pub mod http;
 pub mod metrics;
-pub mod openapi;
+pub mod rate_limit;
+
 pub mod preview;
 mod routes;
+pub use routes::openapi;
 pub mod sandbox;
 pub mod sse;
 mod strict_json;
@@ -138,7 +139,7 @@ pub struct AppState {
     pub store: Store,
     pub service: sandbox::SandboxService,
     pub limits: Arc<Limits>,
-    pub limiter: Arc<capacity::RateLimiter>,
+    pub limiter: Arc<rate_limit::RateLimiter>,
     /// Cancelled when the server begins to stop: long-lived responses
     /// (event streams, terminals) end on it, or a graceful shutdown would
     /// wait for them forever.
@@ -169,14 +170,14 @@ impl Server {
         let admin_key = auth::first_start(&store, &data_dir).await?;
         let mut runtime = VmRuntime::new(config.host.clone())?;
         if let Some(network) = &config.network {
-            runtime = runtime.with_network(clade_host::net::NetPool::start(network.clone()).await?);
+            runtime = runtime.with_network(clade_host::net::NetPool::start(network.clone(), clade_host::vm::vm_runs).await?);
         }
         let runtime = runtime.with_standby(config.sandboxes.standby);
         let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
         let reaper = service.start_reaper();
-        let limiter = Arc::new(capacity::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
+        let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
         let state = AppState {
             store,
             service,

@@ -122,7 +122,7 @@ pub const ROUTES: &[&str] = &[
 /// The route template of a path, or `other` (unknown paths are not labels).
 /// Requests to preview hosts are `preview`.
 fn route_of(path: &str) -> &'static str {
-    if path == crate::routes::preview::PREVIEW_ROUTE {
+    if path == crate::preview::PREVIEW_ROUTE {
         return "preview";
     }
     let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();

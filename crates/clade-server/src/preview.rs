@@ -28,6 +28,10 @@ pub const TOKEN_HEADER: &str = "x-clade-preview-token";
 /// browser on the server's machine with no DNS set up.
 pub const LOCAL_SUFFIX: &str = "localhost";
 
+/// Where preview requests are routed inside the server (only with a
+/// `PreviewRequest`, which only `routes::preview::route_host` attaches).
+pub const PREVIEW_ROUTE: &str = "/_preview";
+
 /// The preview settings and the token key, loaded once.
 #[derive(Debug)]
 pub struct Previews {

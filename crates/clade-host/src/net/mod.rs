@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 
 pub use policy::{EgressPolicy, Ipv4Cidr};
 
-use crate::vm::{ProcessId, VmRecord};
+use crate::process::ProcessId;
 use dns::{DnsPolicy, DomainList, Resolver};
 
 /// Where slot claims live (cleared by a reboot, like the namespaces).
@@ -102,6 +102,9 @@ impl Default for NetConfig {
         Self { range: Ipv4Cidr::new(Ipv4Addr::new(10, 201, 0, 0), 16).expect("a valid prefix"), ready: 2, dns_upstream: None }
     }
 }
+
+/// Whether the VM whose directory is given still runs (its QEMU alive).
+pub type VmRuns = fn(&Path) -> bool;
 
 /// A slot's names and addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,11 +185,14 @@ static POOLS: Mutex<Vec<Weak<PoolInner>>> = Mutex::new(Vec::new());
 impl NetPool {
     /// Sets up the host (forwarding, the base nftables table), sweeps slots
     /// whose owners died, starts the resolver and the background refill.
-    pub async fn start(config: NetConfig) -> Result<NetPool, NetError> {
-        Self::start_in(config, PathBuf::from(STATE_DIR)).await
+    /// `vm_runs` tells whether the VM of a directory still runs: the slot of
+    /// one whose owner died waits for its next manager to adopt it (the VM
+    /// layer knows its records; this one does not read them).
+    pub async fn start(config: NetConfig, vm_runs: VmRuns) -> Result<NetPool, NetError> {
+        Self::start_in(config, PathBuf::from(STATE_DIR), vm_runs).await
     }
 
-    async fn start_in(config: NetConfig, state_dir: PathBuf) -> Result<NetPool, NetError> {
+    async fn start_in(config: NetConfig, state_dir: PathBuf, vm_runs: VmRuns) -> Result<NetPool, NetError> {
         if config.range.prefix() > 28 || config.range.prefix() < 8 {
             return Err(NetError::Policy(format!("the sandbox range {} must be between a /8 and a /28", config.range)));
         }
@@ -201,7 +207,7 @@ impl NetPool {
                 std::fs::create_dir_all(&state_dir).map_err(io_err(format!("creating {}", state_dir.display())))?;
                 let _lock = StateLock::take(&state_dir)?;
                 ensure_base_table(&config.range)?;
-                sweep_claims(&state_dir, &config.range);
+                sweep_claims(&state_dir, &config.range, vm_runs);
                 let slot = claim_free(
                     &state_dir,
                     &config.range,
@@ -605,7 +611,7 @@ fn write_atomically(path: &Path, body: &[u8]) -> Result<(), NetError> {
 
 /// Tears down every slot whose owner died and whose VM does not run; a
 /// running VM's slot waits for its next manager to adopt it.
-fn sweep_claims(state_dir: &Path, range: &Ipv4Cidr) {
+fn sweep_claims(state_dir: &Path, range: &Ipv4Cidr, vm_runs: VmRuns) {
     let Ok(entries) = std::fs::read_dir(state_dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -618,9 +624,7 @@ fn sweep_claims(state_dir: &Path, range: &Ipv4Cidr) {
         if claim.owner.is_alive() {
             continue;
         }
-        let vm_runs = claim.vm_dir.as_deref().is_some_and(|dir| {
-            slot_in(dir, range).map(|s| s.index) == Some(index) && VmRecord::load(dir).and_then(|r| r.vmm).is_some_and(|vmm| vmm.is_alive())
-        });
+        let vm_runs = claim.vm_dir.as_deref().is_some_and(|dir| slot_in(dir, range).map(|s| s.index) == Some(index) && vm_runs(dir));
         if vm_runs {
             continue;
         }

@@ -19,6 +19,8 @@
 //! process); other processes on the host see each other's VMs only once made.
 
 use std::path::Path;
+
+use crate::config::DEFAULT_DISK_OVERCOMMIT;
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Clone, Copy)]
@@ -32,9 +34,6 @@ pub struct Admission {
     /// A guest disk's growth counted against the host is `size / disk_overcommit`.
     pub disk_overcommit: f64,
 }
-
-/// The default share of guest disks' growth the host promises: a quarter.
-pub const DEFAULT_DISK_OVERCOMMIT: f64 = 4.0;
 
 impl Default for Admission {
     fn default() -> Self {

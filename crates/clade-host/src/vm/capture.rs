@@ -7,7 +7,8 @@ use std::path::Path;
 use super::error::VmError;
 use super::handle::Vm;
 use super::restore::memory_task;
-use super::{delta, launch, migrate, write_tracker};
+use super::{launch, migrate};
+use crate::memory;
 
 impl Vm {
     /// Whether the VM's RAM is its template's RAM file, mapped copy-on-write
@@ -27,21 +28,21 @@ impl Vm {
     /// again only those written since; elsewhere a buffer faulted in for
     /// them. Callers overlap it with the agent's quiesce.
     pub(super) async fn prepare_capture(&self) -> Result<CapturePrep, VmError> {
-        let blocks = delta::ram_blocks(&self.inner.qmp).await?;
+        let blocks = memory::ram_blocks(&self.inner.qmp).await?;
         let pid = self.inner.vmm.pid;
         let file = launch::mapped_ram_file(pid).ok_or_else(|| VmError::Vmm(format!("process {pid} maps no RAM file")))?;
-        let template = delta::TemplateBlock { name: launch::RAM_ID.to_string(), file };
+        let template = memory::TemplateBlock { name: launch::RAM_ID.to_string(), file };
         let (b, t, id) = (blocks.clone(), template.clone(), self.id());
         let start = memory_task(move || {
             let started = std::time::Instant::now();
             let tracked = b
                 .iter()
                 .find(|block| block.name == t.name)
-                .map(|ram| write_tracker::WriteTracker::start(pid, ram.host_address, ram.length));
+                .map(|ram| memory::write_tracker::WriteTracker::start(pid, ram.host_address, ram.length));
             match tracked {
                 Some(Ok(tracker)) => {
                     let tracking = started.elapsed();
-                    let precopy = delta::Capture::read_running(pid, &b, &t, &tracker)?;
+                    let precopy = memory::Capture::read_running(pid, &b, &t, &tracker)?;
                     tracing::debug!(vm = %id, ?tracking, read = ?started.elapsed(), "read the VM's memory while it runs");
                     Ok(CaptureStart::Precopy(tracker, precopy))
                 }
@@ -49,7 +50,7 @@ impl Vm {
                     if let Some(Err(e)) = failed {
                         tracing::debug!(vm = %id, "no write tracking, the VM's memory is read while it is stopped: {e}");
                     }
-                    Ok(CaptureStart::Stopped(delta::CaptureBuffer::sized_for(pid, &b, &t)?))
+                    Ok(CaptureStart::Stopped(memory::CaptureBuffer::sized_for(pid, &b, &t)?))
                 }
             }
         })
@@ -65,14 +66,14 @@ impl Vm {
         &self,
         state: &Path,
         prep: CapturePrep,
-    ) -> Result<(std::time::Instant, delta::Capture, TrackingLeft), VmError> {
+    ) -> Result<(std::time::Instant, memory::Capture, TrackingLeft), VmError> {
         let CapturePrep { blocks, template, start } = prep;
         let pid = self.inner.vmm.pid;
         let stopped_at = std::time::Instant::now();
         self.inner.qmp.execute("stop", None).await?;
         let id = self.id();
         let (capture, tracking) = memory_task(move || match start {
-            CaptureStart::Stopped(buffer) => Ok((delta::Capture::read(pid, &blocks, &template, buffer)?, TrackingLeft(None))),
+            CaptureStart::Stopped(buffer) => Ok((memory::Capture::read(pid, &blocks, &template, buffer)?, TrackingLeft(None))),
             CaptureStart::Precopy(tracker, precopy) => {
                 let written = tracker.written().map_err(|e| {
                     tracing::warn!(vm = %id, "write tracking failed, the VM's memory is read again: {}", e);
@@ -93,7 +94,7 @@ impl Vm {
 /// RAM. Ending it walks every page it protected (6 ms for a guest that
 /// wrote 200 MiB, here): a VM that runs on ends it once it runs again
 /// rather than inside its pause, and nobody ends it on a runtime worker.
-pub(super) struct TrackingLeft(Option<write_tracker::WriteTracker>);
+pub(super) struct TrackingLeft(Option<memory::write_tracker::WriteTracker>);
 
 impl TrackingLeft {
     pub(super) fn end_in_background(self) {
@@ -105,15 +106,15 @@ impl TrackingLeft {
 
 /// What [`Vm::stop_and_capture`] needs, made while the guest still runs.
 pub(super) struct CapturePrep {
-    pub(super) blocks: Vec<delta::RamBlock>,
-    pub(super) template: delta::TemplateBlock,
+    pub(super) blocks: Vec<memory::RamBlock>,
+    pub(super) template: memory::TemplateBlock,
     pub(super) start: CaptureStart,
 }
 
 pub(super) enum CaptureStart {
     /// Everything is read once the guest is stopped, into this buffer.
-    Stopped(delta::CaptureBuffer),
+    Stopped(memory::CaptureBuffer),
     /// Read once already; the pause reads what the tracker says was written
     /// since. The tracker drops (stops tracking) with the capture's end.
-    Precopy(write_tracker::WriteTracker, delta::Precopy),
+    Precopy(memory::write_tracker::WriteTracker, memory::Precopy),
 }

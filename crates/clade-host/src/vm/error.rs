@@ -9,8 +9,9 @@ use crate::net::NetError;
 use crate::qmp::QmpError;
 
 use super::admission::AdmissionError;
+use super::launch;
 use super::migrate::MigrateError;
-use super::{delta, launch};
+use crate::memory;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -75,7 +76,7 @@ pub enum VmError {
     #[error("moving VM state")]
     Migrate(#[from] MigrateError),
     #[error("moving guest memory")]
-    Memory(#[from] delta::DeltaError),
+    Memory(#[from] memory::DeltaError),
 }
 
 /// A blocking task's join error, for `map_err`.

@@ -14,11 +14,11 @@ use crate::qmp::Qmp;
 
 use super::error::{console_tail, io_err, VmError, VmFailure};
 use super::monitor::{monitor, Monitor};
-use super::process::ProcessId;
 use super::record;
 use super::record::{Lifetime, Phase, VmRecord};
 use super::runtime::{VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, Watchdog};
+use crate::process::ProcessId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum State {

@@ -6,13 +6,13 @@ use super::error::{io_err, task_err, VmError};
 use super::handle::{State, Vm};
 use super::launch::Memory;
 use super::migrate::Translations;
-use super::process::ProcessId;
 use super::record::{Lifetime, Phase, VmRecord};
 use super::restore::{attach_deferred_disk, memory_task, restore_into, restore_request, run_restore_hook, spawn_qemu, RestoredMemory};
 use super::runtime::{qcow2_virtual_size, VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
 use super::{launch, migrate, record};
+use crate::process::ProcessId;
 
 /// The file a hibernated VM's state is saved in, inside its directory.
 pub(super) const HIBERNATED_STATE: &str = "hibernated.state";

@@ -20,7 +20,6 @@
 
 mod admission;
 mod capture;
-mod delta;
 mod error;
 mod handle;
 mod hibernate;
@@ -28,24 +27,20 @@ mod idle;
 mod launch;
 mod migrate;
 mod monitor;
-mod pagemap;
-mod process;
 mod record;
-mod remote_map;
 mod restore;
 mod runtime;
 mod snapshot;
 mod spec;
 mod standby;
 pub mod template;
-mod write_tracker;
 
-pub use admission::{Admission, AdmissionError, DEFAULT_DISK_OVERCOMMIT};
+pub use crate::process::ProcessId;
+pub use admission::{Admission, AdmissionError};
 pub use idle::translation_cache_kib;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
 pub use migrate::MigrateError;
-pub use process::ProcessId;
-pub use record::{stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
+pub use record::{runs as vm_runs, stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
 pub use snapshot::SnapshotRecord;
 pub use template::Template;
 

@@ -13,10 +13,10 @@ use crate::qmp::Qmp;
 
 use super::error::{console_tail, FailureKind, VmFailure};
 use super::handle::State;
-use super::process::ProcessId;
 use super::runtime::VmRuntime;
 use super::spec::Watchdog;
 use super::{admission, idle};
+use crate::process::ProcessId;
 
 pub(super) struct Monitor {
     pub(super) dir: PathBuf,

@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use super::process::ProcessId;
 use crate::accel::Accel;
 use crate::net::EgressPolicy;
+use crate::process::ProcessId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -164,6 +164,12 @@ pub fn settle_hibernated(dir: &Path, mut record: VmRecord) {
     if let Err(e) = record.save(dir) {
         tracing::warn!(vm = %record.id, "recording a cut-short wake as hibernated: {e}");
     }
+}
+
+/// Whether the VM in `dir` still runs: its record names a QEMU that is
+/// alive (what `net::NetPool::start` asks of a slot whose owner died).
+pub fn runs(dir: &Path) -> bool {
+    VmRecord::load(dir).and_then(|r| r.vmm).is_some_and(|vmm| vmm.is_alive())
 }
 
 /// Kills the VM's QEMU if it still runs, then removes the directory.

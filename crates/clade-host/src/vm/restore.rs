@@ -17,9 +17,10 @@ use crate::qmp::{Qmp, QmpError};
 use super::error::{console_tail, io_err, qemu_log_tail, task_err, FailureKind, VmError, VmFailure};
 use super::launch::{qemu_args, LaunchSpec};
 use super::migrate::Translations;
-use super::process::ProcessId;
 use super::runtime::VmRuntime;
-use super::{delta, launch, migrate, standby};
+use super::{launch, migrate, standby};
+use crate::memory;
+use crate::process::ProcessId;
 
 /// How long one post-restore hook may take before the session is presumed lost.
 const HOOK_ATTEMPT: Duration = Duration::from_secs(10);
@@ -82,7 +83,7 @@ async fn resend_restore_hook(
 
 /// Runs a blocking read or write of guest memory off the async workers.
 pub(super) async fn memory_task<T: Send + 'static>(
-    task: impl FnOnce() -> Result<T, delta::DeltaError> + Send + 'static,
+    task: impl FnOnce() -> Result<T, memory::DeltaError> + Send + 'static,
 ) -> Result<T, VmError> {
     Ok(tokio::task::spawn_blocking(task).await.map_err(task_err("memory"))??)
 }
@@ -234,7 +235,7 @@ pub(super) async fn place_memory(qmp: &Qmp, memory: RestoredMemory) -> Result<bo
         RestoredMemory::InState => Ok(false),
         RestoredMemory::Shared => Ok(true),
         RestoredMemory::Delta { file, vmm } => {
-            let blocks = delta::ram_blocks(qmp).await?;
+            let blocks = memory::ram_blocks(qmp).await?;
             let applied = apply_delta(qmp, file, vmm, blocks).await?;
             tracing::debug!(mapped = applied.mapped, written = applied.written, "memory delta applied");
             Ok(false)
@@ -271,7 +272,7 @@ pub(super) async fn attach_deferred_disk(
 /// Puts a saved delta into QEMU process `vmm`, handing QEMU the file's
 /// descriptor for the pages to be mapped (QEMU opens no snapshot or fork
 /// memory by path, ADR 14). If QEMU cannot take it, every page is written.
-async fn apply_delta(qmp: &Qmp, file: PathBuf, vmm: ProcessId, blocks: Vec<delta::RamBlock>) -> Result<delta::Applied, VmError> {
+async fn apply_delta(qmp: &Qmp, file: PathBuf, vmm: ProcessId, blocks: Vec<memory::RamBlock>) -> Result<memory::Applied, VmError> {
     use std::os::fd::AsFd;
     let delta_file = std::fs::File::open(&file).map_err(io_err(format!("opening {}", file.display())))?;
     let held = match qmp.add_fd(delta_file.as_fd()).await {
@@ -282,7 +283,7 @@ async fn apply_delta(qmp: &Qmp, file: PathBuf, vmm: ProcessId, blocks: Vec<delta
         }
     };
     let fd = held.map(|h| h.fd);
-    let applied = memory_task(move || delta::apply(&file, vmm.pid, &blocks, launch::RAM_ID, fd)).await;
+    let applied = memory_task(move || memory::apply(&file, vmm.pid, &blocks, launch::RAM_ID, fd)).await;
     if let Some(held) = held {
         // The mappings keep the file; QEMU's descriptor is not needed.
         qmp.remove_fdset(held.fdset_id).await?;

@@ -20,13 +20,13 @@ use super::hibernate::{HIBERNATED_MEMORY, HIBERNATED_STATE, HIBERNATION_TEMPORAR
 use super::launch::{LaunchSpec, Memory};
 use super::migrate::Translations;
 use super::monitor::Supervision;
-use super::process::ProcessId;
 use super::record::{sweep, Lifetime, Phase, VmRecord};
 use super::restore::{connect_qmp, restore_into, restore_request, run_restore_hook, spawn_qemu, wait_for_agent, watch_foreign_process};
 use super::snapshot::SnapshotRecord;
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
 use super::{admission, launch, migrate, record, snapshot, standby, template};
+use crate::process::ProcessId;
 
 /// Creates `dir` if needed and makes it (again) searchable by its owner
 /// only: an existing directory of an older version is tightened too.

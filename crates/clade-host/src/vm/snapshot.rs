@@ -51,7 +51,8 @@ use super::restore::{restore_into, restore_request, spawn_qemu, RestoredMemory};
 use super::runtime::{hex_id, VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
-use super::{delta, migrate, ProcessId};
+use super::{migrate, ProcessId};
+use crate::memory;
 
 /// Under the data directory: one directory per snapshot.
 pub(super) const SNAPSHOTS_DIR: &str = "snapshots";
@@ -427,7 +428,7 @@ impl Vm {
     /// the VM, reads the pages its guest wrote and its device state, copies
     /// its disk layer and runs it again. Returns how long its vCPUs were
     /// stopped; [`Self::resume_after_snapshot`] follows in any case.
-    async fn save_stopped(&self, dir: &Path) -> Result<(Duration, delta::Capture), VmError> {
+    async fn save_stopped(&self, dir: &Path) -> Result<(Duration, memory::Capture), VmError> {
         let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture());
         quiesced?;
         let (stopped_at, capture, tracking) = self.stop_and_capture(&dir.join("state"), prep?).await?;

@@ -12,6 +12,7 @@ pub(crate) mod logs;
 pub(crate) mod meta;
 pub(crate) mod metrics;
 pub(crate) mod network;
+pub mod openapi;
 pub(crate) mod ports;
 pub(crate) mod preview;
 pub(crate) mod proxy;
@@ -69,7 +70,7 @@ pub fn router(state: AppState) -> Router {
         .route("/version", get(meta::version))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(meta::openapi))
-        .route(preview::PREVIEW_ROUTE, any(preview::serve))
+        .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
         .nest("/v1", api)
         .with_state(state.clone());
     // Every response is counted, the envelope's and the router's 404s too.

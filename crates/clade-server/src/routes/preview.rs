@@ -21,13 +21,9 @@ use super::rfc3339;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
-use crate::preview::{self, PreviewHost, TOKEN_COOKIE, TOKEN_HEADER, TOKEN_QUERY};
+use crate::preview::{self, PreviewHost, PREVIEW_ROUTE, TOKEN_COOKIE, TOKEN_HEADER, TOKEN_QUERY};
 use crate::sandbox::not_found;
 use crate::AppState;
-
-/// Where preview requests are routed inside the server (only with a
-/// [`PreviewRequest`], which only [`route_host`] attaches).
-pub(crate) const PREVIEW_ROUTE: &str = "/_preview";
 
 /// Tokens live one hour unless asked otherwise, thirty days at most.
 const DEFAULT_TTL_SECONDS: i64 = 3600;

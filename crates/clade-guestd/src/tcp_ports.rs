@@ -1,4 +1,4 @@
-//! Ports: which TCP sockets listen in the guest (`ListeningPorts`, from
+//! The guest's TCP ports: which sockets listen in the guest (`ListeningPorts`, from
 //! /proc/net/tcp and tcp6), and connections to them for the host
 //! (`Connect`: the substream becomes a byte pipe to `127.0.0.1:port`).
 //!
@@ -15,7 +15,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::server::drain_until_closed;
+use crate::agent::drain_until_closed;
 
 /// The `st` column of a listening socket in /proc/net/tcp*.
 const TCP_LISTEN: &str = "0A";

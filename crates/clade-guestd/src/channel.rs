@@ -22,7 +22,8 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-use crate::server::{serve_connection, Agent, ServerError};
+use crate::agent::Agent;
+use crate::server::{serve_connection, ServerError};
 
 /// How often a disconnected port is retried (and a failed one reopened)
 /// where there is no SIGIO to wait for.
@@ -771,7 +772,7 @@ mod tests {
 
     #[tokio::test]
     async fn hosts_can_come_and_go() {
-        use crate::server::AgentConfig;
+        use crate::agent::AgentConfig;
         use clade_proto::{handshake, mux::MuxClient, write_frame, GuestFrame, Reply, Request};
 
         let agent = Agent::new(AgentConfig { cgroup_root: None, ..AgentConfig::unprivileged() }).unwrap();

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{
+use super::{
     exec, exec_stream, files, fork, lifecycle, limits, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots, terminal,
     tokens,
 };

@@ -1,0 +1,129 @@
+//! The agent's state, shared by every session and operation: how it was
+//! set up ([`AgentConfig`]), its reaper and cgroups, its own files, and the
+//! default environment the post-restore hook sets. Below `server` (which
+//! serves sessions) and the operations it dispatches to.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::io::AsyncRead;
+use tokio_util::sync::CancellationToken;
+
+use crate::cgroup::{CgroupError, Cgroups};
+use crate::reaper::{ReapScope, Reaper, ReaperError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Reaper(#[from] ReaperError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+}
+
+/// How the agent is set up.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// [`ReapScope::AnyChild`] only when the agent is PID 1.
+    pub reap_scope: ReapScope,
+    /// Where a cgroup v2 hierarchy may be mounted; execs get a cgroup each when it is.
+    pub cgroup_root: Option<PathBuf>,
+    /// Holds user commands to limits (see `cgroup`): only the guest's own
+    /// agent, whose cgroup tree is the guest's.
+    pub limit_user_commands: bool,
+    /// The agent's own files (long commands' scripts): a tmpfs in the guest.
+    pub run_dir: PathBuf,
+}
+
+impl AgentConfig {
+    /// As PID 1 of a guest.
+    pub fn init() -> Self {
+        Self {
+            reap_scope: ReapScope::AnyChild,
+            cgroup_root: Some("/sys/fs/cgroup".into()),
+            limit_user_commands: true,
+            run_dir: "/run/clade".into(),
+        }
+    }
+
+    /// As an ordinary process (development, tests): reaps only its own children.
+    pub fn unprivileged() -> Self {
+        Self {
+            reap_scope: ReapScope::Registered,
+            cgroup_root: Some("/sys/fs/cgroup".into()),
+            limit_user_commands: false,
+            run_dir: std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())),
+        }
+    }
+}
+
+/// State shared by every session and operation.
+pub struct Agent {
+    version: String,
+    reaper: Reaper,
+    cgroups: Option<Cgroups>,
+    run_dir: PathBuf,
+    /// Environment set by the post-restore hook, under each command's own.
+    default_env: std::sync::Mutex<Vec<(String, String)>>,
+}
+
+impl Agent {
+    /// Starts the reaper; must be called inside a tokio runtime.
+    pub fn new(config: AgentConfig) -> Result<Arc<Self>, AgentError> {
+        let cgroups = match &config.cgroup_root {
+            Some(root) => Cgroups::detect(root)?,
+            None => None,
+        };
+        match &cgroups {
+            None => tracing::info!("no cgroup v2 hierarchy: execs are tracked by process group only"),
+            Some(cgroups) if config.limit_user_commands => match cgroups.limit_user_commands() {
+                Ok(limits) => tracing::debug!(?limits, "user commands are limited"),
+                // The agent still serves; commands run unlimited, as before limits existed.
+                Err(e) => tracing::warn!("user commands run without limits: {}", crate::error_chain(&e)),
+            },
+            Some(_) => {}
+        }
+        Ok(Arc::new(Self {
+            version: crate::VERSION.to_string(),
+            reaper: Reaper::start(config.reap_scope)?,
+            cgroups,
+            run_dir: config.run_dir,
+            default_env: std::sync::Mutex::default(),
+        }))
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    pub(crate) fn reaper(&self) -> &Reaper {
+        &self.reaper
+    }
+
+    pub(crate) fn cgroups(&self) -> Option<&Cgroups> {
+        self.cgroups.as_ref()
+    }
+
+    pub(crate) fn run_dir(&self) -> &std::path::Path {
+        &self.run_dir
+    }
+
+    pub(crate) fn default_env(&self) -> Vec<(String, String)> {
+        self.default_env.lock().expect("env lock").clone()
+    }
+
+    pub(crate) fn set_default_env(&self, env: Vec<(String, String)>) {
+        *self.default_env.lock().expect("env lock") = env;
+    }
+}
+
+/// Reads and drops whatever the host still sends until it closes the
+/// substream. A host may send a whole upload before reading the answer
+/// (for instance a refusal): if we stopped reading, yamux flow control
+/// would block its writes forever.
+pub(crate) async fn drain_until_closed<R: AsyncRead + Unpin>(stream: &mut R, session: &CancellationToken) {
+    let mut sink = tokio::io::sink();
+    tokio::select! {
+        _ = tokio::io::copy(stream, &mut sink) => {}
+        _ = session.cancelled() => {}
+    }
+}
