@@ -8,9 +8,9 @@ use std::time::Instant;
 use anyhow::Context;
 use clade_host::image::Progress;
 use clade_host::net::{release_for, EgressPolicy, NetConfig, NetPool};
-use clade_host::testing::internet::{TestInternet, BULK_PORT};
 use clade_host::{HostConfig, VmRuntime, VmSpec};
 use clade_proto::{Command, ExecRequest};
+use clade_testkit::internet::{TestInternet, BULK_PORT};
 
 use crate::{ms, percentile};
 

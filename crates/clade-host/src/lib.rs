@@ -19,7 +19,6 @@ pub mod process;
 pub mod qcow2;
 pub mod qmp;
 pub mod space;
-pub mod testing;
 pub mod vm;
 
 pub use accel::{Accel, AccelChoice};

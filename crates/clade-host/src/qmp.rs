@@ -319,7 +319,7 @@ impl BareQemu {
             .spawn()
         {
             Ok(child) => child,
-            Err(e) => return crate::testing::skip(&format!("{} cannot run: {e}", qemu.display())),
+            Err(e) => return clade_testkit::skip(&format!("{} cannot run: {e}", qemu.display())),
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {

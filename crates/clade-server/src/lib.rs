@@ -1,5 +1,6 @@
 //! The Clade server: a PandaStack-compatible HTTP API (axum) over the VMs of
 //! `clade-host`, with API keys, workspaces and a database (`clade-store`).
+//! Sections cited as `§N` are those of `docs/pandastack-compat.md`.
 //!
 //! - [`http`]: what every request goes through (request id, error envelope,
 //!   panic catcher) and the body readers with their limits.

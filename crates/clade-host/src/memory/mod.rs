@@ -298,7 +298,7 @@ mod tests {
         assert_eq!(entries, written, "the page map's entries");
         match pagemap::scan(&pagemap, address, (PAGES * PAGE) as u64, ANONYMOUS) {
             Ok(_) => assert_eq!(written_pages(&pagemap, address, PAGES).unwrap(), written, "the scan"),
-            Err(e) if !crate::testing::in_ci() => eprintln!("SKIPPED: this kernel has no page map scan (Linux 6.7+): {e}"),
+            Err(e) if !clade_testkit::in_ci() => eprintln!("SKIPPED: this kernel has no page map scan (Linux 6.7+): {e}"),
             Err(e) => panic!("no page map scan: {e}"),
         }
     }

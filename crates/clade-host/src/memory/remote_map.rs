@@ -273,7 +273,7 @@ for _ in sys.stdin:
     #[test]
     fn pages_of_a_file_are_mapped_over_another_process_mapping_and_it_runs_on() {
         if Command::new("python3").arg("-c").arg("").status().map_or(true, |s| !s.success()) {
-            crate::testing::skip::<()>("python3 is not installed");
+            clade_testkit::skip::<()>("python3 is not installed");
             return;
         }
         let dir = tempfile::tempdir().unwrap();

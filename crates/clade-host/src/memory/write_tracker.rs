@@ -194,7 +194,7 @@ for line in sys.stdin:
         let mut stdin = holder.stdin.take().unwrap();
         let tracker = match WriteTracker::start(holder.id(), address, 64 * PAGE) {
             Ok(tracker) => tracker,
-            Err(TrackError::Kernel { what, source }) if what.contains("6.7") && !crate::testing::in_ci() => {
+            Err(TrackError::Kernel { what, source }) if what.contains("6.7") && !clade_testkit::in_ci() => {
                 eprintln!("SKIPPED: this kernel has no asynchronous write protection: {source}");
                 let _ = holder.kill();
                 let _ = holder.wait();

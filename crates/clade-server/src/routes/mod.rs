@@ -1,5 +1,5 @@
 //! The HTTP routes, one file per resource. Paths, bodies and fields follow
-//! the PandaStack wire spec (`shared/reference/pandastack-api.md`), whose
+//! the PandaStack wire contract (`docs/pandastack-compat.md`), whose
 //! section each handler names.
 
 pub(crate) mod exec;

@@ -1,0 +1,399 @@
+//! `clade sandbox …` and `clade fs …` as a user runs them: the real binary
+//! against `clade server` (the real binary too), over HTTP. The sandbox test
+//! boots real VMs and skips without root/QEMU/images (fails instead under
+//! `CI`); the configuration and error tests need no VM.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use clade_testkit::{output_within, vm_env, COMMAND_LIMIT};
+use serde_json::Value;
+
+/// A `clade server` process; stopped with SIGTERM when dropped.
+struct ServerProcess {
+    child: Child,
+    url: String,
+    key: String,
+    log: PathBuf,
+}
+
+impl ServerProcess {
+    /// Starts `clade server --data-dir DIR --listen 127.0.0.1:PORT` and waits
+    /// until it serves; the key is the first start's `DIR/admin.key`.
+    fn start(data_dir: &Path, cache_dir: Option<&Path>) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        std::fs::create_dir_all(data_dir).unwrap();
+        let log = data_dir.join("server.log");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_clade"));
+        command
+            .args(["server", "--data-dir"])
+            .arg(data_dir)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .env_remove("CLADE_DATABASE_URL")
+            .env_remove("CLADE_LISTEN")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(cache) = cache_dir {
+            command.env("CLADE_CACHE_DIR", cache);
+        }
+        let child = command.spawn().unwrap();
+        let mut server = Self { child, url: format!("http://127.0.0.1:{port}"), key: String::new(), log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!("the server exited ({status}): {}", server.log_text());
+            }
+            let listening = std::fs::read_to_string(&server.log).unwrap_or_default().contains("listening on");
+            if listening {
+                if let Ok(key) = std::fs::read_to_string(data_dir.join("admin.key")) {
+                    server.key = key.trim().to_string();
+                    return server;
+                }
+            }
+            assert!(Instant::now() < deadline, "the server did not start: {}", server.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `clade ARGS…` configured by the environment, with no config file.
+    fn clade(&self, args: &[&str]) -> Command {
+        let mut command = client_command(args);
+        command.env("CLADE_API_URL", &self.url).env("CLADE_API_KEY", &self.key);
+        command
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = self.child.wait();
+    }
+}
+
+/// `clade ARGS…` with no API settings from this machine's environment or home.
+fn client_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_clade"));
+    command
+        .args(args)
+        .env_remove("CLADE_API_URL")
+        .env_remove("CLADE_API_KEY")
+        .env_remove("XDG_CONFIG_HOME")
+        .env("CLADE_CONFIG", "/nonexistent/clade-config.json");
+    command
+}
+
+#[track_caller]
+fn output(command: &mut Command, stdin: Option<&[u8]>) -> Output {
+    output_within(command, Some(stdin.unwrap_or_default()), COMMAND_LIMIT)
+}
+
+/// Runs and expects success; returns stdout.
+#[track_caller]
+fn ok(command: &mut Command) -> Vec<u8> {
+    let out = output(command, None);
+    assert!(out.status.success(), "{command:?}: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+#[track_caller]
+fn ok_json(command: &mut Command) -> Value {
+    let stdout = ok(command);
+    serde_json::from_slice(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&stdout)))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn a_sandbox_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+
+    // Create: --json gives the object; its id is what every other command takes.
+    let sandbox = ok_json(&mut clade(&["sandbox", "create", "--json", "--metadata", "owner=cli,run=1"]));
+    let id = sandbox["id"].as_str().unwrap().to_string();
+    assert_eq!(sandbox["status"], "running", "{sandbox}");
+    assert_eq!(sandbox["metadata"]["owner"], "cli");
+
+    // Exec: the command's exit code, stdout and stderr pass through.
+    let out = output(&mut clade(&["sandbox", "exec", &id, "echo out; echo err >&2; exit 3"]), None);
+    assert_eq!(out.status.code(), Some(3), "stderr: {}", text(&out.stderr));
+    assert_eq!((text(&out.stdout).as_str(), text(&out.stderr).as_str()), ("out\n", "err\n"));
+    let out = ok(&mut clade(&["sandbox", "exec", &id, "--", "printf", "%s|", "a b", "it's", "$HOME"]));
+    assert_eq!(text(&out), "a b|it's|$HOME|", "several words are quoted, not re-split");
+    let answer = ok_json(&mut clade(&["sandbox", "exec", "--json", &id, "echo json"]));
+    assert_eq!((answer["exit_code"].as_i64(), answer["stdout"].as_str()), (Some(0), Some("json\n")));
+    let out = output(&mut clade(&["sandbox", "exec", "--timeout", "1", &id, "sleep 30"]), None);
+    assert_eq!(out.status.code(), Some(125), "a timeout is clade's failure, not the command's");
+    assert!(text(&out.stderr).contains("timeout"), "{}", text(&out.stderr));
+
+    // Files: binary-safe through stdin/stdout, parents created.
+    let data: Vec<u8> = (0..=255u8).cycle().take(200_000).chain(*b"\r\n\0end").collect();
+    let out = output(&mut clade(&["fs", "write", &id, "/root/d/bin.dat"]), Some(&data));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(ok(&mut clade(&["fs", "read", &id, "/root/d/bin.dat"])) == data, "the bytes come back as written");
+
+    // Upload and download of local files (download into a directory keeps the name).
+    let local = env.data_dir().join("local");
+    std::fs::create_dir_all(local.join("out")).unwrap();
+    let upload: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    std::fs::write(local.join("up.bin"), &upload).unwrap();
+    ok(&mut clade(&["fs", "upload", &id, local.join("up.bin").to_str().unwrap(), "/root/up/file.bin"]));
+    ok(&mut clade(&["fs", "download", &id, "/root/up/file.bin", local.join("out").to_str().unwrap()]));
+    assert!(std::fs::read(local.join("out/file.bin")).unwrap() == upload);
+    let listing = ok_json(&mut clade(&["fs", "ls", "--json", &id, "/root"]));
+    let names: Vec<&str> = listing["entries"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    assert!(names.contains(&"d") && names.contains(&"up"), "{listing}");
+    let table = text(&ok(&mut clade(&["fs", "ls", &id, "/root/d"])));
+    assert!(table.starts_with("MODE") && table.contains("bin.dat"), "{table}");
+
+    // ls: --json for scripts, a table for people.
+    let listed = ok_json(&mut clade(&["sandbox", "ls", "--json"]));
+    let row = listed.as_array().unwrap().iter().find(|s| s["id"] == id.as_str()).unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(row["status"], "running");
+    let table = text(&ok(&mut clade(&["sandbox", "ls"])));
+    assert!(table.starts_with("ID") && table.lines().any(|l| l.starts_with(&id) && l.contains("running")), "{table}");
+
+    // The terminal, from a pipe: input runs on the PTY, the exit code comes back.
+    let out = output(&mut clade(&["sandbox", "shell", &id]), Some(b"echo hi-$((6*7))\nexit 4\n"));
+    assert_eq!(out.status.code(), Some(4), "stderr: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("hi-42"), "{}", text(&out.stdout));
+    let out = output(&mut clade(&["sandbox", "shell", &id, "--", "sh", "-c", "exit 5"]), None);
+    assert_eq!(out.status.code(), Some(5), "stderr: {}", text(&out.stderr));
+
+    // Pause and resume; then hibernate and wake; the files are still there.
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "pause", &id]))), format!("{id} paused\n"));
+    assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "paused");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "resume", "--json", &id]))["status"], "running");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "running");
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "hibernate", &id]))), format!("{id} hibernated\n"));
+    assert_eq!(ok_json(&mut clade(&["sandbox", "get", "--json", &id]))["status"], "hibernated");
+    let woken = ok_json(&mut clade(&["sandbox", "wake", "--json", &id]));
+    assert_eq!(woken["status"], "running");
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &id, "wc -c < /root/d/bin.dat"]))).trim(), data.len().to_string());
+
+    // Delete; afterwards the id is unknown (exit 125 with the server's message).
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "rm", &id]))), format!("deleted {id}\n"));
+    let out = output(&mut clade(&["sandbox", "get", &id]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains(&format!("sandbox {id} not found")), "{}", text(&out.stderr));
+}
+
+#[test]
+fn logs_fork_and_snapshots_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+    let id = text(&ok(&mut clade(&["sandbox", "create"]))).trim().to_string();
+    assert!(!id.is_empty());
+    ok(&mut clade(&["sandbox", "exec", &id, "echo from-parent > /root/p; echo clade-log-marker > /dev/console"]));
+
+    // Logs: the console as text, as JSON lines, and followed.
+    let logs = text(&ok(&mut clade(&["sandbox", "logs", &id])));
+    assert!(logs.contains("clade-log-marker"), "{logs}");
+    let lines = ok_json(&mut clade(&["sandbox", "logs", "--json", &id]));
+    let lines = lines["lines"].as_array().unwrap_or_else(|| panic!("{lines}"));
+    assert!(lines.iter().any(|l| l.as_str().is_some_and(|l| l.contains("clade-log-marker"))), "{lines:?}");
+    let followed = follow_until(clade(&["sandbox", "logs", "--follow", "--json", &id]), "clade-log-marker");
+    let line: Value = serde_json::from_str(&followed).unwrap_or_else(|e| panic!("not JSON ({e}): {followed}"));
+    assert!(line["line"].as_str().unwrap().contains("clade-log-marker"), "{line}");
+    let vmm_errors = text(&ok(&mut clade(&["sandbox", "logs", "--stream", "stderr", &id])));
+    assert!(!vmm_errors.contains("clade-log-marker"), "{vmm_errors}");
+
+    // Events, as lines and followed; limits, shown and changed.
+    let events = text(&ok(&mut clade(&["sandbox", "events", &id])));
+    assert!(events.lines().any(|l| l.contains("created")) && events.lines().any(|l| l.contains("exec")), "{events}");
+    let followed = follow_until(clade(&["sandbox", "events", "--follow", "--json", &id]), "\"exec\"");
+    let event: Value = serde_json::from_str(&followed).unwrap_or_else(|e| panic!("not JSON ({e}): {followed}"));
+    assert_eq!(event["sandbox_id"], id.as_str(), "{event}");
+    let limits = ok_json(&mut clade(&["sandbox", "limits", "--json", &id, "--max-processes", "300"]));
+    assert_eq!(limits["max_processes"], 300, "{limits}");
+    let shown = text(&ok(&mut clade(&["sandbox", "limits", &id])));
+    assert!(shown.contains("max_processes  300"), "{shown}");
+
+    // Fork: one child (--json), then a tree of two (ids, one per line); each
+    // child has the parent's files and answers an exec.
+    let forked = ok_json(&mut clade(&["sandbox", "fork", "--json", &id]));
+    let child = forked["sandbox"]["id"].as_str().unwrap_or_else(|| panic!("{forked}")).to_string();
+    assert_eq!(forked["children"][0]["id"], child.as_str(), "{forked}");
+    let tree = text(&ok(&mut clade(&["sandbox", "fork", &id, "--count", "2", "--metadata", "kind=tree"])));
+    let tree: Vec<String> = tree.lines().map(str::to_string).collect();
+    assert_eq!(tree.len(), 2, "{tree:?}");
+    let mut children = vec![child];
+    children.extend(tree.iter().cloned());
+    for child in &children {
+        assert_ne!(child, &id);
+        assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", child, "cat /root/p"]))), "from-parent\n", "child {child}");
+    }
+    let got = ok_json(&mut clade(&["sandbox", "get", "--json", &tree[1]]));
+    assert_eq!(got["metadata"]["kind"], "tree", "{got}");
+
+    // Snapshot (plain and --json), then a sandbox made from it.
+    let snapshot = text(&ok(&mut clade(&["sandbox", "snapshot", &id]))).trim().to_string();
+    assert!(!snapshot.is_empty());
+    let answer = ok_json(&mut clade(&["sandbox", "snapshot", "--json", &id]));
+    assert_eq!(answer["sandbox_id"], id.as_str(), "{answer}");
+    assert!(answer["id"].as_str().is_some_and(|s| s != snapshot), "{answer}");
+    let restored = ok_json(&mut clade(&["sandbox", "create", "--json", "--from-snapshot", &snapshot]));
+    let restored = restored["id"].as_str().unwrap_or_else(|| panic!("{restored}")).to_string();
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &restored, "cat /root/p"]))), "from-parent\n");
+    let out = output(&mut clade(&["sandbox", "create", "--from-snapshot", "snap_nope"]), None);
+    assert_eq!(out.status.code(), Some(125), "stderr: {}", text(&out.stderr));
+
+    let mut all = vec!["sandbox", "rm", "--json", id.as_str(), restored.as_str()];
+    all.extend(children.iter().map(String::as_str));
+    let deleted = ok_json(&mut clade(&all));
+    assert_eq!(deleted["deleted"].as_array().map(Vec::len), Some(children.len() + 2), "{deleted}");
+    assert_eq!(ok_json(&mut clade(&["sandbox", "ls", "--json"])), serde_json::json!([]));
+}
+
+/// Runs a never-ending command (`logs --follow`) until a stdout line contains
+/// `needle`, then kills it; returns that line.
+#[track_caller]
+fn follow_until(mut command: Command, needle: &str) -> String {
+    use std::io::BufRead;
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let found = loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(Ok(line)) if line.contains(needle) => break Some(line),
+            Ok(Ok(_)) => {}
+            _ => break None,
+        }
+    };
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    found.unwrap_or_else(|| panic!("{command:?}: no line with {needle:?}; stderr: {}", text(&out.stderr)))
+}
+
+#[test]
+fn ports_and_port_forward_through_the_cli() {
+    use std::io::{BufRead, Read};
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+    let id = ok_json(&mut clade(&["sandbox", "create", "--json"]))["id"].as_str().unwrap().to_string();
+    let start = "mkdir -p /srv && echo forwarded > /srv/index.html && \
+                 (setsid python3 -m http.server 8000 --directory /srv >/tmp/http.log 2>&1 </dev/null &)";
+    ok(&mut clade(&["sandbox", "exec", &id, start]));
+
+    // `ports`: JSON for scripts, a table for people.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let ports = ok_json(&mut clade(&["sandbox", "ports", "--json", &id]));
+        if ports.as_array().unwrap().iter().any(|p| p["port"] == 8000 && p["listening"] == true) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the guest's server never listened: {ports}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let table = text(&ok(&mut clade(&["sandbox", "ports", &id])));
+    assert!(table.starts_with("PORT") && table.lines().any(|l| l.starts_with("8000") && l.contains("yes")), "{table}");
+
+    // `port-forward`: a local port that leads into the sandbox, one connection after another.
+    let local = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut forward = clade(&["sandbox", "port-forward", &id, &format!("{local}:8000")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(forward.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    assert!(line.starts_with(&format!("Forwarding from 127.0.0.1:{local} to port 8000")), "{line}");
+    for _ in 0..3 {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", local)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        conn.write_all(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.0 200") && answer.ends_with("forwarded\n"), "{answer}");
+    }
+    // Interrupted, it stops cleanly.
+    let _ = Command::new("kill").args(["-INT", &forward.id().to_string()]).status();
+    let status = forward.wait().unwrap();
+    assert!(status.success(), "{status}");
+
+    // An unknown sandbox is refused up front, with the server's message.
+    let out = output(&mut clade(&["sandbox", "port-forward", "nosuchsandbox", "0:8000"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("sandbox nosuchsandbox not found"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn settings_come_from_flags_then_environment_then_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("data"), None);
+
+    // The config file alone (XDG_CONFIG_HOME/clade/config.json).
+    let config_home = dir.path().join("config");
+    std::fs::create_dir_all(config_home.join("clade")).unwrap();
+    let config = serde_json::json!({ "api_url": server.url, "api_key": server.key });
+    std::fs::write(config_home.join("clade/config.json"), config.to_string()).unwrap();
+    let from_file = |args: &[&str]| {
+        let mut command = client_command(args);
+        command.env_remove("CLADE_CONFIG").env("XDG_CONFIG_HOME", &config_home);
+        command
+    };
+    assert_eq!(ok_json(&mut from_file(&["sandbox", "ls", "--json"])), serde_json::json!([]));
+
+    // The environment beats the file: a wrong key in the environment is used, and refused.
+    let out = output(from_file(&["sandbox", "ls"]).env("CLADE_API_KEY", "clade_wrong"), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("unauthorized: invalid api token"), "{}", text(&out.stderr));
+    // The flag beats the environment.
+    let mut command = from_file(&["sandbox", "ls", "--json", "--api-key", &server.key]);
+    assert_eq!(ok_json(command.env("CLADE_API_KEY", "clade_wrong")), serde_json::json!([]));
+    // An unreachable URL from the environment beats the file's good one.
+    let out = output(from_file(&["sandbox", "ls"]).env("CLADE_API_URL", "http://127.0.0.1:1"), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("cannot reach the server at http://127.0.0.1:1"), "{}", text(&out.stderr));
+
+    // No key anywhere: the message says where to put one.
+    let out = output(&mut client_command(&["sandbox", "ls"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("no API key"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn api_errors_exit_125_with_the_servers_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("data"), None);
+    for args in [
+        &["sandbox", "get", "sb_nope"][..],
+        &["sandbox", "exec", "sb_nope", "true"],
+        &["sandbox", "hibernate", "sb_nope"],
+        &["sandbox", "rm", "sb_nope"],
+        &["fs", "read", "sb_nope", "/etc/hostname"],
+        &["sandbox", "shell", "sb_nope"],
+    ] {
+        let out = output(&mut server.clade(args), None);
+        assert_eq!(out.status.code(), Some(125), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("sandbox sb_nope not found (HTTP 404)"), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: nothing on stdout");
+    }
+    // A server-side validation error is shown as the server wrote it.
+    let out = output(&mut server.clade(&["sandbox", "create", "--template", "no-such-image"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("unknown template"), "{}", text(&out.stderr));
+}

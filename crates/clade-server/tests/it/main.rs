@@ -1,0 +1,16 @@
+//! The server's integration tests, one binary: a real server over HTTP,
+//! real VMs, real SQLite and PostgreSQL (skipped without root, QEMU or the
+//! images; failed instead under `CI`).
+
+mod basics;
+mod capacity;
+mod hostile;
+mod network;
+mod openapi;
+mod ports;
+mod postgres;
+mod sandboxes;
+mod snapshots_fork;
+mod stream;
+mod support;
+mod terminal;

@@ -1,0 +1,51 @@
+//! `docs/openapi.json` is the document the server's types generate. When
+//! the API changes, regenerate it with
+//! `CLADE_UPDATE_OPENAPI=1 cargo test -p clade-server --test it openapi`
+//! (or `clade openapi > docs/openapi.json`) and commit it with the change.
+
+use std::path::PathBuf;
+
+fn committed_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json")
+}
+
+#[test]
+fn the_committed_document_is_the_generated_one() {
+    let generated = clade_server::openapi::document();
+    let path = committed_path();
+    if std::env::var_os("CLADE_UPDATE_OPENAPI").is_some_and(|v| !v.is_empty() && v != "0") {
+        std::fs::write(&path, &generated).expect("writing docs/openapi.json");
+        return;
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    if committed != generated {
+        let line = committed.lines().zip(generated.lines()).position(|(a, b)| a != b).map_or_else(
+            || format!("lengths differ: {} vs {} lines", committed.lines().count(), generated.lines().count()),
+            |i| format!("first difference at line {}", i + 1),
+        );
+        panic!(
+            "docs/openapi.json is stale ({line}): the server's API types changed.\n\
+             Regenerate it with `CLADE_UPDATE_OPENAPI=1 cargo test -p clade-server --test it openapi` and commit it."
+        );
+    }
+}
+
+#[test]
+fn the_document_covers_the_api() {
+    let document: serde_json::Value = serde_json::from_str(&clade_server::openapi::document()).unwrap();
+    assert_eq!(document["openapi"], "3.1.0");
+    let paths = document["paths"].as_object().unwrap();
+    // Every route the server serves (the metrics' route list), and the document itself.
+    for path in clade_server::metrics::ROUTES.iter().copied().chain(["/openapi.json"]) {
+        assert!(paths.contains_key(path), "{path} is not in the document");
+    }
+    assert_eq!(paths.len(), 40, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
+    let scheme = &document["components"]["securitySchemes"]["api_key"];
+    assert_eq!(scheme["scheme"], "bearer");
+    assert_eq!(document["security"][0]["api_key"], serde_json::json!([]));
+    assert!(document["components"]["schemas"]["ErrorBody"].is_object());
+    // The unauthenticated routes say so.
+    for path in ["/healthz", "/version", "/metrics", "/openapi.json"] {
+        assert_eq!(paths[path]["get"]["security"], serde_json::json!([{}]), "{path}");
+    }
+}

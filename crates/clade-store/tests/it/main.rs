@@ -1,0 +1,4 @@
+//! The store's integration tests, one binary: SQLite and a real
+//! PostgreSQL cluster (`clade_testkit::pg`).
+
+mod store;

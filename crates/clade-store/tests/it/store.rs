@@ -1,0 +1,278 @@
+//! The store against both backends: SQLite and a real PostgreSQL.
+
+use std::collections::BTreeMap;
+
+use clade_store::{NewSandbox, SandboxState, SnapshotRow, Store, StoreError, KEY_PREFIX};
+use clade_testkit::pg::TestDb;
+
+#[tokio::test]
+async fn workspaces_are_unique_by_name_and_ensure_is_idempotent() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("alpha").await.unwrap();
+        assert!(matches!(store.create_workspace("alpha").await, Err(StoreError::Conflict(_))), "{}", db.name());
+        assert_eq!(store.ensure_workspace("alpha").await.unwrap(), a);
+        let b = store.ensure_workspace("beta").await.unwrap();
+        assert_ne!(a.id, b.id);
+        assert_eq!(store.workspace(&b.id).await.unwrap(), Some(b.clone()));
+        assert_eq!(store.workspace_by_name("gamma").await.unwrap(), None);
+        let names: Vec<String> = store.list_workspaces().await.unwrap().into_iter().map(|w| w.name).collect();
+        assert_eq!(names, ["alpha", "beta"], "{}", db.name());
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn keys_are_stored_hashed_authenticate_and_revoke() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let ws = store.create_workspace("default").await.unwrap();
+        let new = store.create_key(&ws.id, "admin").await.unwrap();
+        assert!(new.secret.starts_with(KEY_PREFIX));
+        assert_eq!(new.secret.len(), KEY_PREFIX.len() + 64, "32 random bytes in hex");
+        assert!(new.secret.starts_with(&new.key.prefix));
+
+        let found = store.authenticate(&new.secret).await.unwrap().expect("the key authenticates");
+        assert_eq!(found.id, new.key.id);
+        assert_eq!(found.workspace_id, ws.id);
+        assert!(found.last_used_at.is_some(), "use is recorded");
+        // A different key of the same shape, and a truncated one, do not.
+        let mut wrong = new.secret.clone();
+        wrong.replace_range(wrong.len() - 1.., if wrong.ends_with('0') { "1" } else { "0" });
+        assert_eq!(store.authenticate(&wrong).await.unwrap(), None);
+        assert_eq!(store.authenticate(&new.key.prefix).await.unwrap(), None);
+        assert_eq!(store.authenticate("").await.unwrap(), None);
+
+        // Revocation is scoped to the workspace, by id or prefix.
+        let other = store.create_workspace("other").await.unwrap();
+        assert!(matches!(store.revoke_key(Some(&other.id), &new.key.id).await, Err(StoreError::NotFound(_))));
+        let second = store.create_key(&ws.id, "ci").await.unwrap();
+        let revoked = store.revoke_key(Some(&ws.id), &second.key.prefix).await.unwrap();
+        assert!(revoked.is_revoked());
+        assert_eq!(store.authenticate(&second.secret).await.unwrap(), None, "{}", db.name());
+        assert!(store.authenticate(&new.secret).await.unwrap().is_some(), "other keys still work");
+        store.revoke_key(None, &second.key.id).await.expect("revoking twice is fine");
+
+        let listed = store.list_keys(Some(&ws.id)).await.unwrap();
+        assert_eq!(listed.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["admin", "ci"]);
+        assert!(listed[1].is_revoked() && !listed[0].is_revoked());
+        assert!(store.list_keys(Some(&other.id)).await.unwrap().is_empty());
+        assert_eq!(store.key_count().await.unwrap(), 2);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn the_secret_is_never_stored() {
+    // Only SQLite: the file is easy to scan for the secret.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&Store::default_url(dir.path())).await.unwrap();
+    let ws = store.create_workspace("default").await.unwrap();
+    let new = store.create_key(&ws.id, "admin").await.unwrap();
+    store.close().await;
+    let secret_hex = &new.secret[KEY_PREFIX.len()..];
+    for entry in std::fs::read_dir(dir.path()).unwrap().flatten() {
+        // SQLite may remove its -wal or -shm file just after the listing.
+        let bytes = match std::fs::read(entry.path()) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            read => read.unwrap(),
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains(secret_hex), "{} holds the key", entry.path().display());
+    }
+}
+
+#[tokio::test]
+async fn the_sqlite_file_and_its_wal_are_private_even_in_an_open_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    // A data directory other users may search, as /var/lib/clade is.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let db = dir.path().join("clade.db");
+    let store = Store::open(&Store::default_url(dir.path())).await.unwrap();
+    store.create_workspace("default").await.unwrap();
+    for file in [db.clone(), dir.path().join("clade.db-wal"), dir.path().join("clade.db-shm")] {
+        assert_eq!(mode(&file), 0o600, "{} while open", file.display());
+    }
+    store.close().await;
+
+    // A database an older version left readable by all is tightened.
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let store = Store::open(&Store::default_url(dir.path())).await.unwrap();
+    assert_eq!(mode(&db), 0o600);
+    assert_eq!(store.list_workspaces().await.unwrap().len(), 1, "the data is kept");
+    store.close().await;
+}
+
+fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
+    NewSandbox {
+        id: id.into(),
+        workspace_id: workspace_id.into(),
+        template: "base".into(),
+        state: SandboxState::Running,
+        metadata: BTreeMap::from([("owner".to_string(), "me".to_string()), ("ünï".to_string(), "cødé".to_string())]),
+        cpu: 1,
+        memory_mb: 512,
+        ttl_seconds: 300,
+        persistent: false,
+        fork_tree_id: None,
+        from_snapshot: None,
+        preview_auth: false,
+    }
+}
+
+#[tokio::test]
+async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("a").await.unwrap();
+        let b = store.create_workspace("b").await.unwrap();
+        let row = store.insert_sandbox(new_sandbox("0123456789ab", &a.id)).await.unwrap();
+        assert_eq!(store.sandbox(&a.id, &row.id).await.unwrap(), Some(row.clone()), "{}", db.name());
+        assert_eq!(store.sandbox(&b.id, &row.id).await.unwrap(), None, "another workspace does not see it");
+        assert!(store.list_sandboxes(&b.id).await.unwrap().is_empty());
+
+        store.set_sandbox_state(&row.id, SandboxState::Failed, Some("QEMU exited")).await.unwrap();
+        let failed = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
+        assert_eq!((failed.state, failed.state_reason.as_deref()), (SandboxState::Failed, Some("QEMU exited")));
+        store.set_sandbox_lifecycle(&row.id, Some(60), None).await.unwrap();
+        store.set_sandbox_lifecycle(&row.id, None, Some(true)).await.unwrap();
+        let changed = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
+        assert_eq!((changed.ttl_seconds, changed.persistent), (60, true));
+        store.touch_sandbox(&row.id, changed.last_activity_at + 5000).await.unwrap();
+        store.touch_sandbox(&row.id, changed.last_activity_at + 1000).await.unwrap(); // never goes back
+        let touched = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
+        assert_eq!(touched.last_activity_at, changed.last_activity_at + 5000);
+
+        let second = store.insert_sandbox(new_sandbox("ba9876543210", &a.id)).await.unwrap();
+        store.set_sandbox_state(&row.id, SandboxState::Deleted, None).await.unwrap();
+        assert_eq!(store.sandbox(&a.id, &row.id).await.unwrap(), None, "deleted rows are not served");
+        let listed = store.list_sandboxes(&a.id).await.unwrap();
+        assert_eq!(listed.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), [second.id.as_str()]);
+        let live = store.sandboxes_in(&[SandboxState::Running, SandboxState::Hibernated]).await.unwrap();
+        assert_eq!(live.len(), 1);
+        assert!(matches!(store.set_sandbox_state("nope", SandboxState::Running, None).await, Err(StoreError::NotFound(_))));
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn fork_trees_and_snapshot_origins_are_kept_per_workspace() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("a").await.unwrap();
+        let b = store.create_workspace("b").await.unwrap();
+        let child = |id: &str, ws: &str, tree: &str| NewSandbox { fork_tree_id: Some(tree.into()), ..new_sandbox(id, ws) };
+        store.insert_sandbox(child("c1", &a.id, "t1")).await.unwrap();
+        store.insert_sandbox(child("c2", &a.id, "t1")).await.unwrap();
+        store.insert_sandbox(child("c3", &a.id, "t2")).await.unwrap();
+        store.insert_sandbox(child("c4", &b.id, "t1")).await.unwrap();
+        let from = NewSandbox { from_snapshot: Some("snap1".into()), ..new_sandbox("r1", &a.id) };
+        store.insert_sandbox(from).await.unwrap();
+        let tree: Vec<String> = store.sandboxes_in_tree(&a.id, "t1").await.unwrap().into_iter().map(|s| s.id).collect();
+        assert_eq!(tree, ["c1", "c2"], "{}: only this workspace's tree", db.name());
+        store.set_sandbox_state("c2", SandboxState::Deleted, None).await.unwrap();
+        assert_eq!(store.sandboxes_in_tree(&a.id, "t1").await.unwrap().len(), 1, "deleted members are not listed");
+        let restored = store.sandbox(&a.id, "r1").await.unwrap().unwrap();
+        assert_eq!((restored.from_snapshot.as_deref(), restored.fork_tree_id), (Some("snap1"), None));
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn events_and_snapshots_round_trip() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("a").await.unwrap();
+        let b = store.create_workspace("b").await.unwrap();
+        for (i, kind) in ["created", "exec", "hibernated", "woken"].iter().enumerate() {
+            store.record_event(&a.id, "sb1", kind, serde_json::json!({ "n": i })).await.unwrap();
+        }
+        let events = store.events(&a.id, "sb1", 3).await.unwrap();
+        assert_eq!(events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), ["exec", "hibernated", "woken"]);
+        assert_eq!(events[2].detail, serde_json::json!({ "n": 3 }));
+        assert!(events.windows(2).all(|w| w[0].id < w[1].id));
+        assert!(store.events(&b.id, "sb1", 10).await.unwrap().is_empty(), "{}", db.name());
+        // A follower's next page: after the one it saw, in order, another workspace's never.
+        let after = store.events_after(&a.id, "sb1", events[0].id, 10).await.unwrap();
+        assert_eq!(after.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), ["hibernated", "woken"]);
+        assert_eq!(store.events_after(&a.id, "sb1", events[0].id, 1).await.unwrap().len(), 1);
+        assert!(store.events_after(&a.id, "sb1", events[2].id, 10).await.unwrap().is_empty());
+        assert!(store.events_after(&b.id, "sb1", 0, 10).await.unwrap().is_empty());
+
+        for (id, at) in [("s1", 1000), ("s2", 2000)] {
+            let row = SnapshotRow {
+                id: id.into(),
+                workspace_id: a.id.clone(),
+                sandbox_id: "sb1".into(),
+                template: "base".into(),
+                size_bytes: 1 << 33,
+                created_at: at,
+            };
+            store.insert_snapshot(&row).await.unwrap();
+        }
+        let all = store.list_snapshots(&a.id, None).await.unwrap();
+        assert_eq!(all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s2", "s1"], "newest first");
+        assert_eq!(all[0].size_bytes, 1 << 33);
+        assert_eq!(store.list_snapshots(&a.id, Some("sb1")).await.unwrap().len(), 2);
+        assert!(store.list_snapshots(&a.id, Some("other")).await.unwrap().is_empty(), "{}", db.name());
+        assert_eq!(store.snapshot(&b.id, "s1").await.unwrap(), None);
+        assert!(!store.delete_snapshot(&b.id, "s1").await.unwrap());
+        assert!(store.delete_snapshot(&a.id, "s1").await.unwrap());
+        assert_eq!(store.snapshot(&a.id, "s1").await.unwrap(), None);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn port_labels_preview_auth_and_server_secrets() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let ws = store.create_workspace("default").await.unwrap();
+        let row = store.insert_sandbox(NewSandbox { preview_auth: true, ..new_sandbox("p1", &ws.id) }).await.unwrap();
+        assert!(row.preview_auth);
+        assert!(store.sandbox(&ws.id, "p1").await.unwrap().unwrap().preview_auth, "{}", db.name());
+        store.set_sandbox_preview_auth("p1", false).await.unwrap();
+        assert!(!store.sandbox_by_id("p1").await.unwrap().unwrap().preview_auth);
+        assert!(matches!(store.set_sandbox_preview_auth("nope", true).await, Err(StoreError::NotFound(_))));
+
+        // Labels: set (again: changed), listed by port, copied, removed.
+        store.set_port_label("p1", 8000, Some("web")).await.unwrap();
+        store.set_port_label("p1", 3000, None).await.unwrap();
+        let changed = store.set_port_label("p1", 8000, Some("site")).await.unwrap();
+        assert_eq!(changed.label.as_deref(), Some("site"));
+        let labels = store.port_labels("p1").await.unwrap();
+        let listed: Vec<(u16, Option<&str>)> = labels.iter().map(|l| (l.port, l.label.as_deref())).collect();
+        assert_eq!(listed, [(3000, None), (8000, Some("site"))], "{}", db.name());
+        store.copy_port_labels("p1", "p2").await.unwrap();
+        assert_eq!(store.port_labels("p2").await.unwrap().len(), 2);
+        assert!(store.remove_port_label("p1", 3000).await.unwrap());
+        assert!(!store.remove_port_label("p1", 3000).await.unwrap());
+        assert_eq!(store.port_labels("p1").await.unwrap().len(), 1);
+
+        // A secret is made once and kept.
+        let secret = store.server_secret("preview").await.unwrap();
+        assert_eq!(secret.len(), 64);
+        assert_eq!(store.server_secret("preview").await.unwrap(), secret, "{}", db.name());
+        assert_ne!(store.server_secret("other").await.unwrap(), secret);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn reopening_keeps_data_and_does_not_migrate_twice() {
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let ws = store.create_workspace("keep").await.unwrap();
+        store.close().await;
+        let again = db.open().await;
+        assert_eq!(again.workspace_by_name("keep").await.unwrap(), Some(ws), "{}", db.name());
+        again.close().await;
+    }
+}
+
+#[tokio::test]
+async fn unsupported_urls_are_refused() {
+    assert!(matches!(Store::open("mysql://x").await, Err(StoreError::UnsupportedUrl(_))));
+}
