@@ -9,7 +9,8 @@
 //!
 //! Tasks per exec: one reads host frames, one writes guest frames (so a host
 //! that stops reading never blocks timeouts or cancellation), one pump per
-//! output stream, one feeds stdin. The supervising loop owns the decisions.
+//! output stream, one feeds stdin. The decisions are the `Supervisor`'s, a
+//! state machine with one method per event.
 
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
@@ -348,53 +349,175 @@ fn path_cstring(path: &Path) -> CString {
 }
 
 /// Why the agent killed the command, if it did.
-#[derive(Default)]
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
 struct KillReason {
     timed_out: bool,
     cancelled: bool,
 }
 
-async fn supervise<R, W>(agent: &Agent, running: Running, req: &ExecRequest, mut rd: R, wr: W, session: CancellationToken)
+/// The life of one running exec as a state machine: the supervising loop
+/// waits for the next event (a host frame, the deadline, the session's end,
+/// the command's exit) and hands it to the method for that event. What the
+/// exec has decided so far lives here.
+struct Supervisor {
+    pgid: Pid,
+    cgroup: Option<ExecCgroup>,
+    /// Host input for the stdin feeder; `None` once the command has exited.
+    stdin: Option<StdinTx>,
+    /// The command's terminal, for resizes.
+    terminal: Option<Arc<PtyMaster>>,
+    reason: KillReason,
+    /// Whether the agent has killed the command (once is enough).
+    killed: bool,
+    /// Whether the host's side of the substream is still open.
+    host_open: bool,
+}
+
+impl Supervisor {
+    fn on_host_frame(&mut self, frame: Option<HostFrame>) {
+        match frame {
+            Some(HostFrame::Stdin(data)) => self.to_stdin(StdinMsg::Data(data)),
+            Some(HostFrame::StdinEof) => self.to_stdin(StdinMsg::Eof),
+            Some(HostFrame::Resize(size)) => self.on_resize(size),
+            Some(HostFrame::Signal(signo)) => self.on_signal(signo),
+            Some(HostFrame::Cancel) => self.kill(KillReason { cancelled: true, ..self.reason }),
+            Some(HostFrame::Chunk(_) | HostFrame::End) => tracing::debug!("ignoring a file frame on an exec"),
+            None => self.on_host_gone(),
+        }
+    }
+
+    fn to_stdin(&self, message: StdinMsg) {
+        if let Some(tx) = &self.stdin {
+            let _ = tx.send(message);
+        }
+    }
+
+    fn on_resize(&self, size: clade_proto::PtySize) {
+        if let Some(master) = &self.terminal {
+            if let Err(e) = master.resize(size) {
+                tracing::debug!("pty resize: {e}");
+            }
+        }
+    }
+
+    fn on_signal(&self, signo: i32) {
+        match Signal::try_from(signo) {
+            Ok(signal) => {
+                let _ = killpg(self.pgid, signal);
+            }
+            Err(_) => tracing::debug!(signo, "ignoring an invalid signal number"),
+        }
+    }
+
+    /// A host that goes away cancels what it started.
+    fn on_host_gone(&mut self) {
+        self.host_open = false;
+        if !self.killed {
+            self.kill(KillReason { cancelled: true, ..self.reason });
+        }
+    }
+
+    fn on_deadline(&mut self) {
+        self.kill(KillReason { timed_out: true, ..self.reason });
+    }
+
+    fn on_session_end(&mut self) {
+        self.kill(KillReason { cancelled: true, ..self.reason });
+    }
+
+    fn kill(&mut self, reason: KillReason) {
+        self.reason = reason;
+        kill_everything(self.pgid, self.cgroup.as_ref());
+        self.killed = true;
+    }
+
+    /// The command has exited: its input and its terminal's size have nowhere to go.
+    fn on_exit(&mut self) {
+        self.stdin = None;
+        self.terminal = None;
+    }
+}
+
+async fn supervise<R, W>(agent: &Agent, running: Running, req: &ExecRequest, rd: R, wr: W, session: CancellationToken)
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let Running { pid, mut exit, io, cgroup, script } = running;
-    let pgid = Pid::from_raw(pid);
 
     let (frames, frames_rx) = mpsc::channel::<GuestFrame>(32);
     let writer = tokio::spawn(write_frames(wr, frames_rx));
     let _ = frames.send(GuestFrame::Started { pid: pid as u32 }).await;
+    let (output, stdin, terminal) = Output::start(io, req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT), &frames);
+    let (mut host_rx, host_reader) = read_host_frames(rd);
 
-    let limit = req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT);
-    let dropped = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-    let mut pumps = JoinSet::new();
-    let drain_finish = CancellationToken::new();
-    let (sink, terminal) = match io {
-        ChildIo::Pipes { stdin, stdout, stderr } => {
-            let finish = drain_finish.clone();
-            pumps.spawn(pump(Source::Pipe(stdout), OutputStream::Stdout, limit, frames.clone(), dropped.clone(), finish.clone()));
-            pumps.spawn(pump(Source::Pipe(stderr), OutputStream::Stderr, limit, frames.clone(), dropped.clone(), finish.clone()));
-            (stdin.map(StdinSink::Pipe), None)
-        }
-        ChildIo::Pty(master) => {
-            let finish = drain_finish.clone();
-            pumps.spawn(pump(Source::Pty(master.clone()), OutputStream::Stdout, limit, frames.clone(), dropped.clone(), finish.clone()));
-            (Some(StdinSink::Pty(master.clone())), Some(master))
+    let mut supervisor =
+        Supervisor { pgid: Pid::from_raw(pid), cgroup, stdin, terminal, reason: KillReason::default(), killed: false, host_open: true };
+    let timeout = req.timeout_ms.map(Duration::from_millis);
+    let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(100 * 365 * 86400)));
+    tokio::pin!(deadline);
+    let exited = loop {
+        tokio::select! {
+            status = &mut exit => break status.ok(),
+            frame = host_rx.recv(), if supervisor.host_open => supervisor.on_host_frame(frame.flatten()),
+            _ = &mut deadline, if timeout.is_some() && !supervisor.killed => supervisor.on_deadline(),
+            _ = session.cancelled(), if !supervisor.killed => supervisor.on_session_end(),
         }
     };
-    let (mut stdin, feeder) = match sink {
-        Some(sink) => {
-            let (tx, rx) = mpsc::unbounded_channel();
-            (Some(tx), Some(tokio::spawn(feed_stdin(sink, rx))))
-        }
-        None => (None, None),
-    };
+    supervisor.on_exit();
 
-    // Stdin is queued without bound so that a Cancel behind it is always
-    // seen; the host is trusted not to flood a command that does not read.
-    let (host_tx, mut host_rx) = mpsc::unbounded_channel::<Option<HostFrame>>();
-    let host_reader = tokio::spawn(async move {
+    let dropped = output.finish().await;
+    // The shell that read it has exited.
+    drop(script);
+    let _ = frames.send(last_frame(exited, supervisor.reason, dropped)).await;
+    drop(frames);
+    let _ = writer.await;
+    if let (Some(cgroup), Some(cgroups)) = (supervisor.cgroup.take(), agent.cgroups()) {
+        if supervisor.killed {
+            cgroup.remove(cgroups).await;
+        } else {
+            // Background processes may still live in it; empty ones are
+            // pruned when later execs create theirs.
+            cgroup.release(cgroups);
+        }
+    }
+    // Keep reading until the host closes the substream: a host still
+    // sending stdin to a command that has exited must not block on flow
+    // control (see `agent::drain_until_closed`).
+    if supervisor.host_open {
+        tokio::select! {
+            _ = async { while let Some(Some(_)) = host_rx.recv().await {} } => {}
+            _ = session.cancelled() => {}
+        }
+    }
+    host_reader.abort();
+}
+
+/// The exec's last frame: how the command ended, or that its end was lost.
+fn last_frame(exited: Option<ProcessExit>, reason: KillReason, dropped: [u64; 2]) -> GuestFrame {
+    match exited {
+        Some(exit) => GuestFrame::Exited(ExitStatus {
+            code: exit.code,
+            signal: exit.signal,
+            timed_out: reason.timed_out,
+            cancelled: reason.cancelled,
+            stdout_dropped: dropped[0],
+            stderr_dropped: dropped[1],
+        }),
+        None => GuestFrame::Error(GuestError::new(ErrorKind::Io, "lost track of the process's exit status")),
+    }
+}
+
+/// Host frames of the substream, read by a task of their own. Stdin is
+/// queued without bound so that a Cancel behind it is always seen; the host
+/// is trusted not to flood a command that does not read. `None` is the
+/// host's end of the substream.
+fn read_host_frames<R>(mut rd: R) -> (mpsc::UnboundedReceiver<Option<HostFrame>>, tokio::task::JoinHandle<()>)
+where
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let (host_tx, host_rx) = mpsc::unbounded_channel::<Option<HostFrame>>();
+    let reader = tokio::spawn(async move {
         loop {
             match read_frame::<_, HostFrame>(&mut rd).await {
                 Ok(Some(frame)) => {
@@ -409,126 +532,82 @@ where
             }
         }
     });
+    (host_rx, reader)
+}
 
-    let timeout = req.timeout_ms.map(Duration::from_millis);
-    let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(100 * 365 * 86400)));
-    tokio::pin!(deadline);
-    let mut reason = KillReason::default();
-    let mut killed = false;
-    let mut host_open = true;
-    let exited = loop {
-        tokio::select! {
-            status = &mut exit => break status.ok(),
-            frame = host_rx.recv(), if host_open => match frame.flatten() {
-                Some(HostFrame::Stdin(data)) => {
-                    if let Some(tx) = &stdin {
-                        let _ = tx.send(StdinMsg::Data(data));
-                    }
-                }
-                Some(HostFrame::StdinEof) => {
-                    if let Some(tx) = &stdin {
-                        let _ = tx.send(StdinMsg::Eof);
-                    }
-                }
-                Some(HostFrame::Resize(size)) => {
-                    if let Some(master) = &terminal {
-                        if let Err(e) = master.resize(size) {
-                            tracing::debug!("pty resize: {e}");
-                        }
-                    }
-                }
-                Some(HostFrame::Signal(signo)) => match Signal::try_from(signo) {
-                    Ok(signal) => {
-                        let _ = killpg(pgid, signal);
-                    }
-                    Err(_) => tracing::debug!(signo, "ignoring an invalid signal number"),
-                },
-                Some(HostFrame::Cancel) => {
-                    reason.cancelled = true;
-                    kill_everything(pgid, cgroup.as_ref());
-                    killed = true;
-                }
-                Some(HostFrame::Chunk(_) | HostFrame::End) => tracing::debug!("ignoring a file frame on an exec"),
-                None => {
-                    host_open = false;
-                    if !killed {
-                        reason.cancelled = true;
-                        kill_everything(pgid, cgroup.as_ref());
-                        killed = true;
-                    }
-                }
-            },
-            _ = &mut deadline, if timeout.is_some() && !killed => {
-                reason.timed_out = true;
-                kill_everything(pgid, cgroup.as_ref());
-                killed = true;
-            }
-            _ = session.cancelled(), if !killed => {
-                reason.cancelled = true;
-                kill_everything(pgid, cgroup.as_ref());
-                killed = true;
-            }
-        }
-    };
+/// The command's stdio on the agent's side: a pump per output stream and a
+/// stdin feeder.
+struct Output {
+    pumps: JoinSet<()>,
+    /// Tells the pumps to take what is buffered and stop.
+    finish: CancellationToken,
+    dropped: Arc<[AtomicU64; 2]>,
+    feeder: Option<tokio::task::JoinHandle<()>>,
+}
 
-    stdin.take();
-    let drain_until = tokio::time::Instant::now() + DRAIN_GRACE;
-    loop {
-        tokio::select! {
-            done = pumps.join_next() => if done.is_none() { break },
-            _ = tokio::time::sleep_until(drain_until) => {
-                // A background process may hold the pipes open for ever: take
-                // what is already in them (a busy guest may not have run the
-                // pumps yet) and stop waiting for more.
-                drain_finish.cancel();
-                if tokio::time::timeout(DRAIN_GRACE, async { while pumps.join_next().await.is_some() {} }).await.is_err() {
-                    pumps.abort_all();
-                    while pumps.join_next().await.is_some() {}
+/// The way into the command's stdin feeder, if it reads input.
+type StdinTx = mpsc::UnboundedSender<StdinMsg>;
+
+impl Output {
+    /// Starts the pumps and the feeder; also gives the feeder's input and the command's terminal.
+    fn start(io: ChildIo, limit: u64, frames: &mpsc::Sender<GuestFrame>) -> (Self, Option<StdinTx>, Option<Arc<PtyMaster>>) {
+        let dropped = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+        let finish = CancellationToken::new();
+        let mut pumps = JoinSet::new();
+        let (sink, terminal) = match io {
+            ChildIo::Pipes { stdin, stdout, stderr } => {
+                pumps.spawn(pump(Source::Pipe(stdout), OutputStream::Stdout, limit, frames.clone(), dropped.clone(), finish.clone()));
+                pumps.spawn(pump(Source::Pipe(stderr), OutputStream::Stderr, limit, frames.clone(), dropped.clone(), finish.clone()));
+                (stdin.map(StdinSink::Pipe), None)
+            }
+            ChildIo::Pty(master) => {
+                pumps.spawn(pump(
+                    Source::Pty(master.clone()),
+                    OutputStream::Stdout,
+                    limit,
+                    frames.clone(),
+                    dropped.clone(),
+                    finish.clone(),
+                ));
+                (Some(StdinSink::Pty(master.clone())), Some(master))
+            }
+        };
+        let (stdin, feeder) = match sink {
+            Some(sink) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                (Some(tx), Some(tokio::spawn(feed_stdin(sink, rx))))
+            }
+            None => (None, None),
+        };
+        (Output { pumps, finish, dropped, feeder }, stdin, terminal)
+    }
+
+    /// After the command's exit: collects its remaining output for at most
+    /// `DRAIN_GRACE`, stops the feeder, and says how many bytes of each
+    /// stream the output limit dropped.
+    async fn finish(mut self) -> [u64; 2] {
+        let drain_until = tokio::time::Instant::now() + DRAIN_GRACE;
+        loop {
+            tokio::select! {
+                done = self.pumps.join_next() => if done.is_none() { break },
+                _ = tokio::time::sleep_until(drain_until) => {
+                    // A background process may hold the pipes open for ever: take
+                    // what is already in them (a busy guest may not have run the
+                    // pumps yet) and stop waiting for more.
+                    self.finish.cancel();
+                    if tokio::time::timeout(DRAIN_GRACE, async { while self.pumps.join_next().await.is_some() {} }).await.is_err() {
+                        self.pumps.abort_all();
+                        while self.pumps.join_next().await.is_some() {}
+                    }
+                    break;
                 }
-                break;
             }
         }
-    }
-    if let Some(feeder) = feeder {
-        feeder.abort();
-    }
-    drop(terminal);
-    // The shell that read it has exited.
-    drop(script);
-
-    let last = match exited {
-        Some(exit) => GuestFrame::Exited(ExitStatus {
-            code: exit.code,
-            signal: exit.signal,
-            timed_out: reason.timed_out,
-            cancelled: reason.cancelled,
-            stdout_dropped: dropped[0].load(Ordering::Relaxed),
-            stderr_dropped: dropped[1].load(Ordering::Relaxed),
-        }),
-        None => GuestFrame::Error(GuestError::new(ErrorKind::Io, "lost track of the process's exit status")),
-    };
-    let _ = frames.send(last).await;
-    drop(frames);
-    let _ = writer.await;
-    if let (Some(cgroup), Some(cgroups)) = (cgroup, agent.cgroups()) {
-        if killed {
-            cgroup.remove(cgroups).await;
-        } else {
-            // Background processes may still live in it; empty ones are
-            // pruned when later execs create theirs.
-            cgroup.release(cgroups);
+        if let Some(feeder) = self.feeder.take() {
+            feeder.abort();
         }
+        [self.dropped[0].load(Ordering::Relaxed), self.dropped[1].load(Ordering::Relaxed)]
     }
-    // Keep reading until the host closes the substream: a host still
-    // sending stdin to a command that has exited must not block on flow
-    // control (see `server::drain_until_closed`).
-    if host_open {
-        tokio::select! {
-            _ = async { while let Some(Some(_)) = host_rx.recv().await {} } => {}
-            _ = session.cancelled() => {}
-        }
-    }
-    host_reader.abort();
 }
 
 /// SIGKILLs the command's process group and, through its cgroup, whatever left the group.
@@ -1059,6 +1138,54 @@ mod tests {
             task.await.unwrap();
         }
         std::sync::Arc::try_unwrap(h).ok().expect("no other handles").shutdown().await;
+    }
+
+    /// A supervisor of a process group that does not exist (signals to it fail harmlessly).
+    fn supervisor_of_nothing() -> Supervisor {
+        Supervisor {
+            pgid: Pid::from_raw(i32::MAX),
+            cgroup: None,
+            stdin: None,
+            terminal: None,
+            reason: KillReason::default(),
+            killed: false,
+            host_open: true,
+        }
+    }
+
+    #[test]
+    fn the_supervisor_records_why_it_killed() {
+        let mut timed_out = supervisor_of_nothing();
+        timed_out.on_deadline();
+        timed_out.on_host_gone();
+        assert_eq!(timed_out.reason, KillReason { timed_out: true, cancelled: false });
+        assert!(timed_out.killed && !timed_out.host_open);
+
+        let mut abandoned = supervisor_of_nothing();
+        abandoned.on_host_frame(Some(HostFrame::Stdin(b"ignored".to_vec())));
+        assert!(!abandoned.killed);
+        abandoned.on_host_frame(None);
+        assert_eq!(abandoned.reason, KillReason { timed_out: false, cancelled: true });
+        assert!(abandoned.killed && !abandoned.host_open);
+
+        let mut cancelled_late = supervisor_of_nothing();
+        cancelled_late.on_deadline();
+        cancelled_late.on_host_frame(Some(HostFrame::Cancel));
+        assert_eq!(cancelled_late.reason, KillReason { timed_out: true, cancelled: true });
+    }
+
+    #[test]
+    fn the_last_frame_says_how_the_command_ended() {
+        let exit = ProcessExit { code: None, signal: Some(9) };
+        let reason = KillReason { timed_out: true, cancelled: false };
+        match last_frame(Some(exit), reason, [3, 0]) {
+            GuestFrame::Exited(status) => {
+                assert_eq!((status.code, status.signal, status.timed_out, status.cancelled), (None, Some(9), true, false));
+                assert_eq!((status.stdout_dropped, status.stderr_dropped), (3, 0));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(last_frame(None, reason, [0, 0]), GuestFrame::Error(e) if e.kind == ErrorKind::Io));
     }
 
     fn alice() -> User {

@@ -11,6 +11,8 @@
 //! - [`rate_limit`]: the per-workspace request rate limiter.
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
+//! - `forward`: forwarding into a sandbox's port (proxy, preview hosts,
+//!   port-forward): the connection, the rewritten request, the upgrade.
 //! - [`preview`]: preview hosts (`{port}-{id}.{suffix}`) and their signed tokens.
 //! - [`routes`]: the endpoints, one file per resource.
 //! - [`openapi`]: the OpenAPI document, generated from the routes' types (in `routes`, which owns the route list).
@@ -19,11 +21,11 @@
 
 pub mod auth;
 pub mod error;
+mod forward;
 pub mod http;
 pub mod metrics;
-pub mod rate_limit;
-
 pub mod preview;
+pub mod rate_limit;
 mod routes;
 pub use routes::openapi;
 pub mod sandbox;

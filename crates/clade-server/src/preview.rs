@@ -196,39 +196,6 @@ pub fn verify(key: &[u8], token: &str, sandbox_id: &str, port: u16, now: u64) ->
     Ok(expires)
 }
 
-/// The value of cookie `name` in a `Cookie` header.
-pub fn cookie<'a>(header: &'a str, name: &str) -> Option<&'a str> {
-    header.split(';').find_map(|pair| {
-        let (k, v) = pair.trim().split_once('=')?;
-        (k == name).then(|| v.trim_matches('"'))
-    })
-}
-
-/// A `Cookie` header without cookie `name` (`None` when nothing is left).
-pub fn without_cookie(header: &str, name: &str) -> Option<String> {
-    let kept: Vec<&str> = header
-        .split(';')
-        .map(str::trim)
-        .filter(|pair| !pair.is_empty() && pair.split_once('=').map_or(*pair, |(k, _)| k) != name)
-        .collect();
-    (!kept.is_empty()).then(|| kept.join("; "))
-}
-
-/// A query string without parameter `name` (`None` when nothing is left).
-pub fn without_query_param(query: &str, name: &str) -> Option<String> {
-    let kept: Vec<&str> =
-        query.split('&').filter(|pair| !pair.is_empty() && pair.split_once('=').map_or(*pair, |(k, _)| k) != name).collect();
-    (!kept.is_empty()).then(|| kept.join("&"))
-}
-
-/// The value of query parameter `name`.
-pub fn query_param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
-    query.split('&').find_map(|pair| {
-        let (k, v) = pair.split_once('=')?;
-        (k == name).then_some(v)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,16 +273,5 @@ mod tests {
         for garbage in ["", "v1", "v1.8000.1000", "v2.8000.1000.00", "v1.x.1000.00", "v1.8000.1000.zz"] {
             assert_eq!(verify(&key, garbage, "sb1", 8000, 999), Err(TokenError::Invalid), "{garbage}");
         }
-    }
-
-    #[test]
-    fn cookies_and_queries() {
-        assert_eq!(cookie("a=1; clade_token=t.o.k; b=2", "clade_token"), Some("t.o.k"));
-        assert_eq!(cookie("a=1", "clade_token"), None);
-        assert_eq!(without_cookie("a=1; clade_token=x; b=2", "clade_token").as_deref(), Some("a=1; b=2"));
-        assert_eq!(without_cookie("clade_token=x", "clade_token"), None);
-        assert_eq!(without_query_param("a=1&clade_token=x&b", "clade_token").as_deref(), Some("a=1&b"));
-        assert_eq!(without_query_param("clade_token=x", "clade_token"), None);
-        assert_eq!(query_param("a=1&clade_token=x", "clade_token"), Some("x"));
     }
 }

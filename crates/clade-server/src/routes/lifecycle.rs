@@ -43,7 +43,6 @@ pub struct LifecycleStatus {
     pub status: &'static str,
 }
 
-/// `POST …/hibernate`, and its alias `…/stop` (documented on its own path).
 #[utoipa::path(post, operation_id = "hibernate", path = "/v1/sandboxes/{id}/hibernate", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
     responses((status = 200, description = "Hibernated: memory and disk saved, the VM stopped", body = LifecycleStatus),
         (status = 404, description = "No such sandbox", body = ErrorBody),
@@ -61,8 +60,9 @@ pub async fn hibernate(State(state): State<AppState>, caller: Caller, Path(id): 
         (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
     ))]
-#[allow(dead_code)] // documents the alias; the router serves it with `hibernate`
-fn stop() {}
+pub async fn stop(state: State<AppState>, caller: Caller, id: Path<String>) -> Result<Json<LifecycleStatus>, ApiError> {
+    hibernate(state, caller, id).await
+}
 
 #[utoipa::path(post, operation_id = "wake", path = "/v1/sandboxes/{id}/wake", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")),
     responses((status = 200, description = "Running again (a hibernated sandbox restored)", body = LifecycleStatus),
@@ -81,8 +81,9 @@ pub async fn wake(State(state): State<AppState>, caller: Caller, Path(id): Path<
         (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
     ))]
-#[allow(dead_code)] // documents the alias; the router serves it with `wake`
-fn start() {}
+pub async fn start(state: State<AppState>, caller: Caller, id: Path<String>) -> Result<Json<LifecycleStatus>, ApiError> {
+    wake(state, caller, id).await
+}
 
 /// A sandbox's idle settings (§3.7).
 #[derive(Debug, Serialize, ToSchema)]

@@ -21,60 +21,127 @@ pub(crate) mod snapshots;
 pub(crate) mod terminal;
 pub(crate) mod tokens;
 
-use axum::routing::{any, get, post};
+use axum::extract::{MatchedPath, Request, State};
+use axum::handler::Handler;
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::any;
 use axum::Router;
+use utoipa::OpenApi;
+use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
+use utoipa_axum::routes;
 
 use crate::AppState;
 
+/// Every route of the API, each named once: a handler's `#[utoipa::path]`
+/// gives its path and methods, so the router, the OpenAPI document and the
+/// metrics' route labels all come from this list and cannot drift apart.
+/// One `routes!` per path (it routes all its handlers to each of their paths).
+pub(crate) fn api() -> OpenApiRouter<AppState> {
+    let api = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(meta::healthz))
+        .routes(routes!(meta::version))
+        .routes(routes!(metrics::metrics))
+        .routes(routes!(meta::openapi))
+        .routes(routes!(meta::me))
+        .routes(routes!(tokens::list, tokens::create))
+        .routes(routes!(tokens::revoke))
+        .routes(routes!(meta::templates))
+        .routes(routes!(sandboxes::list, sandboxes::create))
+        .routes(routes!(sandboxes::get, sandboxes::patch, sandboxes::delete))
+        .routes(routes!(sandboxes::events))
+        .routes(routes!(exec::exec))
+        .routes(routes!(exec_stream::exec_stream))
+        .routes(routes!(logs::logs))
+        .routes(routes!(files::read, files::write, files::remove))
+        .routes(routes!(files::list))
+        .routes(routes!(files::stat))
+        .routes(routes!(lifecycle::pause))
+        .routes(routes!(lifecycle::resume))
+        .routes(routes!(lifecycle::hibernate))
+        .routes(routes!(lifecycle::stop))
+        .routes(routes!(lifecycle::wake))
+        .routes(routes!(lifecycle::start))
+        .routes(routes!(lifecycle::get, lifecycle::patch))
+        .routes(routes!(network::get, network::put))
+        .routes(routes!(limits::get, limits::put))
+        .routes(routes!(snapshots::create))
+        .routes(routes!(snapshots::list))
+        .routes(routes!(snapshots::get, snapshots::delete))
+        .routes(routes!(fork::fork))
+        .routes(routes!(fork::fork_tree))
+        .routes(routes!(fork::promote))
+        .routes(routes!(terminal::terminal))
+        .routes(routes!(terminal::exec_pty))
+        .routes(routes!(ports::list, ports::add))
+        .routes(routes!(ports::remove))
+        .routes(routes!(ports::connect))
+        .routes(routes!(preview::create_token))
+        // The proxy answers every method, though the document names one
+        // operation per path (GET): the others reach it as the fallback.
+        .routes(every_method(routes!(proxy::proxy_root), proxy::proxy_root))
+        .route(PROXY_ROOT_SLASH, any(proxy::proxy_root));
+    // A proxied path of any depth, which the document spells `{path}`.
+    routed_at(api, PROXY_DEEP_PATH, every_method(routes!(proxy::proxy_path), proxy::proxy_path))
+}
+
+/// A documented handler's routes with `handler` as the fallback for the methods its document does not name.
+fn every_method<H, T>((schemas, paths, methods): UtoipaMethodRouter<AppState>, handler: H) -> UtoipaMethodRouter<AppState>
+where
+    H: Handler<T, AppState>,
+    T: 'static,
+{
+    (schemas, paths, methods.fallback(handler))
+}
+
+/// Routes a documented handler at `template`, a path the document cannot
+/// spell; its operation goes into the document at its own path.
+fn routed_at(
+    router: OpenApiRouter<AppState>,
+    template: &str,
+    (schemas, paths, methods): UtoipaMethodRouter<AppState>,
+) -> OpenApiRouter<AppState> {
+    let mut router = router.route(template, methods);
+    let document = router.get_openapi_mut();
+    document.paths.paths.extend(paths.paths);
+    document.components.get_or_insert_with(Default::default).schemas.extend(schemas);
+    router
+}
+
+/// The proxy's root with a trailing slash.
+const PROXY_ROOT_SLASH: &str = "/v1/sandboxes/{id}/proxy/{port}/";
+/// A proxied path of any depth.
+const PROXY_DEEP_PATH: &str = "/v1/sandboxes/{id}/proxy/{port}/{*path}";
+
+/// Counts every response by its method, route and status. A router's
+/// layers run once it has chosen a route, so the route is the template it
+/// matched (`MatchedPath`); a request that matched none is `other`.
+async fn track(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let method = request.method().as_str().to_string();
+    let route = request.extensions().get::<MatchedPath>().map_or("other", |m| route_label(m.as_str())).to_string();
+    let response = next.run(request).await;
+    state.service.metrics().count_request(&method, &route, response.status().as_u16());
+    response
+}
+
+/// The metrics label of a route template: the documented path of the
+/// proxy's extra spellings, `preview` for preview hosts, the template itself otherwise.
+fn route_label(template: &str) -> &str {
+    match template {
+        PROXY_ROOT_SLASH => "/v1/sandboxes/{id}/proxy/{port}",
+        PROXY_DEEP_PATH => "/v1/sandboxes/{id}/proxy/{port}/{path}",
+        crate::preview::PREVIEW_ROUTE => "preview",
+        other => other,
+    }
+}
+
+/// The server's whole router: the API, preview hosts and the middleware.
 pub fn router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/me", get(meta::me))
-        .route("/me/tokens", get(tokens::list).post(tokens::create))
-        .route("/me/tokens/{prefix}", axum::routing::delete(tokens::revoke))
-        .route("/templates", get(meta::templates))
-        .route("/sandboxes", get(sandboxes::list).post(sandboxes::create))
-        .route("/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete).patch(sandboxes::patch))
-        .route("/sandboxes/{id}/events", get(sandboxes::events))
-        .route("/sandboxes/{id}/exec", post(exec::exec))
-        .route("/sandboxes/{id}/exec/stream", post(exec_stream::exec_stream))
-        .route("/sandboxes/{id}/logs", get(logs::logs))
-        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
-        .route("/sandboxes/{id}/fork", post(fork::fork))
-        .route("/sandboxes/{id}/fork-tree", post(fork::fork_tree))
-        .route("/sandboxes/{id}/promote", post(fork::promote))
-        .route("/snapshots", get(snapshots::list))
-        .route("/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
-        .route("/sandboxes/{id}/fs", get(files::read).put(files::write).delete(files::remove))
-        .route("/sandboxes/{id}/fs/dir", get(files::list))
-        .route("/sandboxes/{id}/fs/stat", get(files::stat))
-        .route("/sandboxes/{id}/pause", post(lifecycle::pause))
-        .route("/sandboxes/{id}/resume", post(lifecycle::resume))
-        .route("/sandboxes/{id}/hibernate", post(lifecycle::hibernate))
-        .route("/sandboxes/{id}/stop", post(lifecycle::hibernate))
-        .route("/sandboxes/{id}/wake", post(lifecycle::wake))
-        .route("/sandboxes/{id}/start", post(lifecycle::wake))
-        .route("/sandboxes/{id}/ssh", get(terminal::terminal))
-        .route("/sandboxes/{id}/exec/pty", get(terminal::terminal))
-        .route("/sandboxes/{id}/lifecycle", get(lifecycle::get).patch(lifecycle::patch))
-        .route("/sandboxes/{id}/network", get(network::get).put(network::put))
-        .route("/sandboxes/{id}/limits", get(limits::get).put(limits::put))
-        .route("/sandboxes/{id}/ports", get(ports::list).post(ports::add))
-        .route("/sandboxes/{id}/ports/{port}", axum::routing::delete(ports::remove))
-        .route("/sandboxes/{id}/ports/{port}/connect", get(ports::connect))
-        .route("/sandboxes/{id}/preview-token", post(preview::create_token))
-        .route("/sandboxes/{id}/proxy/{port}", any(proxy::proxy_root))
-        .route("/sandboxes/{id}/proxy/{port}/", any(proxy::proxy_root))
-        .route("/sandboxes/{id}/proxy/{port}/{*path}", any(proxy::proxy_path));
-    let router = Router::new()
-        .route("/healthz", get(meta::healthz))
-        .route("/version", get(meta::version))
-        .route("/metrics", get(metrics::metrics))
-        .route("/openapi.json", get(meta::openapi))
-        .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
-        .nest("/v1", api)
-        .with_state(state.clone());
-    // Every response is counted, the envelope's and the router's 404s too.
-    let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), crate::metrics::track));
+    let (api, _) = api().split_for_parts();
+    let router = api.route(crate::preview::PREVIEW_ROUTE, any(preview::serve)).with_state(state.clone());
+    // Every response is counted, the envelope's and the router's 404s too,
+    // by the route template the router matched.
+    let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), track));
     // Outermost, around the routing itself (a router's own layers run after
     // it chose a route): preview hosts are told apart before any route is.
     Router::new().fallback_service(app).layer(axum::middleware::map_request_with_state(state, preview::route_host))
@@ -84,4 +151,21 @@ pub fn router(state: AppState) -> Router {
 pub(crate) fn rfc3339(unix_ms: i64) -> String {
     let time = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
     humantime::format_rfc3339_millis(time).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_proxys_extra_spellings_are_labelled_as_documented() {
+        let document = api().into_openapi();
+        for template in [PROXY_ROOT_SLASH, PROXY_DEEP_PATH] {
+            let label = route_label(template);
+            assert_ne!(label, template);
+            assert!(document.paths.paths.contains_key(label), "{label} is not documented");
+        }
+        assert_eq!(route_label("/v1/sandboxes/{id}"), "/v1/sandboxes/{id}");
+        assert_eq!(route_label(crate::preview::PREVIEW_ROUTE), "preview");
+    }
 }

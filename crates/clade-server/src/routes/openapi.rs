@@ -1,6 +1,8 @@
 //! The OpenAPI 3.1 document of the API, generated from the server's own
-//! types: the handlers' `#[utoipa::path]` attributes (paths, parameters,
-//! statuses) and the `ToSchema` derives of the bodies they read and write.
+//! types: the routes `routes::api` lists, each handler's `#[utoipa::path]`
+//! attribute (path, methods, parameters, statuses) and the `ToSchema`
+//! derives of the bodies they read and write. Here: what the document says
+//! beyond its paths (title, security, tags).
 //! `docs/openapi.json` is this document, committed; the `openapi` test fails
 //! when the two differ. Served at `GET /openapi.json`, printed by
 //! `clade openapi`.
@@ -10,12 +12,7 @@ use std::sync::OnceLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{
-    exec, exec_stream, files, fork, lifecycle, limits, logs, meta, metrics, network, ports, preview, proxy, sandboxes, snapshots, terminal,
-    tokens,
-};
-
-/// The name of the security scheme every `/v1` operation requires (also spelled out in `security` above).
+/// The name of the security scheme every `/v1` operation requires (named again in the `security` of the document below).
 const API_KEY: &str = "api_key";
 
 #[derive(OpenApi)]
@@ -25,59 +22,6 @@ const API_KEY: &str = "api_key";
         description = "Clade's HTTP API: PandaStack-compatible sandboxes (microVMs), their commands, files, \
             logs, lifecycle, snapshots, forks and ports. Errors are `{\"error\": \"…\", \"request_id\": \"…\"}`; \
             a 429 or 503 with `Retry-After` may be retried after that many seconds, as may a 507."
-    ),
-    paths(
-        meta::healthz,
-        meta::version,
-        metrics::metrics,
-        meta::openapi,
-        meta::me,
-        tokens::list,
-        tokens::create,
-        tokens::revoke,
-        meta::templates,
-        sandboxes::list,
-        sandboxes::create,
-        sandboxes::get,
-        sandboxes::patch,
-        sandboxes::delete,
-        sandboxes::events,
-        exec::exec,
-        exec_stream::exec_stream,
-        logs::logs,
-        files::read,
-        files::write,
-        files::remove,
-        files::list,
-        files::stat,
-        lifecycle::pause,
-        lifecycle::resume,
-        lifecycle::hibernate,
-        lifecycle::stop,
-        lifecycle::wake,
-        lifecycle::start,
-        lifecycle::get,
-        lifecycle::patch,
-        network::get,
-        network::put,
-        limits::get,
-        limits::put,
-        snapshots::create,
-        snapshots::list,
-        snapshots::get,
-        snapshots::delete,
-        fork::fork,
-        fork::fork_tree,
-        fork::promote,
-        terminal::terminal,
-        terminal::exec_pty,
-        ports::list,
-        ports::add,
-        ports::remove,
-        ports::connect,
-        preview::create_token,
-        proxy::proxy_root,
-        proxy::proxy_path,
     ),
     modifiers(&ApiKeyScheme),
     security(("api_key" = [])),
@@ -96,7 +40,7 @@ const API_KEY: &str = "api_key";
         (name = "ports", description = "Ports, the proxy into them, preview tokens (preview hosts `{port}-{id}.{suffix}` are served before the API)"),
     )
 )]
-struct ApiDoc;
+pub(super) struct ApiDoc;
 
 /// `Authorization: Bearer <key>` (the server also takes `X-API-Key` and `?access_token=`).
 struct ApiKeyScheme;
@@ -113,13 +57,13 @@ impl Modify for ApiKeyScheme {
 }
 
 /// The document as pretty JSON with a trailing newline: paths in the order
-/// above, properties in declaration order, everything else sorted, so the
+/// `routes::api` lists them, properties in declaration order, everything else sorted, so the
 /// same types always give the same bytes.
 pub fn document() -> String {
     static DOCUMENT: OnceLock<String> = OnceLock::new();
     DOCUMENT
         .get_or_init(|| {
-            let mut text = ApiDoc::openapi().to_pretty_json().expect("the OpenAPI document serializes");
+            let mut text = super::api().into_openapi().to_pretty_json().expect("the OpenAPI document serializes");
             text.push('\n');
             text
         })

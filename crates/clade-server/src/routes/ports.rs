@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use utoipa::ToSchema;
 
-use super::proxy::{connect_error, parse_port, Target};
 use crate::auth::Caller;
 use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
+use crate::forward::{self, parse_port, Target, IN_USE_TOUCH};
 use crate::http::JsonBody;
 use crate::sandbox::{not_found, Entry};
 use crate::{preview, AppState};
@@ -222,18 +222,8 @@ pub async fn connect(
     upgrade: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let port = parse_port(&port)?;
-    let running = state.service.running(&caller.workspace.id, &id).await?;
-    let target = Target {
-        workspace_id: caller.workspace.id.clone(),
-        sandbox_id: id.clone(),
-        port,
-        path_and_query: String::new(),
-        strip: Vec::new(),
-        strip_cookie: None,
-    };
-    let stream = running.vm.agent().connect_port(port).await.map_err(|e| connect_error(&target, e))?;
-    let entry = running.entry.clone();
-    drop(running);
+    let target = Target { workspace_id: caller.workspace.id.clone(), sandbox_id: id, port };
+    let (stream, entry) = forward::open(&state, &target).await?;
     Ok(upgrade.on_upgrade(move |socket| bridge(socket, stream, entry, state)))
 }
 
@@ -241,7 +231,7 @@ pub async fn connect(
 async fn bridge(mut socket: WebSocket, stream: PortStream, entry: std::sync::Arc<Entry>, state: AppState) {
     let (mut reader, mut writer) = tokio::io::split(stream);
     let mut buf = vec![0u8; 64 << 10];
-    let mut in_use = tokio::time::interval(std::time::Duration::from_secs(10));
+    let mut in_use = tokio::time::interval(IN_USE_TOUCH);
     let mut input_open = true;
     loop {
         tokio::select! {

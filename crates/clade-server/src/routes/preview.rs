@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::ports::UrlBase;
-use super::proxy::{forward, path_and_query, Target};
 use super::rfc3339;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
+use crate::forward::{self, forward, path_and_query, Rewrite, Target};
 use crate::http::JsonBody;
 use crate::preview::{self, PreviewHost, PREVIEW_ROUTE, TOKEN_COOKIE, TOKEN_HEADER, TOKEN_QUERY};
 use crate::sandbox::not_found;
@@ -67,7 +67,7 @@ pub(crate) async fn serve(State(state): State<AppState>, request: Request) -> Re
     let row = state.store.sandbox_by_id(&host.sandbox_id).await?.ok_or_else(|| not_found(&host.sandbox_id))?;
     let mut set_cookie = None;
     if row.preview_auth {
-        let from_query = uri.query().and_then(|q| preview::query_param(q, TOKEN_QUERY)).filter(|t| !t.is_empty());
+        let from_query = uri.query().and_then(|q| forward::query_param(q, TOKEN_QUERY)).filter(|t| !t.is_empty());
         let token = from_query.map(str::to_string).or_else(|| token_in_headers(request.headers())).ok_or_else(|| {
             ApiError::Unauthorized(format!(
                 "this preview needs a token (POST /v1/sandboxes/{}/preview-token), as ?{TOKEN_QUERY}=, a {TOKEN_COOKIE} cookie \
@@ -93,15 +93,13 @@ pub(crate) async fn serve(State(state): State<AppState>, request: Request) -> Re
             set_cookie = Some(cookie);
         }
     }
-    let target = Target {
-        workspace_id: row.workspace_id.clone(),
-        sandbox_id: row.id.clone(),
-        port: host.port,
+    let target = Target { workspace_id: row.workspace_id.clone(), sandbox_id: row.id.clone(), port: host.port };
+    let rewrite = Rewrite {
         path_and_query: path_and_query(uri.path(), uri.query(), TOKEN_QUERY),
-        strip: vec![header::HeaderName::from_static(TOKEN_HEADER)],
+        strip_headers: vec![header::HeaderName::from_static(TOKEN_HEADER)],
         strip_cookie: Some(TOKEN_COOKIE),
     };
-    let mut response = forward(&state, target, request).await?;
+    let mut response = forward(&state, target, rewrite, request).await?;
     if let Some(cookie) = set_cookie {
         response.headers_mut().append(header::SET_COOKIE, cookie);
     }
@@ -115,7 +113,7 @@ fn token_in_headers(headers: &HeaderMap) -> Option<String> {
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .find_map(|v| preview::cookie(v, TOKEN_COOKIE))
+            .find_map(|v| forward::cookie(v, TOKEN_COOKIE))
             .map(str::to_string)
     };
     header.filter(|t| !t.is_empty()).or_else(cookie).filter(|t| !t.is_empty())

@@ -27,6 +27,7 @@ use utoipa::IntoParams;
 use crate::auth::Caller;
 use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
+use crate::forward::IN_USE_TOUCH;
 use crate::sandbox::Entry;
 use crate::AppState;
 
@@ -42,9 +43,6 @@ pub struct TerminalQuery {
     /// `TERM` in the guest; `xterm-256color` by default.
     term: Option<String>,
 }
-
-/// How often an open terminal marks its sandbox as used.
-const IN_USE_TOUCH: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The largest terminal side accepted; larger requests are clamped.
 const MAX_SIDE: u16 = 1000;
@@ -63,8 +61,15 @@ fn pty_size(rows: Option<u16>, cols: Option<u16>) -> PtySize {
         (status = 426, description = "Not a WebSocket upgrade request", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
     ))]
-#[allow(dead_code)] // documents the alias; the router serves it with `terminal`
-fn exec_pty() {}
+pub async fn exec_pty(
+    state: State<AppState>,
+    caller: Caller,
+    id: Path<String>,
+    query: Query<TerminalQuery>,
+    upgrade: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    terminal(state, caller, id, query, upgrade).await
+}
 
 /// A client's text frame.
 #[derive(Debug, Deserialize)]
