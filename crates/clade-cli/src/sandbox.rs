@@ -35,6 +35,10 @@ pub enum SandboxCommand {
         /// Processes of all its commands together (default 1024).
         #[arg(long)]
         max_processes: Option<u64>,
+        /// Run it at most once: a retry of this command with the same key
+        /// (within 24 h) prints the first answer instead of acting again.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
     },
     /// List the sandboxes of your workspace.
     #[command(alias = "list")]
@@ -96,9 +100,19 @@ pub enum SandboxCommand {
         /// KEY=VALUE for the children, repeatable.
         #[arg(long = "metadata", short, value_name = "KEY=VALUE")]
         metadata: Vec<String>,
+        /// Run it at most once: a retry of this command with the same key
+        /// (within 24 h) prints the first answer instead of acting again.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
     },
     /// Snapshot a sandbox (it runs on); prints the snapshot id.
-    Snapshot { id: String },
+    Snapshot {
+        id: String,
+        /// Run it at most once: a retry of this command with the same key
+        /// (within 24 h) prints the first answer instead of acting again.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
+    },
     /// Stop the sandbox's vCPUs; memory and processes stay (any later use resumes it).
     Pause { id: String },
     /// Run a paused sandbox again.
@@ -124,9 +138,17 @@ pub enum SandboxCommand {
     },
 }
 
+/// A request that carries `key` as its `Idempotency-Key`, if there is one.
+fn keyed(request: reqwest::RequestBuilder, key: &Option<String>) -> reqwest::RequestBuilder {
+    match key {
+        Some(key) => request.header("Idempotency-Key", key),
+        None => request,
+    }
+}
+
 pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> anyhow::Result<ExitCode> {
     match command {
-        SandboxCommand::Create { template, ttl, persistent, metadata, from_snapshot, memory_limit, max_processes } => {
+        SandboxCommand::Create { template, ttl, persistent, metadata, from_snapshot, memory_limit, max_processes, idempotency_key } => {
             let mut body = Map::new();
             if let Some(template) = template {
                 body.insert("template".into(), json!(template));
@@ -148,7 +170,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             let sandbox = {
                 let _progress = Progress::start("creating sandbox");
-                client.json(client.request(Method::POST, &["sandboxes"]).json(&body)).await?
+                client.json(keyed(client.request(Method::POST, &["sandboxes"]).json(&body), &idempotency_key)).await?
             };
             if json_out {
                 output::json(&sandbox);
@@ -216,7 +238,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
         }
         SandboxCommand::Ports { id } => return crate::ports::list(client, &id, json_out).await,
         SandboxCommand::PortForward { id, mapping } => return crate::ports::forward(client, &id, &mapping).await,
-        SandboxCommand::Fork { id, count, metadata } => {
+        SandboxCommand::Fork { id, count, metadata, idempotency_key } => {
             let metadata = if metadata.is_empty() { None } else { Some(parse_metadata(&metadata)?) };
             let answer = {
                 let _progress = Progress::start(&format!("forking {id}"));
@@ -225,13 +247,13 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
                     if let Some(metadata) = &metadata {
                         request = request.json(&json!({ "metadata": metadata }));
                     }
-                    client.json(request).await?
+                    client.json(keyed(request, &idempotency_key)).await?
                 } else {
                     let mut body = json!({ "count": count });
                     if let Some(metadata) = metadata {
                         body["metadata"] = metadata;
                     }
-                    client.json(client.request(Method::POST, &["sandboxes", &id, "fork-tree"]).json(&body)).await?
+                    client.json(keyed(client.request(Method::POST, &["sandboxes", &id, "fork-tree"]).json(&body), &idempotency_key)).await?
                 }
             };
             if json_out {
@@ -242,10 +264,10 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
                 }
             }
         }
-        SandboxCommand::Snapshot { id } => {
+        SandboxCommand::Snapshot { id, idempotency_key } => {
             let snapshot = {
                 let _progress = Progress::start(&format!("snapshotting {id}"));
-                client.json(client.request(Method::POST, &["sandboxes", &id, "snapshots"])).await?
+                client.json(keyed(client.request(Method::POST, &["sandboxes", &id, "snapshots"]), &idempotency_key)).await?
             };
             if json_out {
                 output::json(&snapshot);

@@ -56,6 +56,10 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// 422: a well-formed request that cannot be taken as it is (an
+    /// Idempotency-Key reused for a different request).
+    #[error("{0}")]
+    Unprocessable(String),
     /// 429: the rate limiter (with Retry-After, retried by the SDK) or a
     /// quota (without: not retried, §2.6).
     #[error("{message}")]
@@ -109,6 +113,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Self::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
@@ -130,6 +135,7 @@ impl ApiError {
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed(message),
             StatusCode::CONFLICT => Self::Conflict(message),
             StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge(message),
+            StatusCode::UNPROCESSABLE_ENTITY => Self::Unprocessable(message),
             StatusCode::TOO_MANY_REQUESTS => Self::TooManyRequests { message, retry_after: None, workspace: None },
             s if s.is_client_error() => Self::BadRequest(message),
             _ => Self::internal("internal error", message),

@@ -8,6 +8,7 @@
 //! - [`auth`]: API keys → workspace; the first start's admin key.
 //! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery,
 //!   quotas, snapshots, forks, the idle reaper).
+//! - [`idempotency`]: `Idempotency-Key` on the operations that make things.
 //! - [`rate_limit`]: the per-workspace request rate limiter.
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
@@ -23,6 +24,7 @@ pub mod auth;
 pub mod error;
 mod forward;
 pub mod http;
+pub mod idempotency;
 pub mod metrics;
 pub mod preview;
 pub mod rate_limit;

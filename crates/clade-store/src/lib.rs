@@ -10,6 +10,7 @@
 //! by the server, which passes the workspace id to every scoped query.
 
 mod events;
+mod idempotency;
 mod keys;
 mod migrate;
 mod ports;
@@ -24,6 +25,7 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::AnyPool;
 
 pub use events::Event;
+pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};
 pub use keys::{ApiKey, NewKey, KEY_PREFIX};
 pub use ports::PortLabel;
 pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};

@@ -25,6 +25,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0003_ports.sql"),
         postgres: include_str!("../migrations/postgres/0003_ports.sql"),
     },
+    Migration {
+        version: 4,
+        sqlite: include_str!("../migrations/sqlite/0004_idempotency.sql"),
+        postgres: include_str!("../migrations/postgres/0004_idempotency.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

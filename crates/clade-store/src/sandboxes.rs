@@ -82,6 +82,8 @@ pub struct NewSandbox {
     pub fork_tree_id: Option<String>,
     pub from_snapshot: Option<String>,
     pub preview_auth: bool,
+    /// The Idempotency-Key of the create that makes it.
+    pub idempotency_key: Option<String>,
 }
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
@@ -119,7 +121,8 @@ impl Store {
         let now = now_ms();
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
-            "INSERT INTO sandboxes ({COLUMNS}) VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13)"
+            "INSERT INTO sandboxes ({COLUMNS}, idempotency_key) \
+             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -134,6 +137,7 @@ impl Store {
         .bind(&new.fork_tree_id)
         .bind(&new.from_snapshot)
         .bind(i64::from(new.preview_auth))
+        .bind(&new.idempotency_key)
         .execute(&self.pool)
         .await?;
         Ok(SandboxRow {
@@ -231,6 +235,16 @@ impl Store {
     pub async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError> {
         let row = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND state <> 'deleted'"))
             .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(SandboxRow::from_row).transpose()
+    }
+
+    /// The sandbox a create with this Idempotency-Key made in a workspace (deleted or not).
+    pub async fn sandbox_by_idempotency_key(&self, workspace_id: &str, key: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE workspace_id = $1 AND idempotency_key = $2"))
+            .bind(workspace_id)
+            .bind(key)
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(SandboxRow::from_row).transpose()

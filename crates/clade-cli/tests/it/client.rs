@@ -243,6 +243,11 @@ fn logs_fork_and_snapshots_through_the_cli() {
     let answer = ok_json(&mut clade(&["sandbox", "snapshot", "--json", &id]));
     assert_eq!(answer["sandbox_id"], id.as_str(), "{answer}");
     assert!(answer["id"].as_str().is_some_and(|s| s != snapshot), "{answer}");
+    // A snapshot retried with its idempotency key is the first one, not another.
+    let keyed = text(&ok(&mut clade(&["sandbox", "snapshot", "--idempotency-key", "cli-snap-1", &id]))).trim().to_string();
+    let retried = text(&ok(&mut clade(&["sandbox", "snapshot", "--idempotency-key", "cli-snap-1", &id]))).trim().to_string();
+    assert_eq!(retried, keyed);
+    assert!(keyed != snapshot && !keyed.is_empty(), "{keyed}");
     let restored = ok_json(&mut clade(&["sandbox", "create", "--json", "--from-snapshot", &snapshot]));
     let restored = restored["id"].as_str().unwrap_or_else(|| panic!("{restored}")).to_string();
     assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &restored, "cat /root/p"]))), "from-parent\n");

@@ -98,12 +98,13 @@ impl ForkBody {
 }
 
 /// `POST /v1/sandboxes/{id}/fork`: one child (`count` up to 16 is accepted, as OSS does).
-#[utoipa::path(post, operation_id = "fork", path = "/v1/sandboxes/{id}/fork", tag = "forks", params(("id" = String, Path, description = "A sandbox id")), request_body = ForkBody,
+#[utoipa::path(post, operation_id = "fork", path = "/v1/sandboxes/{id}/fork", tag = "forks", params(("id" = String, Path, description = "A sandbox id"), crate::idempotency::IdempotencyKeyHeader), request_body = ForkBody,
     responses(
         (status = 201, description = "The children, running", body = ForkResult),
         (status = 400, description = "Invalid body, or count out of range", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be forked in its state", body = ErrorBody),
+        (status = 422, description = "The Idempotency-Key was used for a different request", body = ErrorBody),
         (status = 429, description = "Rate limit (with Retry-After) or the workspace's sandbox quota (without)", body = ErrorBody),
         (status = 503, description = "No compute capacity available (Retry-After), or waking the sandbox failed", body = ErrorBody),
         (status = 507, description = "The host cannot hold the children", body = ErrorBody),
@@ -122,12 +123,13 @@ pub async fn fork(
 }
 
 /// `POST /v1/sandboxes/{id}/fork-tree`: `count` children (0 → 2, at most 16).
-#[utoipa::path(post, operation_id = "forkTree", path = "/v1/sandboxes/{id}/fork-tree", tag = "forks", params(("id" = String, Path, description = "A sandbox id")), request_body = ForkBody,
+#[utoipa::path(post, operation_id = "forkTree", path = "/v1/sandboxes/{id}/fork-tree", tag = "forks", params(("id" = String, Path, description = "A sandbox id"), crate::idempotency::IdempotencyKeyHeader), request_body = ForkBody,
     responses(
         (status = 201, description = "The children that started, running, their metadata naming the tree; those that did not, in `errors`", body = ForkTreeResult),
         (status = 400, description = "Invalid body, or count out of range", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be forked in its state", body = ErrorBody),
+        (status = 422, description = "The Idempotency-Key was used for a different request", body = ErrorBody),
         (status = 429, description = "Rate limit (with Retry-After) or the workspace's sandbox quota (without)", body = ErrorBody),
         (status = 503, description = "No compute capacity available (Retry-After), or waking the sandbox failed", body = ErrorBody),
         (status = 507, description = "The host cannot hold the children", body = ErrorBody),

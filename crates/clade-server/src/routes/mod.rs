@@ -21,6 +21,8 @@ pub(crate) mod snapshots;
 pub(crate) mod terminal;
 pub(crate) mod tokens;
 
+use std::sync::Arc;
+
 use axum::extract::{MatchedPath, Request, State};
 use axum::handler::Handler;
 use axum::middleware::Next;
@@ -31,6 +33,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
+use crate::idempotency::{self, Idempotency};
 use crate::AppState;
 
 /// Every route of the API, each named once: a handler's `#[utoipa::path]`
@@ -137,8 +140,12 @@ fn route_label(template: &str) -> &str {
 
 /// The server's whole router: the API, preview hosts and the middleware.
 pub fn router(state: AppState) -> Router {
-    let (api, _) = api().split_for_parts();
-    let router = api.route(crate::preview::PREVIEW_ROUTE, any(preview::serve)).with_state(state.clone());
+    let (api, document) = api().split_for_parts();
+    let idempotency = Idempotency { state: state.clone(), routes: Arc::new(idempotency::routes_with_keys(&document)) };
+    let router = api
+        .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
+        .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
+        .with_state(state.clone());
     // Every response is counted, the envelope's and the router's 404s too,
     // by the route template the router matched.
     let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), track));
@@ -167,5 +174,13 @@ mod tests {
         }
         assert_eq!(route_label("/v1/sandboxes/{id}"), "/v1/sandboxes/{id}");
         assert_eq!(route_label(crate::preview::PREVIEW_ROUTE), "preview");
+    }
+
+    #[test]
+    fn the_operations_that_make_things_take_an_idempotency_key() {
+        let routes = idempotency::routes_with_keys(&api().into_openapi());
+        let mut routes: Vec<&str> = routes.iter().map(String::as_str).collect();
+        routes.sort_unstable();
+        assert_eq!(routes, ["/v1/sandboxes", "/v1/sandboxes/{id}/fork", "/v1/sandboxes/{id}/fork-tree", "/v1/sandboxes/{id}/snapshots"]);
     }
 }

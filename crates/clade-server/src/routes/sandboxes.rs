@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use bytes::Bytes;
 use clade_store::SandboxRow;
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,7 @@ use super::rfc3339;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
+use crate::idempotency::HeldKey;
 use crate::sandbox::{not_found, CreateParams};
 use crate::sse::{self, SseEvent};
 use crate::AppState;
@@ -158,15 +159,18 @@ impl CreateBody {
             preview_auth: self.preview_auth.unwrap_or(false),
             network,
             limits: self.limits.map(super::limits::Limits::to_user_limits).filter(|l| *l != Default::default()),
+            idempotency_key: None,
         })
     }
 }
 
-#[utoipa::path(post, operation_id = "createSandbox", path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateBody,
+#[utoipa::path(post, operation_id = "createSandbox", path = "/v1/sandboxes", tag = "sandboxes", params(crate::idempotency::IdempotencyKeyHeader), request_body = CreateBody,
     responses(
         (status = 201, description = "The sandbox, running", body = Sandbox),
         (status = 400, description = "Invalid body", body = ErrorBody),
         (status = 404, description = "No such template or snapshot", body = ErrorBody),
+        (status = 409, description = "A request with the same Idempotency-Key is still being answered", body = ErrorBody),
+        (status = 422, description = "The Idempotency-Key was used for a different request", body = ErrorBody),
         (status = 429, description = "Rate limit (with Retry-After) or the workspace's sandbox quota (without)", body = ErrorBody),
         (status = 503, description = "No compute capacity available (Retry-After)", body = ErrorBody),
         (status = 507, description = "The host cannot hold another sandbox", body = ErrorBody),
@@ -174,9 +178,18 @@ impl CreateBody {
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
+    held: Option<Extension<HeldKey>>,
     JsonBody(body): JsonBody<CreateBody>,
 ) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
-    let params = body.validate()?;
+    let mut params = body.validate()?;
+    if let Some(Extension(HeldKey(key))) = held {
+        // A retry that took the key over from a server that died: the
+        // sandbox it made, if it got that far, is the answer.
+        if let Some(row) = state.store.sandbox_by_idempotency_key(&caller.workspace.id, &key).await? {
+            return Ok((StatusCode::CREATED, Json(Sandbox { disk: SandboxDisk::of(&state, &row.id), ..Sandbox::from_row(&row) })));
+        }
+        params.idempotency_key = Some(key);
+    }
     let (row, boot) = state.service.create(&caller.workspace, params).await?;
     let out = Sandbox { boot_ms: Some(boot.ms), boot_mode: Some(boot.mode.to_string()), ..Sandbox::from_row(&row) };
     Ok((StatusCode::CREATED, Json(out)))

@@ -49,11 +49,13 @@ pub struct Snapshots {
     pub snapshots: Vec<Snapshot>,
 }
 
-#[utoipa::path(post, operation_id = "createSnapshot", path = "/v1/sandboxes/{id}/snapshots", tag = "snapshots", params(("id" = String, Path, description = "A sandbox id")),
+#[utoipa::path(post, operation_id = "createSnapshot", path = "/v1/sandboxes/{id}/snapshots", tag = "snapshots", params(("id" = String, Path, description = "A sandbox id"), crate::idempotency::IdempotencyKeyHeader),
     responses(
         (status = 201, description = "The snapshot (memory and disk; the sandbox runs on)", body = Snapshot),
+        (status = 400, description = "A malformed Idempotency-Key", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "Not possible in the sandbox's state", body = ErrorBody),
+        (status = 422, description = "The Idempotency-Key was used for a different request", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
         (status = 507, description = "No room for the snapshot", body = ErrorBody),
     ))]

@@ -30,6 +30,8 @@ pub struct CreateParams {
     pub preview_auth: bool,
     /// Limits of its commands other than the guest's defaults.
     pub limits: Option<clade_proto::UserLimits>,
+    /// The Idempotency-Key of the request, kept on its row.
+    pub idempotency_key: Option<String>,
 }
 
 /// The template of a create that names none.
@@ -160,6 +162,7 @@ impl SandboxService {
             fork_tree_id: None,
             from_snapshot: params.from_snapshot.clone(),
             preview_auth: params.preview_auth,
+            idempotency_key: params.idempotency_key.clone(),
         };
         let row = match self.store().insert_sandbox(new).await {
             Ok(row) => row,

@@ -132,6 +132,7 @@ impl SandboxService {
                 from_snapshot: None,
                 // A child is as private as its parent, and lists the same ports.
                 preview_auth: parent.preview_auth,
+                idempotency_key: None,
             };
             match self.store().insert_sandbox(new).await {
                 Ok(row) => {

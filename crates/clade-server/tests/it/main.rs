@@ -5,6 +5,7 @@
 mod basics;
 mod capacity;
 mod hostile;
+mod idempotency;
 mod network;
 mod openapi;
 mod ports;

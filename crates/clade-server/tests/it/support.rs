@@ -71,7 +71,15 @@ impl Api {
     }
 
     pub async fn send(&self, method: Method, path: &str, body: Option<Vec<u8>>) -> Reply {
+        self.send_with(method, path, body, &[]).await
+    }
+
+    /// A request with extra headers.
+    pub async fn send_with(&self, method: Method, path: &str, body: Option<Vec<u8>>, headers: &[(&str, &str)]) -> Reply {
         let mut request = self.http.request(method, format!("{}{path}", self.base));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
         if let Some(key) = &self.key {
             request = request.bearer_auth(key);
         }

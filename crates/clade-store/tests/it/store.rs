@@ -119,6 +119,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         fork_tree_id: None,
         from_snapshot: None,
         preview_auth: false,
+        idempotency_key: None,
     }
 }
 
@@ -275,4 +276,46 @@ async fn reopening_keeps_data_and_does_not_migrate_twice() {
 #[tokio::test]
 async fn unsupported_urls_are_refused() {
     assert!(matches!(Store::open("mysql://x").await, Err(StoreError::UnsupportedUrl(_))));
+}
+
+#[tokio::test]
+async fn an_idempotency_key_is_held_once_answered_once_and_taken_over_when_its_holder_dies() {
+    use clade_store::{Claim, StoredAnswer};
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let (a, b) = (store.create_workspace("a").await.unwrap(), store.create_workspace("b").await.unwrap());
+        let stale = 60_000;
+        let Claim::Held(hold) = store.claim_idempotency_key(&a.id, "k1", "f1", stale).await.unwrap() else { panic!("{}", db.name()) };
+        // The same key is a workspace's own: b holds its own.
+        assert!(matches!(store.claim_idempotency_key(&b.id, "k1", "f1", stale).await.unwrap(), Claim::Held(_)));
+        assert_eq!(store.claim_idempotency_key(&a.id, "k1", "f2", stale).await.unwrap(), Claim::InProgress { fingerprint: "f1".into() });
+        assert!(store.beat_idempotency_key(&hold).await.unwrap());
+        let answer = StoredAnswer { status: 201, content_type: Some("application/json".into()), body: "{\"id\":\"x\"}".into() };
+        assert!(store.complete_idempotency_key(&hold, &answer).await.unwrap());
+        assert!(!store.beat_idempotency_key(&hold).await.unwrap(), "a completed key has no holder");
+        assert_eq!(
+            store.claim_idempotency_key(&a.id, "k1", "f1", stale).await.unwrap(),
+            Claim::Answered { fingerprint: "f1".into(), answer: answer.clone() }
+        );
+
+        // Released: the next claim acts again.
+        let Claim::Held(released) = store.claim_idempotency_key(&a.id, "k2", "f", stale).await.unwrap() else { panic!() };
+        store.release_idempotency_key(&released).await.unwrap();
+        let Claim::Held(second) = store.claim_idempotency_key(&a.id, "k2", "f", stale).await.unwrap() else { panic!() };
+
+        // A holder that stopped beating loses the key to a retry of the same request, not to another one.
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        assert!(matches!(store.claim_idempotency_key(&a.id, "k2", "other", 10).await.unwrap(), Claim::InProgress { .. }));
+        let Claim::Held(taken) = store.claim_idempotency_key(&a.id, "k2", "f", 10).await.unwrap() else { panic!("{}", db.name()) };
+        assert!(!store.complete_idempotency_key(&second, &answer).await.unwrap(), "the old holder lost it");
+        assert!(store.complete_idempotency_key(&taken, &answer).await.unwrap());
+
+        // The sandbox a keyed create made is found by its key, in its workspace only.
+        store.insert_sandbox(NewSandbox { idempotency_key: Some("k3".into()), ..new_sandbox("made", &a.id) }).await.unwrap();
+        assert_eq!(store.sandbox_by_idempotency_key(&a.id, "k3").await.unwrap().map(|r| r.id), Some("made".into()));
+        assert_eq!(store.sandbox_by_idempotency_key(&b.id, "k3").await.unwrap(), None);
+        let twice = store.insert_sandbox(NewSandbox { idempotency_key: Some("k3".into()), ..new_sandbox("again", &a.id) }).await;
+        assert!(twice.is_err(), "one sandbox per key");
+        store.close().await;
+    }
 }
