@@ -5,6 +5,7 @@
 mod client;
 mod config;
 mod fs;
+mod hosts;
 mod images;
 mod keys;
 mod output;
@@ -58,6 +59,14 @@ enum Command {
         #[command(subcommand)]
         command: keys::KeysCommand,
     },
+    /// The hosts in a server's database: capacity, load, lease (works whether or not a server runs).
+    Host {
+        /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
+        #[arg(long, env = "CLADE_DATABASE_URL")]
+        database_url: Option<String>,
+        #[command(subcommand)]
+        command: hosts::HostCommand,
+    },
     /// Sandboxes on a Clade server, over its API (flags > CLADE_API_URL/CLADE_API_KEY > ~/.config/clade/config.json).
     Sandbox {
         #[command(flatten)]
@@ -108,6 +117,7 @@ fn main() -> ExitCode {
             Command::Images(command) => images::run(command, config).await,
             Command::Server(args) => server::run(args, config).await,
             Command::Keys { database_url, command } => keys::run(command, database_url, config).await,
+            Command::Host { database_url, command } => hosts::run(command, database_url, config).await,
             Command::Sandbox { api, command } => sandbox::run(command, &client(&api)?, api.json).await,
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
             Command::Openapi => {

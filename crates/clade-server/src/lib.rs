@@ -37,6 +37,7 @@ mod strict_json;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clade_host::{HostConfig, VmRuntime};
 use clade_store::{Store, StoreError};
@@ -92,6 +93,8 @@ pub struct ServerConfig {
     /// Preview hosts are `{port}-{id}.{preview_suffix}`; empty (the default):
     /// the suffix of each request's own host, as the SDKs derive it.
     pub preview_suffix: String,
+    /// This host's lease in the database (renewed three times per lease).
+    pub host_lease: Duration,
 }
 
 impl ServerConfig {
@@ -104,6 +107,7 @@ impl ServerConfig {
             sandboxes: SandboxSettings::default(),
             network: None,
             preview_suffix: String::new(),
+            host_lease: Duration::from_secs(15),
         }
     }
 
@@ -162,6 +166,9 @@ pub struct Server {
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     reaper: tokio::task::JoinHandle<()>,
+    /// Renews this host's lease.
+    lease: tokio::task::JoinHandle<()>,
+    host_id: String,
 }
 
 impl Server {
@@ -181,6 +188,9 @@ impl Server {
         let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
+        let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
+        let lease = service.start_host_lease(registration, config.host_lease).await?;
         let reaper = service.start_reaper();
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
         let state = AppState {
@@ -204,7 +214,7 @@ impl Server {
                 .await
         });
         tracing::info!(%addr, "clade server listening");
-        Ok(Self { addr, admin_key, state, stop, task, reaper })
+        Ok(Self { addr, admin_key, state, stop, task, reaper, lease, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -220,6 +230,11 @@ impl Server {
         &self.state.store
     }
 
+    /// This host's id in the database (`clade host ls`).
+    pub fn host_id(&self) -> &str {
+        &self.host_id
+    }
+
     pub fn service(&self) -> &sandbox::SandboxService {
         &self.state.service
     }
@@ -228,6 +243,7 @@ impl Server {
     /// the VMs, which keep running for the next start to adopt.
     pub async fn shutdown(self) {
         self.reaper.abort();
+        self.lease.abort();
         self.state.stopping.cancel();
         let _ = self.stop.send(());
         match self.task.await {
@@ -236,6 +252,7 @@ impl Server {
             Err(e) => tracing::error!("server task: {e}"),
         }
         self.state.service.detach().await;
+        self.state.service.end_host_lease(&self.host_id).await;
         self.state.service.runtime().drain_standby();
         if let Some(pool) = self.state.service.runtime().network() {
             pool.close().await;

@@ -10,6 +10,7 @@
 //! by the server, which passes the workspace id to every scoped query.
 
 mod events;
+mod hosts;
 mod idempotency;
 mod keys;
 mod migrate;
@@ -25,6 +26,7 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::AnyPool;
 
 pub use events::Event;
+pub use hosts::{HostLoad, HostRegistration, HostRow, HostState};
 pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};
 pub use keys::{ApiKey, NewKey, KEY_PREFIX};
 pub use ports::PortLabel;

@@ -30,6 +30,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0004_idempotency.sql"),
         postgres: include_str!("../migrations/postgres/0004_idempotency.sql"),
     },
+    Migration {
+        version: 5,
+        sqlite: include_str!("../migrations/sqlite/0005_hosts.sql"),
+        postgres: include_str!("../migrations/postgres/0005_hosts.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

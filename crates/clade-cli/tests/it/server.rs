@@ -1,4 +1,4 @@
-//! `clade server` and `clade keys` as a user runs them: the real binary, a
+//! `clade server`, `clade keys` and `clade host ls` as a user runs them: the real binary, a
 //! real database, HTTP over a socket.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -68,8 +68,21 @@ fn server_prints_its_first_key_serves_it_and_accepts_keys_made_meanwhile() {
     let out = run(clade(dir.path()).args(["keys", "create", "--name", "later"]));
     assert_eq!(get(&addr, "/v1/me", out.lines().last().unwrap()), 200);
 
+    // The server registered this machine as a host, kept in the database.
+    let hosts = || -> serde_json::Value { serde_json::from_str(&run(clade(dir.path()).args(["host", "ls", "--json"]))).unwrap() };
+    let listed = hosts();
+    let host_id = std::fs::read_to_string(dir.path().join("host.id")).unwrap().trim().to_string();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!((listed[0]["id"].as_str(), listed[0]["state"].as_str()), (Some(host_id.as_str()), Some("up")), "{listed}");
+    assert_eq!(listed[0]["capacity_sandboxes"], 64, "{listed}");
+    assert!(listed[0]["capacity_memory_mb"].as_u64().is_some_and(|mb| mb > 0), "{listed}");
+    let table = run(clade(dir.path()).args(["host", "ls"]));
+    assert!(table.starts_with("ID\tNAME\tSTATE") && table.contains(&host_id), "{table}");
+
     let pid = server.id().to_string();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let status = server.wait().unwrap();
     assert!(status.success(), "SIGTERM is a clean stop: {status}");
+    let listed = hosts();
+    assert_eq!((listed[0]["state"].as_str(), listed[0]["state_reason"].as_str()), (Some("down"), Some("its server stopped")), "{listed}");
 }

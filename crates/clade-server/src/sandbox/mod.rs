@@ -14,6 +14,7 @@
 mod capacity;
 mod create;
 mod fork;
+pub mod host;
 mod lifecycle;
 mod reaper;
 mod recover;

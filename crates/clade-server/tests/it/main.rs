@@ -5,6 +5,7 @@
 mod basics;
 mod capacity;
 mod hostile;
+mod hosts;
 mod idempotency;
 mod network;
 mod openapi;

@@ -319,3 +319,41 @@ async fn an_idempotency_key_is_held_once_answered_once_and_taken_over_when_its_h
         store.close().await;
     }
 }
+
+#[tokio::test]
+async fn hosts_register_keep_a_lease_with_their_load_and_go_down_when_it_runs_out() {
+    use clade_store::{HostLoad, HostRegistration, HostState};
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let register = |id: &str| HostRegistration {
+            id: id.into(),
+            name: format!("machine-{id}"),
+            address: Some(format!("https://{id}.internal:7443")),
+            capacity_vms: 64,
+            capacity_memory_mb: 24 * 1024,
+        };
+        let a = store.register_host(&register("a"), 60_000).await.unwrap();
+        assert_eq!((a.state, a.load, a.capacity_vms), (HostState::Up, HostLoad::default(), 64), "{}", db.name());
+        store.register_host(&register("b"), 1).await.unwrap();
+
+        let load = HostLoad { running_vms: 3, used_memory_mb: 1536 };
+        assert!(store.renew_host_lease("a", load, 60_000).await.unwrap());
+        assert!(!store.renew_host_lease("nobody", load, 60_000).await.unwrap());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        // b's lease ran out: whoever looks marks it down, once; its late renewal fails.
+        assert_eq!(store.expire_host_leases().await.unwrap(), ["b"]);
+        assert_eq!(store.expire_host_leases().await.unwrap(), Vec::<String>::new());
+        assert!(!store.renew_host_lease("b", load, 60_000).await.unwrap());
+        let hosts = store.hosts().await.unwrap();
+        let states: Vec<(&str, HostState, u32)> = hosts.iter().map(|h| (h.id.as_str(), h.state, h.load.running_vms)).collect();
+        assert_eq!(states, [("a", HostState::Up, 3), ("b", HostState::Down, 0)], "{}", db.name());
+        assert_eq!(hosts[1].state_reason.as_deref(), Some("its lease ran out"));
+
+        // Registering again brings it back; draining is a state of its own.
+        assert_eq!(store.register_host(&register("b"), 60_000).await.unwrap().state, HostState::Up);
+        assert!(store.set_host_state("a", HostState::Draining, Some("clade host drain")).await.unwrap());
+        assert!(store.renew_host_lease("a", load, 60_000).await.unwrap(), "a draining host keeps its lease");
+        assert_eq!(store.host("a").await.unwrap().unwrap().state, HostState::Draining);
+        store.close().await;
+    }
+}
