@@ -69,6 +69,42 @@ impl Metrics {
     }
 }
 
+/// The hosts of the database, per host: state, sandboxes and memory of
+/// capacity, seconds since the last lease renewal. Every server shows every
+/// host (they read one database); labels are the host's id and name.
+pub fn render_hosts(hosts: &[clade_store::HostRow], now_ms: i64) -> String {
+    let mut out = String::new();
+    let families: [(&str, &str, &str); 6] = [
+        ("clade_host_up", "gauge", "1 when the host takes new sandboxes (state up), else 0."),
+        ("clade_host_running_sandboxes", "gauge", "Sandboxes the host runs, at its last lease renewal."),
+        ("clade_host_capacity_sandboxes", "gauge", "Sandboxes the host may run at once."),
+        ("clade_host_used_memory_megabytes", "gauge", "Memory of the host's running sandboxes."),
+        ("clade_host_capacity_memory_megabytes", "gauge", "The host's memory."),
+        ("clade_host_lease_age_seconds", "gauge", "Seconds since the host last renewed its lease."),
+    ];
+    for (name, kind, help) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for host in hosts {
+            let value = match name {
+                "clade_host_up" => f64::from(u8::from(host.state == clade_store::HostState::Up)),
+                "clade_host_running_sandboxes" => f64::from(host.load.running_vms),
+                "clade_host_capacity_sandboxes" => f64::from(host.capacity_vms),
+                "clade_host_used_memory_megabytes" => host.load.used_memory_mb as f64,
+                "clade_host_capacity_memory_megabytes" => host.capacity_memory_mb as f64,
+                _ => (now_ms - host.heartbeat_at).max(0) as f64 / 1000.0,
+            };
+            let _ = writeln!(out, "{name}{{host=\"{}\",name=\"{}\"}} {value}", label(&host.id), label(&host.name));
+        }
+    }
+    out
+}
+
+/// A label value as the text format wants it (`\`, `"` and newlines escaped).
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +124,27 @@ mod tests {
         assert!(text.contains("clade_sandbox_create_seconds_bucket{le=\"5\"} 2\n"));
         assert!(text.contains("clade_sandbox_create_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("clade_sandbox_create_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn hosts_are_labelled_by_id_and_name() {
+        let host = clade_store::HostRow {
+            id: "host_1".into(),
+            name: "rack\"7".into(),
+            address: None,
+            state: clade_store::HostState::Up,
+            state_reason: None,
+            capacity_vms: 64,
+            capacity_memory_mb: 24576,
+            load: clade_store::HostLoad { running_vms: 3, used_memory_mb: 1536 },
+            started_at: 0,
+            heartbeat_at: 1_000,
+            lease_expires_at: 16_000,
+        };
+        let text = render_hosts(&[host], 3_500);
+        assert!(text.contains("clade_host_up{host=\"host_1\",name=\"rack\\\"7\"} 1\n"), "{text}");
+        assert!(text.contains("clade_host_running_sandboxes{host=\"host_1\",name=\"rack\\\"7\"} 3\n"), "{text}");
+        assert!(text.contains("clade_host_lease_age_seconds{host=\"host_1\",name=\"rack\\\"7\"} 2.5\n"), "{text}");
+        assert!(text.contains("# TYPE clade_host_capacity_memory_megabytes gauge\n"), "{text}");
     }
 }

@@ -1,4 +1,5 @@
-//! `GET /metrics` (Prometheus text format; unauthenticated, like `/healthz`).
+//! `GET /metrics` (Prometheus text format; unauthenticated, like `/healthz`):
+//! this server's requests and sandboxes, and every host of the database.
 
 use axum::extract::State;
 use axum::http::header;
@@ -10,6 +11,10 @@ use crate::AppState;
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let sandboxes = state.service.count_by_state().await;
-    let text = state.service.metrics().render(&sandboxes);
+    let mut text = state.service.metrics().render(&sandboxes);
+    match state.store.hosts().await {
+        Ok(hosts) => text.push_str(&crate::metrics::render_hosts(&hosts, clade_store::now_ms())),
+        Err(e) => tracing::warn!("metrics: listing hosts: {}", crate::error::chain(&e)),
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }

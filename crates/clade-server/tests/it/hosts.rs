@@ -1,7 +1,7 @@
 //! The server as a host in its database: registered at start, its lease
 //! renewed with its load, other hosts whose leases ran out marked down by
-//! its renewals, itself marked down when it stops. Skips without
-//! root/QEMU/images; fails under `CI`.
+//! its renewals, itself marked down when it stops; all of them in
+//! /metrics. Skips without root/QEMU/images; fails under `CI`.
 
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,10 @@ async fn the_server_keeps_its_hosts_lease_with_its_load_and_marks_dead_hosts_dow
         assert!(started.elapsed() < Duration::from_secs(10), "mine {mine:?}, ghost {ghost:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let metrics = String::from_utf8(api.get("/metrics").await.expect(200).bytes.clone()).unwrap();
+    let mine = format!("clade_host_running_sandboxes{{host=\"{}\",", server.host_id());
+    assert!(metrics.lines().any(|l| l.starts_with(&mine) && l.ends_with(" 1")), "{metrics}");
+    assert!(metrics.lines().any(|l| l.starts_with("clade_host_up{host=\"ghost\",") && l.ends_with(" 0")), "{metrics}");
     api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
     let host_id = server.host_id().to_string();
     server.shutdown().await;
