@@ -102,8 +102,8 @@ fn is_length_limit(err: &axum::Error) -> bool {
     false
 }
 
-pub fn content_length(request: &Request) -> Option<u64> {
-    request.headers().get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+pub fn content_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// `1 MiB`, `64 MiB`, `512 B`.
@@ -128,7 +128,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for JsonBody<
     type Rejection = ApiError;
 
     async fn from_request(request: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let length = content_length(&request);
+        let length = content_length(request.headers());
         let bytes = read_body(request.into_body(), length, JSON_BODY_LIMIT, "the JSON body").await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Self(T::default()));

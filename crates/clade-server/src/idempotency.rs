@@ -26,7 +26,7 @@ use utoipa::IntoParams;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, REQUEST_ID};
-use crate::http::{read_body, JSON_BODY_LIMIT};
+use crate::http::{content_length, read_body, JSON_BODY_LIMIT};
 use crate::AppState;
 
 /// The request header.
@@ -106,17 +106,14 @@ pub async fn deduplicate(State(idempotency): State<Idempotency>, request: Reques
     if !takes_key {
         return next.run(request).await;
     }
-    match answer_once(&idempotency.state, key, request, next).await {
-        Ok(response) | Err(response) => response,
-    }
+    answer_once(&idempotency.state, key, request, next).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next: Next) -> Result<Response, Response> {
-    let key = valid_key(&key).map_err(IntoResponse::into_response)?;
+async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next: Next) -> Result<Response, ApiError> {
+    let key = valid_key(&key)?;
     let (mut parts, body) = request.into_parts();
-    let caller = Caller::from_request_parts(&mut parts, state).await.map_err(IntoResponse::into_response)?;
-    let length = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
-    let body = read_body(body, length, JSON_BODY_LIMIT, "the JSON body").await.map_err(IntoResponse::into_response)?;
+    let caller = Caller::from_request_parts(&mut parts, state).await?;
+    let body = read_body(body, content_length(&parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
     let fingerprint = fingerprint(&parts.method, parts.uri.path(), &body);
     // The handler authenticates with this caller, not again (nor counts
     // against the rate limit twice).
@@ -125,11 +122,7 @@ async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next:
 
     let waited_since = tokio::time::Instant::now();
     loop {
-        let claim = state
-            .store
-            .claim_idempotency_key(&caller.workspace.id, &key, &fingerprint, STALE_AFTER.as_millis() as i64)
-            .await
-            .map_err(|e| ApiError::from(e).into_response())?;
+        let claim = state.store.claim_idempotency_key(&caller.workspace.id, &key, &fingerprint, STALE_AFTER.as_millis() as i64).await?;
         match claim {
             Claim::Held(hold) => {
                 let mut request = request;
@@ -139,14 +132,12 @@ async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next:
             Claim::Answered { fingerprint: first, .. } | Claim::InProgress { fingerprint: first } if first != fingerprint => {
                 return Err(ApiError::Unprocessable(format!(
                     "Idempotency-Key {key:?} was used for a different request (method, path or body); use a new key for a new request"
-                ))
-                .into_response());
+                )));
             }
             Claim::Answered { answer, .. } => return Ok(replay(answer)),
             Claim::InProgress { .. } if waited_since.elapsed() < WAIT_FOR_ANSWER => tokio::time::sleep(POLL).await,
             Claim::InProgress { .. } => {
-                return Err(ApiError::conflict(format!("a request with Idempotency-Key {key:?} is still being answered; retry later"))
-                    .into_response());
+                return Err(ApiError::conflict(format!("a request with Idempotency-Key {key:?} is still being answered; retry later")));
             }
         }
     }
@@ -175,22 +166,20 @@ async fn act(state: &AppState, hold: KeyHold, request: Request, next: Next) -> R
     let response = match response {
         Ok(response) => response,
         Err(e) => {
-            let _ = state.store.release_idempotency_key(&hold).await;
+            release(state, &hold).await;
             return ApiError::internal("internal error", format!("handler task: {e}")).into_response();
         }
     };
     let retry_may_mend = response.status().is_server_error() || response.status() == StatusCode::TOO_MANY_REQUESTS;
     if retry_may_mend {
-        if let Err(e) = state.store.release_idempotency_key(&hold).await {
-            tracing::warn!("releasing an idempotency key: {e}");
-        }
+        release(state, &hold).await;
         return response;
     }
     let (parts, body) = response.into_parts();
     let bytes = match axum::body::to_bytes(body, MAX_ANSWER).await {
         Ok(bytes) => bytes,
         Err(e) => {
-            let _ = state.store.release_idempotency_key(&hold).await;
+            release(state, &hold).await;
             return ApiError::internal("internal error", format!("reading the answer to keep: {e}")).into_response();
         }
     };
@@ -205,6 +194,13 @@ async fn act(state: &AppState, hold: KeyHold, request: Request, next: Next) -> R
         Err(e) => tracing::warn!("keeping the answer of an idempotency key: {e}"),
     }
     Response::from_parts(parts, Body::from(bytes))
+}
+
+/// Lets the key go unanswered, so that a retry acts.
+async fn release(state: &AppState, hold: &KeyHold) {
+    if let Err(e) = state.store.release_idempotency_key(hold).await {
+        tracing::warn!("releasing an idempotency key: {e}");
+    }
 }
 
 /// The first request's answer, again.

@@ -73,28 +73,25 @@ impl Metrics {
 /// capacity, seconds since the last lease renewal. Every server shows every
 /// host (they read one database); labels are the host's id and name.
 pub fn render_hosts(hosts: &[clade_store::HostRow], now_ms: i64) -> String {
-    let mut out = String::new();
-    let families: [(&str, &str, &str); 6] = [
-        ("clade_host_up", "gauge", "1 when the host takes new sandboxes (state up), else 0."),
-        ("clade_host_running_sandboxes", "gauge", "Sandboxes the host runs, at its last lease renewal."),
-        ("clade_host_capacity_sandboxes", "gauge", "Sandboxes the host may run at once."),
-        ("clade_host_used_memory_megabytes", "gauge", "Memory of the host's running sandboxes."),
-        ("clade_host_capacity_memory_megabytes", "gauge", "The host's memory."),
-        ("clade_host_lease_age_seconds", "gauge", "Seconds since the host last renewed its lease."),
+    type Value = fn(&clade_store::HostRow, i64) -> f64;
+    let families: [(&str, &str, Value); 6] = [
+        ("clade_host_up", "1 when the host takes new sandboxes (state up), else 0.", |h, _| {
+            f64::from(u8::from(h.state == clade_store::HostState::Up))
+        }),
+        ("clade_host_running_sandboxes", "Sandboxes the host runs, at its last lease renewal.", |h, _| f64::from(h.load.running_vms)),
+        ("clade_host_capacity_sandboxes", "Sandboxes the host may run at once.", |h, _| f64::from(h.capacity_vms)),
+        ("clade_host_used_memory_megabytes", "Memory of the host's running sandboxes.", |h, _| h.load.used_memory_mb as f64),
+        ("clade_host_capacity_memory_megabytes", "The host's memory.", |h, _| h.capacity_memory_mb as f64),
+        ("clade_host_lease_age_seconds", "Seconds since the host last renewed its lease.", |h, now| {
+            (now - h.heartbeat_at).max(0) as f64 / 1000.0
+        }),
     ];
-    for (name, kind, help) in families {
+    let mut out = String::new();
+    for (name, help, value) in families {
         let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
         for host in hosts {
-            let value = match name {
-                "clade_host_up" => f64::from(u8::from(host.state == clade_store::HostState::Up)),
-                "clade_host_running_sandboxes" => f64::from(host.load.running_vms),
-                "clade_host_capacity_sandboxes" => f64::from(host.capacity_vms),
-                "clade_host_used_memory_megabytes" => host.load.used_memory_mb as f64,
-                "clade_host_capacity_memory_megabytes" => host.capacity_memory_mb as f64,
-                _ => (now_ms - host.heartbeat_at).max(0) as f64 / 1000.0,
-            };
-            let _ = writeln!(out, "{name}{{host=\"{}\",name=\"{}\"}} {value}", label(&host.id), label(&host.name));
+            let _ = writeln!(out, "{name}{{host=\"{}\",name=\"{}\"}} {}", label(&host.id), label(&host.name), value(host, now_ms));
         }
     }
     out

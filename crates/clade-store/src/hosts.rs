@@ -130,26 +130,17 @@ impl Store {
         Ok(renewed.rows_affected() == 1)
     }
 
-    /// Marks `down` every host whose lease has run out; the ids marked.
+    /// Marks `down` every host whose lease has run out; the ids marked (each
+    /// by one caller only, however many look at once).
     pub async fn expire_host_leases(&self) -> Result<Vec<String>, StoreError> {
-        let now = now_ms();
-        let expired: Vec<String> = sqlx::query_scalar("SELECT id FROM hosts WHERE state <> 'down' AND lease_expires_at < $1 ORDER BY id")
-            .bind(now)
-            .fetch_all(&self.pool)
-            .await?;
-        let mut marked = Vec::new();
-        for id in expired {
-            let done = sqlx::query(
-                "UPDATE hosts SET state = 'down', state_reason = 'its lease ran out' WHERE id = $1 AND state <> 'down' AND lease_expires_at < $2",
-            )
-            .bind(&id)
-            .bind(now)
-            .execute(&self.pool)
-            .await?;
-            if done.rows_affected() == 1 {
-                marked.push(id);
-            }
-        }
+        let mut marked: Vec<String> = sqlx::query_scalar(
+            "UPDATE hosts SET state = 'down', state_reason = 'its lease ran out' \
+             WHERE state <> 'down' AND lease_expires_at < $1 RETURNING id",
+        )
+        .bind(now_ms())
+        .fetch_all(&self.pool)
+        .await?;
+        marked.sort();
         Ok(marked)
     }
 

@@ -161,7 +161,7 @@ pub async fn write(
 ) -> Result<Json<Written>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let length = content_length(&request);
+    let length = content_length(request.headers());
     let data = read_body(request.into_body(), length, state.limits.fs_write_bytes, "the file").await?;
     let written = running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
     Ok(Json(Written { path, bytes: written }))
