@@ -1,16 +1,32 @@
-//! `clade host ls`: the hosts registered in a server's database (`--data-dir`,
-//! or `--database-url` for PostgreSQL), with their capacity, load and the
-//! age of their last lease renewal.
+//! `clade host`: `run` is the agent of a machine with VMs in a cluster (its
+//! runtime behind the internal API the `clade server --no-vms` replicas
+//! call); `ls`, `drain` and `undrain` work on the hosts registered in the
+//! database (`--data-dir`, or `--database-url` for PostgreSQL) directly.
 
+use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clade_host::HostConfig;
-use clade_store::{HostRow, Store};
-use clap::Subcommand;
+use clade_server::cluster::HostMembership;
+use clade_server::{Server, ServerConfig};
+use clade_store::{HostRow, HostState, Store};
+use clap::{Args, Subcommand};
 use serde_json::json;
+
+use crate::server::{stop_signal, ClusterArgs, MachineArgs};
 
 #[derive(Subcommand)]
 pub enum HostCommand {
+    /// Run this machine's VMs for the servers of the database (`clade server
+    /// --no-vms`), behind the internal API; until SIGINT/SIGTERM.
+    Run(HostRunArgs),
+    /// Take no new sandboxes on a host (those it runs stay); kept across its restarts.
+    Drain {
+        /// The host's id (`clade host ls`).
+        id: String,
+    },
+    /// Let a drained host take new sandboxes again.
+    Undrain { id: String },
     /// List the hosts: state, sandboxes running of capacity, memory, lease age.
     #[command(alias = "list")]
     Ls {
@@ -20,10 +36,37 @@ pub enum HostCommand {
     },
 }
 
+#[derive(Args)]
+pub struct HostRunArgs {
+    /// Address of the internal API. Env: CLADE_HOST_LISTEN.
+    #[arg(long, env = "CLADE_HOST_LISTEN", default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+    /// How the servers reach it, registered in the database; `{port}` is
+    /// the port it listens on. Default: http://LISTEN. Env: CLADE_HOST_ADVERTISE.
+    #[arg(long, env = "CLADE_HOST_ADVERTISE")]
+    advertise: Option<String>,
+    /// Seconds of its lease in the database, renewed three times per lease:
+    /// a host silent this long is down, and the sandboxes it ran are lost.
+    /// Env: CLADE_HOST_LEASE_SECONDS.
+    #[arg(long, env = "CLADE_HOST_LEASE_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    lease_seconds: u64,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    #[command(flatten)]
+    machine: MachineArgs,
+}
+
 pub async fn run(command: HostCommand, database_url: Option<String>, host: HostConfig) -> anyhow::Result<ExitCode> {
+    let command = match command {
+        HostCommand::Run(args) => return run_host(args, database_url, host).await,
+        other => other,
+    };
     let url = database_url.unwrap_or_else(|| Store::default_url(&host.data_dir));
     let store = Store::open(&url).await?;
     match command {
+        HostCommand::Run(_) => unreachable!("handled above"),
+        HostCommand::Drain { id } => set_state(&store, &id, HostState::Draining, "drained by its operator").await?,
+        HostCommand::Undrain { id } => set_state(&store, &id, HostState::Up, "").await?,
         HostCommand::Ls { json } => {
             store.expire_host_leases().await?;
             let hosts = store.hosts().await?;
@@ -50,6 +93,35 @@ pub async fn run(command: HostCommand, database_url: Option<String>, host: HostC
     }
     store.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `clade host run`.
+async fn run_host(args: HostRunArgs, database_url: Option<String>, host: HostConfig) -> anyhow::Result<ExitCode> {
+    let Some(database_url) = database_url else {
+        anyhow::bail!("clade host run serves the servers of a shared database: give it --database-url postgres://…");
+    };
+    let advertise = args.advertise.unwrap_or_else(|| format!("http://{}:{{port}}", args.listen.ip()));
+    let mut config = ServerConfig::new(args.listen, host);
+    config.database_url = Some(database_url);
+    config.host_lease = std::time::Duration::from_secs(args.lease_seconds);
+    config.cluster = Some(HostMembership { secret: args.cluster.secret("clade host run")?, advertise });
+    args.machine.apply(&mut config, "clade host");
+    let server = Server::start(config).await?;
+    eprintln!("clade host: {} serving its servers on http://{}", server.host_id(), server.addr());
+    server.run_until(stop_signal()?).await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Drains or undrains a host; a down host stays down (it is undrained or
+/// drained when it registers again).
+async fn set_state(store: &Store, id: &str, state: HostState, reason: &str) -> anyhow::Result<()> {
+    let Some(row) = store.host(id).await? else { anyhow::bail!("no host {id} (clade host ls lists them)") };
+    if row.state == HostState::Down {
+        anyhow::bail!("host {id} is down; it can be drained once it runs again");
+    }
+    store.set_host_state(id, state, (!reason.is_empty()).then_some(reason)).await?;
+    eprintln!("host {id}: {}", state.as_str());
+    Ok(())
 }
 
 /// Seconds since the host last renewed its lease, as `4.2s`.

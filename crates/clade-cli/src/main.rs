@@ -59,7 +59,7 @@ enum Command {
         #[command(subcommand)]
         command: keys::KeysCommand,
     },
-    /// The hosts in a server's database: capacity, load, lease (works whether or not a server runs).
+    /// Hosts: run this machine's VMs for a cluster's servers (`run`), or list, drain and undrain the hosts of a database.
     Host {
         /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
         #[arg(long, env = "CLADE_DATABASE_URL")]
@@ -88,7 +88,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // A server's log is its record of what happened; a command's is only for trouble.
-    let default_log = if matches!(cli.command, Command::Server(_)) { "info" } else { "warn" };
+    let serves = matches!(cli.command, Command::Server(_) | Command::Host { command: hosts::HostCommand::Run(_), .. });
+    let default_log = if serves { "info" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| default_log.into()))
         .with_writer(std::io::stderr)

@@ -1,9 +1,13 @@
-//! `clade server`: the HTTP API over this host's VMs, until SIGINT/SIGTERM.
+//! `clade server`: the HTTP API over this host's VMs (or, with `--no-vms`,
+//! over the `clade host` agents of its database), until SIGINT/SIGTERM.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clade_host::HostConfig;
+use clade_server::cluster::ClusterSecret;
+use clade_server::replica::{Replica, ReplicaConfig};
 use clade_server::{auth::admin_key_path, Server, ServerConfig};
 use clap::Args;
 use tokio::signal::unix::{signal, SignalKind};
@@ -16,6 +20,26 @@ pub struct ServerArgs {
     /// sqlite://PATH or postgres://…; default: sqlite in the data directory. Env: CLADE_DATABASE_URL.
     #[arg(long, env = "CLADE_DATABASE_URL")]
     database_url: Option<String>,
+    /// Run no VMs: a replica of the API that sends each request to the
+    /// `clade host` agents of its database (PostgreSQL; needs the cluster
+    /// secret). Any number of replicas can serve one database. Env: CLADE_NO_VMS.
+    #[arg(long, env = "CLADE_NO_VMS")]
+    no_vms: bool,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    #[command(flatten)]
+    machine: MachineArgs,
+    /// Preview hosts are `{port}-{id}.SUFFIX` on this listener (point a
+    /// wildcard DNS name at it). Unset: the host each request came to,
+    /// without a leading `api.` (as the SDKs derive it; `localhost` for an
+    /// IP address, which needs no DNS). Env: CLADE_PREVIEW_SUFFIX.
+    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = "")]
+    preview_suffix: String,
+}
+
+/// What a machine that runs VMs is given (`clade server`, `clade host run`).
+#[derive(Args)]
+pub struct MachineArgs {
     /// Sandboxes whose VM may run on this host at once; creates beyond are
     /// refused with 503 and Retry-After. Env: CLADE_MAX_RUNNING.
     #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
@@ -29,57 +53,113 @@ pub struct ServerArgs {
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
     no_network: bool,
-    /// The IPv4 range sandbox network slots are cut from (a /30 each). Env: CLADE_SANDBOX_RANGE.
+    /// The IPv4 range sandbox network slots are cut from (a /30 each); hosts
+    /// on one machine need ranges of their own. Env: CLADE_SANDBOX_RANGE.
     #[arg(long, env = "CLADE_SANDBOX_RANGE", default_value = "10.201.0.0/16")]
     sandbox_range: clade_host::net::Ipv4Cidr,
     /// Where the sandbox DNS resolver forwards allowed queries (IP:PORT);
     /// default: the first nameserver of /etc/resolv.conf. Env: CLADE_DNS_UPSTREAM.
     #[arg(long, env = "CLADE_DNS_UPSTREAM")]
     dns_upstream: Option<SocketAddr>,
-    /// Preview hosts are `{port}-{id}.SUFFIX` on this listener (point a
-    /// wildcard DNS name at it). Unset: the host each request came to,
-    /// without a leading `api.` (as the SDKs derive it; `localhost` for an
-    /// IP address, which needs no DNS). Env: CLADE_PREVIEW_SUFFIX.
-    #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = "")]
-    preview_suffix: String,
+}
+
+/// The secret the servers and hosts of one database share.
+#[derive(Args)]
+pub struct ClusterArgs {
+    /// A file whose first line is the cluster secret (at least 16 visible
+    /// characters: `openssl rand -hex 32`). Env: CLADE_CLUSTER_SECRET_FILE,
+    /// or the secret itself in CLADE_CLUSTER_SECRET.
+    #[arg(long, env = "CLADE_CLUSTER_SECRET_FILE")]
+    cluster_secret_file: Option<PathBuf>,
+}
+
+impl ClusterArgs {
+    pub fn secret(&self, who: &str) -> anyhow::Result<ClusterSecret> {
+        if let Some(path) = &self.cluster_secret_file {
+            return Ok(ClusterSecret::from_file(path)?);
+        }
+        match std::env::var("CLADE_CLUSTER_SECRET") {
+            Ok(secret) => Ok(ClusterSecret::new(&secret)?),
+            Err(_) => anyhow::bail!("{who} needs the cluster secret: --cluster-secret-file FILE or CLADE_CLUSTER_SECRET"),
+        }
+    }
+}
+
+impl MachineArgs {
+    /// This machine's part of a server's or host's configuration.
+    pub fn apply(&self, config: &mut ServerConfig, who: &str) {
+        config.sandboxes.max_running_per_host = self.max_running;
+        config.sandboxes.standby = self.standby;
+        if self.no_network {
+            eprintln!("{who}: networking is off (--no-network): sandboxes have no network");
+        } else if !nix::unistd::geteuid().is_root() {
+            eprintln!("{who}: not running as root: sandboxes have no network");
+        } else {
+            config.network = Some(clade_host::net::NetConfig {
+                range: self.sandbox_range,
+                dns_upstream: self.dns_upstream,
+                ..clade_host::net::NetConfig::default()
+            });
+        }
+    }
 }
 
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
     let data_dir = host.data_dir.clone();
+    if args.no_vms {
+        return run_replica(args, host).await;
+    }
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = args.database_url;
-    config.sandboxes.max_running_per_host = args.max_running;
-    config.sandboxes.standby = args.standby;
-    if args.no_network {
-        eprintln!("clade server: networking is off (--no-network): sandboxes have no network");
-    } else if !nix::unistd::geteuid().is_root() {
-        eprintln!("clade server: not running as root: sandboxes have no network");
-    } else {
-        config.network = Some(clade_host::net::NetConfig {
-            range: args.sandbox_range,
-            dns_upstream: args.dns_upstream,
-            ..clade_host::net::NetConfig::default()
-        });
-    }
+    args.machine.apply(&mut config, "clade server");
     config.preview_suffix = args.preview_suffix;
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
-        eprintln!(
-            "clade server: first start: created workspace \"default\" and its admin key, shown once here \
-             and saved to {} (mode 0600):",
-            admin_key_path(&data_dir).display()
-        );
-        println!("{key}");
+        show_admin_key(key, &data_dir);
     }
     eprintln!("clade server: listening on http://{}", server.addr());
-    let mut terminate = signal(SignalKind::terminate())?;
-    server
-        .run_until(async move {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = terminate.recv() => {}
-            }
-        })
-        .await;
+    server.run_until(stop_signal()?).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `clade server --no-vms`: the API over the hosts of the database.
+async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
+    let Some(database_url) = args.database_url else {
+        anyhow::bail!("clade server --no-vms serves the hosts of a shared database: give it --database-url postgres://…");
+    };
+    let config = ReplicaConfig {
+        listen: args.listen,
+        data_dir: host.data_dir.clone(),
+        database_url,
+        secret: args.cluster.secret("clade server --no-vms")?,
+        limits: clade_server::Limits::default(),
+        preview_suffix: args.preview_suffix,
+    };
+    let replica = Replica::start(config).await?;
+    if let Some(key) = replica.admin_key() {
+        show_admin_key(key, &host.data_dir);
+    }
+    eprintln!("clade server: listening on http://{} (no VMs: sandboxes run on the hosts of its database)", replica.addr());
+    replica.run_until(stop_signal()?).await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn show_admin_key(key: &str, data_dir: &Path) {
+    eprintln!(
+        "clade server: first start: created workspace \"default\" and its admin key, shown once here \
+         and saved to {} (mode 0600):",
+        admin_key_path(data_dir).display()
+    );
+    println!("{key}");
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+    })
 }

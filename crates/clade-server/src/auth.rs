@@ -11,6 +11,7 @@ use axum::http::request::Parts;
 use clade_store::{ApiKey, Store, StoreError, Workspace};
 
 use crate::error::ApiError;
+use crate::rate_limit::RateLimiter;
 use crate::AppState;
 
 /// The authenticated caller of a request.
@@ -38,21 +39,35 @@ impl FromRequestParts<AppState> for Caller {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
         // Already authenticated by a middleware of this server (only the
-        // server's own code can put a caller in a request's extensions).
+        // server's own code can put a caller in a request's extensions): on
+        // a host, always so — it takes no API key (`cluster`).
         if let Some(caller) = parts.extensions.get::<Caller>() {
             return Ok(caller.clone());
         }
-        let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
-        let key = state.store.authenticate(&presented).await?.ok_or_else(|| ApiError::Unauthorized("invalid api token".into()))?;
-        let workspace = state
-            .store
-            .workspace(&key.workspace_id)
-            .await?
-            .ok_or_else(|| ApiError::internal("internal error", format!("key {} has no workspace", key.id)))?;
-        // Per workspace, once per request (§2.6).
-        state.limiter.check(&workspace)?;
-        Ok(Self { key, workspace })
+        if state.cluster.is_some() {
+            return Err(ApiError::Unauthorized("missing bearer token".into()));
+        }
+        authenticate(&state.store, &state.limiter, parts).await
     }
+}
+
+/// The caller of a request by the API key it presents, counted against its
+/// workspace's rate limit.
+pub(crate) async fn authenticate(store: &Store, limiter: &RateLimiter, parts: &Parts) -> Result<Caller, ApiError> {
+    let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
+    let key = store.authenticate(&presented).await?.ok_or_else(|| ApiError::Unauthorized("invalid api token".into()))?;
+    let workspace = store
+        .workspace(&key.workspace_id)
+        .await?
+        .ok_or_else(|| ApiError::internal("internal error", format!("key {} has no workspace", key.id)))?;
+    // Per workspace, once per request (§2.6).
+    limiter.check(&workspace)?;
+    Ok(Caller { key, workspace })
+}
+
+/// Whether a request presents an API key at all.
+pub(crate) fn presents_key(parts: &Parts) -> bool {
+    presented_key(parts).is_some()
 }
 
 /// Where the first start writes the admin key.

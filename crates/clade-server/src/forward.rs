@@ -170,7 +170,7 @@ async fn join_upgraded(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade:
 }
 
 /// The protocol of an upgrade request (`Connection: upgrade` + `Upgrade: …`).
-fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
+pub(crate) fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
     let connection_upgrade = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -181,7 +181,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 }
 
 /// Removes the hop-by-hop headers: the fixed ones and those `Connection` names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

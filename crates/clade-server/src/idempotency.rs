@@ -15,19 +15,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{FromRequestParts, MatchedPath, Request, State};
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use clade_store::{Claim, KeyHold, StoredAnswer};
+use clade_store::{Claim, KeyHold, Store, StoredAnswer};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use utoipa::IntoParams;
 
-use crate::auth::Caller;
+use crate::auth::authenticate;
 use crate::error::{ApiError, REQUEST_ID};
 use crate::http::{content_length, read_body, JSON_BODY_LIMIT};
-use crate::AppState;
+use crate::rate_limit::RateLimiter;
 
 /// The request header.
 pub const HEADER: &str = "idempotency-key";
@@ -90,10 +90,12 @@ pub fn routes_with_keys(document: &utoipa::openapi::OpenApi) -> HashSet<String> 
         .collect()
 }
 
-/// What the middleware needs: the server and the routes that take a key.
+/// What the middleware needs: the database, the rate limiter (it
+/// authenticates the caller) and the routes that take a key.
 #[derive(Clone)]
 pub struct Idempotency {
-    pub state: AppState,
+    pub store: Store,
+    pub limiter: Arc<RateLimiter>,
     pub routes: Arc<HashSet<String>>,
 }
 
@@ -106,13 +108,13 @@ pub async fn deduplicate(State(idempotency): State<Idempotency>, request: Reques
     if !takes_key {
         return next.run(request).await;
     }
-    answer_once(&idempotency.state, key, request, next).await.unwrap_or_else(IntoResponse::into_response)
+    answer_once(&idempotency, key, request, next).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next: Next) -> Result<Response, ApiError> {
+async fn answer_once(state: &Idempotency, key: HeaderValue, request: Request, next: Next) -> Result<Response, ApiError> {
     let key = valid_key(&key)?;
     let (mut parts, body) = request.into_parts();
-    let caller = Caller::from_request_parts(&mut parts, state).await?;
+    let caller = authenticate(&state.store, &state.limiter, &parts).await?;
     let body = read_body(body, content_length(&parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
     let fingerprint = fingerprint(&parts.method, parts.uri.path(), &body);
     // The handler authenticates with this caller, not again (nor counts
@@ -144,7 +146,7 @@ async fn answer_once(state: &AppState, key: HeaderValue, request: Request, next:
 }
 
 /// Runs the request while holding its key, and keeps or lets go of the key by its answer.
-async fn act(state: &AppState, hold: KeyHold, request: Request, next: Next) -> Response {
+async fn act(state: &Idempotency, hold: KeyHold, request: Request, next: Next) -> Response {
     let request_id = REQUEST_ID.try_with(Clone::clone).unwrap_or_default();
     let handler = tokio::spawn(REQUEST_ID.scope(request_id, next.run(request)));
     let store = state.store.clone();
@@ -197,7 +199,7 @@ async fn act(state: &AppState, hold: KeyHold, request: Request, next: Next) -> R
 }
 
 /// Lets the key go unanswered, so that a retry acts.
-async fn release(state: &AppState, hold: &KeyHold) {
+async fn release(state: &Idempotency, hold: &KeyHold) {
     if let Err(e) = state.store.release_idempotency_key(hold).await {
         tracing::warn!("releasing an idempotency key: {e}");
     }

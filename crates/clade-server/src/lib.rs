@@ -6,6 +6,10 @@
 //!   panic catcher) and the body readers with their limits.
 //! - [`error`]: `ApiError`, turned into a response in one place.
 //! - [`auth`]: API keys → workspace; the first start's admin key.
+//! - [`cluster`]: many hosts, one API — what hosts and replicas share (the
+//!   cluster secret, the internal headers); `host_api`: a host admitting
+//!   only its replicas; [`replica`]: `clade server --no-vms`, routing each
+//!   request to the host it concerns.
 //! - [`sandbox`]: the sandbox service (VM handles, state, events, recovery,
 //!   quotas, snapshots, forks, the idle reaper).
 //! - [`idempotency`]: `Idempotency-Key` on the operations that make things.
@@ -21,13 +25,16 @@
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
 
 pub mod auth;
+pub mod cluster;
 pub mod error;
 mod forward;
+mod host_api;
 pub mod http;
 pub mod idempotency;
 pub mod metrics;
 pub mod preview;
 pub mod rate_limit;
+pub mod replica;
 mod routes;
 pub use routes::openapi;
 pub mod sandbox;
@@ -95,6 +102,10 @@ pub struct ServerConfig {
     pub preview_suffix: String,
     /// This host's lease in the database (renewed three times per lease).
     pub host_lease: Duration,
+    /// `clade host`: the API is the host's internal API, for the servers of
+    /// its database only (cluster secret, no API keys). None: one process
+    /// is the whole system.
+    pub cluster: Option<cluster::HostMembership>,
 }
 
 impl ServerConfig {
@@ -108,6 +119,7 @@ impl ServerConfig {
             network: None,
             preview_suffix: String::new(),
             host_lease: Duration::from_secs(15),
+            cluster: None,
         }
     }
 
@@ -155,6 +167,8 @@ pub struct AppState {
     pub stopping: CancellationToken,
     /// Preview hosts: their suffix and token key.
     pub previews: Arc<preview::Previews>,
+    /// On a host (`clade host`): the cluster secret every request must carry.
+    pub cluster: Option<cluster::ClusterSecret>,
 }
 
 /// A server accepting requests.
@@ -179,18 +193,21 @@ impl Server {
         let data_dir = config.host.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
         let store = Store::open(&config.database_url()).await?;
-        let admin_key = auth::first_start(&store, &data_dir).await?;
+        // A cluster's first start is its first replica's: users never reach a host.
+        let admin_key = match config.cluster {
+            None => auth::first_start(&store, &data_dir).await?,
+            Some(_) => None,
+        };
         let mut runtime = VmRuntime::new(config.host.clone())?;
         if let Some(network) = &config.network {
             runtime = runtime.with_network(clade_host::net::NetPool::start(network.clone(), clade_host::vm::vm_runs).await?);
         }
         let runtime = runtime.with_standby(config.sandboxes.standby);
-        let service = sandbox::SandboxService::new(runtime, store.clone(), config.sandboxes.clone());
+        let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let service = sandbox::SandboxService::new(host_id.clone(), runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
-        let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
-        let registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
-        let lease = service.start_host_lease(registration, config.host_lease).await?;
+        let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
         let reaper = service.start_reaper();
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
         let state = AppState {
@@ -200,10 +217,13 @@ impl Server {
             limiter,
             stopping: CancellationToken::new(),
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
+            cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
         };
         let listener =
             tokio::net::TcpListener::bind(config.listen).await.map_err(|source| ServerError::Listen { addr: config.listen, source })?;
         let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
+        let lease = state.service.start_host_lease(registration, config.host_lease).await?;
         let app = routes::router(state.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {

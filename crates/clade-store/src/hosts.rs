@@ -95,7 +95,8 @@ impl Store {
         let now = now_ms();
         sqlx::query(&format!(
             "INSERT INTO hosts ({COLUMNS}) VALUES ($1, $2, $3, 'up', NULL, $4, $5, 0, 0, $6, $6, $7) \
-             ON CONFLICT (id) DO UPDATE SET name = excluded.name, address = excluded.address, state = 'up', state_reason = NULL, \
+             ON CONFLICT (id) DO UPDATE SET name = excluded.name, address = excluded.address, \
+             state = CASE WHEN hosts.state = 'draining' THEN 'draining' ELSE 'up' END, state_reason = NULL, \
              capacity_vms = excluded.capacity_vms, capacity_memory_mb = excluded.capacity_memory_mb, running_vms = 0, \
              used_memory_mb = 0, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, \
              lease_expires_at = excluded.lease_expires_at"
@@ -130,18 +131,61 @@ impl Store {
         Ok(renewed.rows_affected() == 1)
     }
 
-    /// Marks `down` every host whose lease has run out; the ids marked (each
-    /// by one caller only, however many look at once).
+    /// Marks `down` every host whose lease has run out, and the sandboxes
+    /// they were running `lost`; the ids marked (each by one caller only,
+    /// however many look at once).
     pub async fn expire_host_leases(&self) -> Result<Vec<String>, StoreError> {
+        let mut tx = self.pool.begin().await?;
         let mut marked: Vec<String> = sqlx::query_scalar(
             "UPDATE hosts SET state = 'down', state_reason = 'its lease ran out' \
              WHERE state <> 'down' AND lease_expires_at < $1 RETURNING id",
         )
         .bind(now_ms())
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?;
+        for id in &marked {
+            lose_sandboxes_of(&mut tx, id, &format!("its host {id} stopped renewing its lease")).await?;
+        }
+        tx.commit().await?;
         marked.sort();
         Ok(marked)
+    }
+
+    /// Ends a host's lease as it stops: `down`, and the sandboxes it was
+    /// running `lost` until it starts again and finds them.
+    pub async fn end_host_lease(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("UPDATE hosts SET state = 'down', state_reason = 'it stopped' WHERE id = $1").bind(id).execute(&mut *tx).await?;
+        lose_sandboxes_of(&mut tx, id, &format!("its host {id} stopped")).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Chooses the host of a new sandbox: one that is `up`, holds its
+    /// lease, serves an address and has room, the least loaded first; and
+    /// counts the sandbox on it at once, so that placements at the same
+    /// moment spread (the host's next renewal reports its true load). On
+    /// PostgreSQL the chosen row is locked and skipped by other placers
+    /// until counted; SQLite runs one writer at a time. None: no host has room.
+    pub async fn place_sandbox(&self, exclude: &[String]) -> Result<Option<HostRow>, StoreError> {
+        let excluded: String = (0..exclude.len()).map(|i| format!(" AND id <> ${}", i + 2)).collect();
+        let lock = match self.backend {
+            crate::Backend::Postgres => " FOR UPDATE SKIP LOCKED",
+            crate::Backend::Sqlite => "",
+        };
+        let sql = format!(
+            "UPDATE hosts SET running_vms = running_vms + 1 WHERE id = (\
+               SELECT id FROM hosts WHERE state = 'up' AND address IS NOT NULL AND lease_expires_at >= $1 \
+               AND running_vms < capacity_vms{excluded} \
+               ORDER BY (running_vms * 1000) / capacity_vms, running_vms, id LIMIT 1{lock}) \
+             RETURNING {COLUMNS}"
+        );
+        let mut query = sqlx::query(&sql).bind(now_ms());
+        for id in exclude {
+            query = query.bind(id);
+        }
+        let row = query.fetch_optional(&self.pool).await?;
+        row.as_ref().map(HostRow::from_row).transpose()
     }
 
     /// Sets a host's state, with the reason; false when there is no such host.
@@ -165,4 +209,14 @@ impl Store {
         let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM hosts ORDER BY name, id")).fetch_all(&self.pool).await?;
         rows.iter().map(HostRow::from_row).collect()
     }
+}
+
+/// Marks the sandboxes a host was running `lost`, with the reason.
+async fn lose_sandboxes_of(tx: &mut sqlx::Transaction<'_, sqlx::Any>, host_id: &str, reason: &str) -> Result<(), StoreError> {
+    sqlx::query("UPDATE sandboxes SET state = 'lost', state_reason = $1 WHERE host_id = $2 AND state IN ('creating', 'running', 'paused')")
+        .bind(reason)
+        .bind(host_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }

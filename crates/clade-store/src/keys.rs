@@ -109,6 +109,17 @@ impl Store {
         Ok(Some(key))
     }
 
+    /// A live key of a workspace by its id (a host trusting its server's
+    /// word on who called); `None` for an unknown or revoked key.
+    pub async fn live_key(&self, workspace_id: &str, id: &str) -> Result<Option<ApiKey>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE id = $1 AND workspace_id = $2 AND revoked_at IS NULL"))
+            .bind(id)
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(ApiKey::from_row).transpose()
+    }
+
     /// Keys of one workspace, or of all when `workspace_id` is `None`; oldest first.
     pub async fn list_keys(&self, workspace_id: Option<&str>) -> Result<Vec<ApiKey>, StoreError> {
         let rows = match workspace_id {

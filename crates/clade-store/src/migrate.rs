@@ -35,6 +35,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0005_hosts.sql"),
         postgres: include_str!("../migrations/postgres/0005_hosts.sql"),
     },
+    Migration {
+        version: 6,
+        sqlite: include_str!("../migrations/sqlite/0006_placement.sql"),
+        postgres: include_str!("../migrations/postgres/0006_placement.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

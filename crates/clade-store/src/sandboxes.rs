@@ -14,6 +14,9 @@ pub enum SandboxState {
     Paused,
     Hibernated,
     Failed,
+    /// Its host stopped answering (its lease ran out) while it ran: what
+    /// became of it is unknown until the host comes back.
+    Lost,
     Deleted,
 }
 
@@ -25,12 +28,13 @@ impl SandboxState {
             Self::Paused => "paused",
             Self::Hibernated => "hibernated",
             Self::Failed => "failed",
+            Self::Lost => "lost",
             Self::Deleted => "deleted",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [Self::Creating, Self::Running, Self::Paused, Self::Hibernated, Self::Failed, Self::Deleted]
+        [Self::Creating, Self::Running, Self::Paused, Self::Hibernated, Self::Failed, Self::Lost, Self::Deleted]
             .into_iter()
             .find(|state| state.as_str() == s)
     }
@@ -65,6 +69,8 @@ pub struct SandboxRow {
     pub from_snapshot: Option<String>,
     /// Its preview hosts need a signed token (otherwise they are public).
     pub preview_auth: bool,
+    /// The host whose VM it is (none: a row from before hosts).
+    pub host_id: Option<String>,
 }
 
 /// What a create stores; the rest starts at its defaults.
@@ -84,11 +90,13 @@ pub struct NewSandbox {
     pub preview_auth: bool,
     /// The Idempotency-Key of the create that makes it.
     pub idempotency_key: Option<String>,
+    /// The host that makes its VM.
+    pub host_id: String,
 }
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
                        hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot, \
-                       preview_auth";
+                       preview_auth, host_id";
 
 impl SandboxRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -112,6 +120,7 @@ impl SandboxRow {
             fork_tree_id: col(row, "fork_tree_id")?,
             from_snapshot: col(row, "from_snapshot")?,
             preview_auth: col::<i64>(row, "preview_auth")? != 0,
+            host_id: col(row, "host_id")?,
         })
     }
 }
@@ -122,7 +131,7 @@ impl Store {
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({COLUMNS}, idempotency_key) \
-             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14)"
+             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14, $15)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -137,6 +146,7 @@ impl Store {
         .bind(&new.fork_tree_id)
         .bind(&new.from_snapshot)
         .bind(i64::from(new.preview_auth))
+        .bind(&new.host_id)
         .bind(&new.idempotency_key)
         .execute(&self.pool)
         .await?;
@@ -157,6 +167,7 @@ impl Store {
             fork_tree_id: new.fork_tree_id,
             from_snapshot: new.from_snapshot,
             preview_auth: new.preview_auth,
+            host_id: Some(new.host_id),
         })
     }
 
@@ -180,11 +191,28 @@ impl Store {
         rows.iter().map(SandboxRow::from_row).collect()
     }
 
-    /// Every sandbox in one of `states`, in any workspace (start-up recovery).
-    pub async fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {
-        let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at, id")).fetch_all(&self.pool).await?;
+    /// The sandboxes of a host in one of `states`, in any workspace
+    /// (start-up recovery). Rows from before hosts (no host) are claimed for
+    /// it first: they were made by the one host there was.
+    pub async fn sandboxes_of_host(&self, host_id: &str, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {
+        sqlx::query("UPDATE sandboxes SET host_id = $1 WHERE host_id IS NULL").bind(host_id).execute(&self.pool).await?;
+        let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE host_id = $1 ORDER BY created_at, id"))
+            .bind(host_id)
+            .fetch_all(&self.pool)
+            .await?;
         let rows: Result<Vec<SandboxRow>, StoreError> = rows.iter().map(SandboxRow::from_row).collect();
         Ok(rows?.into_iter().filter(|row| states.contains(&row.state)).collect())
+    }
+
+    /// How many sandboxes a workspace has that count against its quota
+    /// (neither failed, lost nor deleted), on every host.
+    pub async fn count_live_sandboxes(&self, workspace_id: &str) -> Result<u64, StoreError> {
+        let count: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM sandboxes WHERE workspace_id = $1 AND state NOT IN ('failed', 'lost', 'deleted')")
+                .bind(workspace_id)
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(count.max(0) as u64)
     }
 
     /// Moves a sandbox to `state`, recording why (or clearing the reason).
@@ -238,6 +266,13 @@ impl Store {
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(SandboxRow::from_row).transpose()
+    }
+
+    /// The host of a sandbox, deleted or not (where its snapshots' files are).
+    pub async fn host_of_sandbox(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let host: Option<Option<String>> =
+            sqlx::query_scalar("SELECT host_id FROM sandboxes WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+        Ok(host.flatten())
     }
 
     /// The sandbox a create with this Idempotency-Key made in a workspace (deleted or not).

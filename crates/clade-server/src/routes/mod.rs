@@ -112,9 +112,11 @@ fn routed_at(
 }
 
 /// The proxy's root with a trailing slash.
-const PROXY_ROOT_SLASH: &str = "/v1/sandboxes/{id}/proxy/{port}/";
+pub(crate) const PROXY_ROOT_SLASH: &str = "/v1/sandboxes/{id}/proxy/{port}/";
 /// A proxied path of any depth.
-const PROXY_DEEP_PATH: &str = "/v1/sandboxes/{id}/proxy/{port}/{*path}";
+pub(crate) const PROXY_DEEP_PATH: &str = "/v1/sandboxes/{id}/proxy/{port}/{*path}";
+/// How the document spells [`PROXY_DEEP_PATH`].
+pub(crate) const PROXY_DEEP_DOCUMENTED: &str = "/v1/sandboxes/{id}/proxy/{port}/{path}";
 
 /// Counts every response by its method, route and status. A router's
 /// layers run once it has chosen a route, so the route is the template it
@@ -129,10 +131,10 @@ async fn track(State(state): State<AppState>, request: Request, next: Next) -> R
 
 /// The metrics label of a route template: the documented path of the
 /// proxy's extra spellings, `preview` for preview hosts, the template itself otherwise.
-fn route_label(template: &str) -> &str {
+pub(crate) fn route_label(template: &str) -> &str {
     match template {
         PROXY_ROOT_SLASH => "/v1/sandboxes/{id}/proxy/{port}",
-        PROXY_DEEP_PATH => "/v1/sandboxes/{id}/proxy/{port}/{path}",
+        PROXY_DEEP_PATH => PROXY_DEEP_DOCUMENTED,
         crate::preview::PREVIEW_ROUTE => "preview",
         other => other,
     }
@@ -141,10 +143,16 @@ fn route_label(template: &str) -> &str {
 /// The server's whole router: the API, preview hosts and the middleware.
 pub fn router(state: AppState) -> Router {
     let (api, document) = api().split_for_parts();
-    let idempotency = Idempotency { state: state.clone(), routes: Arc::new(idempotency::routes_with_keys(&document)) };
+    let idempotency = Idempotency {
+        store: state.store.clone(),
+        limiter: state.limiter.clone(),
+        routes: Arc::new(idempotency::routes_with_keys(&document)),
+    };
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
         .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
+        // On a host: the cluster secret, before anything a route does.
+        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::host_api::admit))
         .with_state(state.clone());
     // Every response is counted, the envelope's and the router's 404s too,
     // by the route template the router matched.

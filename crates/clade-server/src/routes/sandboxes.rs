@@ -35,7 +35,8 @@ pub struct Sandbox {
     pub template: String,
     pub cpu: u32,
     pub memory_mb: u32,
-    /// `creating`, `running`, `paused`, `hibernated`, `failed` or `deleted`.
+    /// `creating`, `running`, `paused`, `hibernated`, `failed`, `lost` (its
+    /// host stopped answering while it ran; see `state_reason`) or `deleted`.
     pub status: String,
     /// RFC 3339.
     pub created_at: String,

@@ -61,6 +61,9 @@ impl SandboxService {
     pub(super) async fn reserve(&self, workspace_id: &str, count: usize) -> Result<Reservation, ApiError> {
         let settings = self.settings();
         let capacity = &self.inner.capacity;
+        // The workspace's sandboxes on every host of the database (this
+        // host's own are also counted below, with those under way here).
+        let stored = self.store().count_live_sandboxes(workspace_id).await? as usize;
         {
             // Sandbox states are read under the map lock with `try_read`: a
             // slot held by a lifecycle change counts as live (it is).
@@ -80,6 +83,7 @@ impl SandboxService {
                     running += 1;
                 }
             }
+            let in_workspace = in_workspace.max(stored);
             let pending_workspace = pending.get(workspace_id).copied().unwrap_or(0);
             let pending_all: usize = pending.values().sum();
             if in_workspace + pending_workspace + count > settings.max_sandboxes_per_workspace {

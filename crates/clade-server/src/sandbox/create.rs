@@ -163,6 +163,7 @@ impl SandboxService {
             from_snapshot: params.from_snapshot.clone(),
             preview_auth: params.preview_auth,
             idempotency_key: params.idempotency_key.clone(),
+            host_id: self.host_id().to_string(),
         };
         let row = match self.store().insert_sandbox(new).await {
             Ok(row) => row,

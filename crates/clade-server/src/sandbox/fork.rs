@@ -133,6 +133,7 @@ impl SandboxService {
                 // A child is as private as its parent, and lists the same ports.
                 preview_auth: parent.preview_auth,
                 idempotency_key: None,
+                host_id: self.host_id().to_string(),
             };
             match self.store().insert_sandbox(new).await {
                 Ok(row) => {

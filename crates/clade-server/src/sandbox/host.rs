@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use clade_store::{HostLoad, HostRegistration, HostState, StoreError};
+use clade_store::{HostLoad, HostRegistration, StoreError};
 
 use super::SandboxService;
 use crate::error::chain;
@@ -80,7 +80,7 @@ impl SandboxService {
 
     /// Marks this host down as its server stops (its VMs keep running for the next start to adopt).
     pub async fn end_host_lease(&self, host_id: &str) {
-        if let Err(e) = self.store().set_host_state(host_id, HostState::Down, Some("its server stopped")).await {
+        if let Err(e) = self.store().end_host_lease(host_id).await {
             tracing::warn!(host = %host_id, "marking the host down: {}", chain(&e));
         }
     }

@@ -31,6 +31,7 @@ use clade_store::{now_ms, SandboxState, Store};
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio::task::AbortHandle;
 
+pub use capacity::SCHEDULER_RETRY_AFTER;
 pub use create::CreateParams;
 pub use fork::{ChildError, ForkParams, Forked, Promoted};
 pub use snapshot::snapshot_not_found;
@@ -88,6 +89,8 @@ pub struct SandboxService {
 
 #[derive(Debug)]
 struct Inner {
+    /// This host's id in the database: the host of every sandbox it makes.
+    host_id: String,
     runtime: VmRuntime,
     store: Store,
     settings: SandboxSettings,
@@ -167,10 +170,15 @@ impl Entry {
 }
 
 impl SandboxService {
-    pub fn new(runtime: VmRuntime, store: Store, settings: SandboxSettings) -> Self {
+    pub fn new(host_id: String, runtime: VmRuntime, store: Store, settings: SandboxSettings) -> Self {
         let capacity = capacity::Capacity::new(&settings);
-        let inner = Inner { runtime, store, settings, live: Mutex::default(), capacity, metrics: Default::default() };
+        let inner = Inner { host_id, runtime, store, settings, live: Mutex::default(), capacity, metrics: Default::default() };
         Self { inner: Arc::new(inner) }
+    }
+
+    /// This host's id in the database.
+    pub fn host_id(&self) -> &str {
+        &self.inner.host_id
     }
 
     pub fn metrics(&self) -> &crate::metrics::Metrics {
@@ -375,6 +383,10 @@ fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
             reason.unwrap_or("no reason recorded")
         )),
         SandboxState::Creating => ApiError::conflict(format!("sandbox {id} is still being created")),
+        SandboxState::Lost => ApiError::conflict(format!(
+            "sandbox {id} is lost ({}): it can be used again if its host comes back, or deleted",
+            reason.unwrap_or("its host stopped answering")
+        )),
         SandboxState::Deleted => not_found(id),
         SandboxState::Running | SandboxState::Hibernated => {
             ApiError::internal("internal error", format!("sandbox {id} is {state} without a VM"))

@@ -34,7 +34,11 @@ impl SandboxService {
 
     /// One pass over the sandboxes.
     pub async fn reap_idle(&self) {
-        let rows = match self.store().sandboxes_in(&[SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated]).await {
+        let rows = match self
+            .store()
+            .sandboxes_of_host(self.host_id(), &[SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated])
+            .await
+        {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::error!("reaper: listing sandboxes: {}", chain(&e));

@@ -1,5 +1,6 @@
-//! Start-up: the sandboxes the store says exist get their VMs back. Running
-//! and paused VMs are adopted, hibernated ones stay wakeable, and a sandbox
+//! Start-up: the sandboxes the store says this host runs get their VMs
+//! back. Running, paused and lost VMs (lost: the host was presumed dead or
+//! had stopped) are adopted, hibernated ones stay wakeable, and a sandbox
 //! whose VM is gone is marked failed with the reason. A VM with this
 //! server's tag and no row is the leftover of a create the server died in
 //! (between the VM and its row): it is removed.
@@ -15,9 +16,10 @@ use crate::error::{chain, ApiError};
 
 impl SandboxService {
     pub async fn recover(&self) -> Result<(), ApiError> {
-        let live = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated];
-        let rows = self.store().sandboxes_in(&live).await?;
-        let failed = self.store().sandboxes_in(&[SandboxState::Failed]).await?;
+        // Lost: this host was presumed dead (or stopped) while it ran them.
+        let live = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated, SandboxState::Lost];
+        let rows = self.store().sandboxes_of_host(self.host_id(), &live).await?;
+        let failed = self.store().sandboxes_of_host(self.host_id(), &[SandboxState::Failed]).await?;
         let listed = self.runtime().list();
         let records: HashMap<String, Phase> = listed.iter().map(|(record, _)| (record.id.clone(), record.phase)).collect();
         // A VM without a row: made by a server killed between making the VM

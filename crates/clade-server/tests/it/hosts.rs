@@ -47,6 +47,6 @@ async fn the_server_keeps_its_hosts_lease_with_its_load_and_marks_dead_hosts_dow
     let host_id = server.host_id().to_string();
     server.shutdown().await;
     let stopped = store.host(&host_id).await.unwrap().unwrap();
-    assert_eq!((stopped.state, stopped.state_reason.as_deref()), (HostState::Down, Some("its server stopped")));
+    assert_eq!((stopped.state, stopped.state_reason.as_deref()), (HostState::Down, Some("it stopped")));
     store.close().await;
 }

@@ -4,6 +4,7 @@
 
 mod basics;
 mod capacity;
+mod cluster;
 mod hostile;
 mod hosts;
 mod idempotency;

@@ -120,6 +120,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         from_snapshot: None,
         preview_auth: false,
         idempotency_key: None,
+        host_id: "h1".into(),
     }
 }
 
@@ -151,7 +152,7 @@ async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
         assert_eq!(store.sandbox(&a.id, &row.id).await.unwrap(), None, "deleted rows are not served");
         let listed = store.list_sandboxes(&a.id).await.unwrap();
         assert_eq!(listed.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), [second.id.as_str()]);
-        let live = store.sandboxes_in(&[SandboxState::Running, SandboxState::Hibernated]).await.unwrap();
+        let live = store.sandboxes_of_host("h1", &[SandboxState::Running, SandboxState::Hibernated]).await.unwrap();
         assert_eq!(live.len(), 1);
         assert!(matches!(store.set_sandbox_state("nope", SandboxState::Running, None).await, Err(StoreError::NotFound(_))));
         store.close().await;

@@ -1,0 +1,582 @@
+//! `clade server --no-vms`: a stateless replica of the API. It runs no VM;
+//! it authenticates callers, applies rate limits and `Idempotency-Key`, and
+//! sends each request to a host of its database:
+//! - about a sandbox (`/v1/sandboxes/{id}…`, its preview hosts): the host
+//!   whose VM it is (the row's `host_id`);
+//! - about a snapshot: the host of the sandbox it was taken of (its files
+//!   are there), and so a create `from_snapshot`;
+//! - a create: the host placement picks (`Store::place_sandbox`), the next
+//!   one when that one is full or does not answer;
+//! - anything else (lists, keys, templates, the document): any live host.
+//!
+//! Requests stream both ways as they come, upgrades (terminals, port
+//! forwards, WebSocket proxies) included. A sandbox whose host is down is
+//! still seen (its row; `lost` if it was running) and can be deleted; other
+//! requests about it are refused with the reason. Replicas also mark down
+//! the hosts whose leases ran out, so a dead host is noticed when no other
+//! host is left to notice it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use axum::http::request::Parts;
+use axum::http::{Method, StatusCode, Uri, Version};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::Router;
+use bytes::Bytes;
+use clade_store::{now_ms, HostRow, HostState, SandboxRow, SandboxState, Store};
+use hyper_util::rt::TokioIo;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{authenticate, presents_key, Caller};
+use crate::cluster::{ClusterSecret, HELD_KEY_HEADER, INTERNAL_HEADERS, KEY_HEADER, SECRET_HEADER, WORKSPACE_HEADER};
+use crate::error::{ApiError, REQUEST_ID};
+use crate::forward::{strip_hop_by_hop, upgrade_protocol};
+use crate::http::{content_length, read_body, Proxied, JSON_BODY_LIMIT, REQUEST_ID_HEADER};
+use crate::idempotency::{self, HeldKey, Idempotency};
+use crate::metrics::Metrics;
+use crate::preview::Previews;
+use crate::rate_limit::RateLimiter;
+use crate::{Limits, ServerError};
+
+/// How often a replica looks for hosts whose lease ran out.
+const EXPIRY_SWEEP: Duration = Duration::from_secs(2);
+
+/// Retry-After when a host is down or did not answer.
+const HOST_RETRY_AFTER: u32 = 2;
+
+/// At most this many hosts are tried for one create.
+const PLACEMENT_TRIES: usize = 8;
+
+#[derive(Debug, Clone)]
+pub struct ReplicaConfig {
+    pub listen: SocketAddr,
+    /// Where the first start writes `admin.key`.
+    pub data_dir: PathBuf,
+    pub database_url: String,
+    pub secret: ClusterSecret,
+    pub limits: Limits,
+    /// As `ServerConfig::preview_suffix`.
+    pub preview_suffix: String,
+}
+
+#[derive(Debug, Clone)]
+struct ReplicaState {
+    store: Store,
+    limiter: Arc<RateLimiter>,
+    secret: ClusterSecret,
+    previews: Arc<Previews>,
+    metrics: Arc<Metrics>,
+    stopping: CancellationToken,
+}
+
+/// A replica accepting requests.
+#[derive(Debug)]
+pub struct Replica {
+    addr: SocketAddr,
+    admin_key: Option<String>,
+    state: ReplicaState,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    sweep: tokio::task::JoinHandle<()>,
+}
+
+impl Replica {
+    /// Opens the database (the first start of the cluster makes workspace
+    /// `default` and its admin key) and starts serving.
+    pub async fn start(config: ReplicaConfig) -> Result<Self, ServerError> {
+        let data_dir = config.data_dir.clone();
+        std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let store = Store::open(&config.database_url).await?;
+        let admin_key = crate::auth::first_start(&store, &data_dir).await?;
+        let state = ReplicaState {
+            store: store.clone(),
+            limiter: Arc::new(RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec)),
+            secret: config.secret.clone(),
+            previews: Arc::new(Previews::new(&config.preview_suffix)),
+            metrics: Arc::default(),
+            stopping: CancellationToken::new(),
+        };
+        let listener =
+            tokio::net::TcpListener::bind(config.listen).await.map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let app = router(state.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        let sweep = tokio::spawn(sweep_expired_hosts(store));
+        tracing::info!(%addr, "clade server (replica, no VMs) listening");
+        Ok(Self { addr, admin_key, state, stop, task, sweep })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin key, when this start created it (the cluster's first start).
+    pub fn admin_key(&self) -> Option<&str> {
+        self.admin_key.as_deref()
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.state.store
+    }
+
+    /// Stops accepting requests and lets those in flight finish.
+    pub async fn shutdown(self) {
+        self.sweep.abort();
+        self.state.stopping.cancel();
+        let _ = self.stop.send(());
+        match self.task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("replica: {e}"),
+            Err(e) => tracing::error!("replica task: {e}"),
+        }
+        self.state.store.close().await;
+    }
+
+    /// Serves until `signal` resolves, then shuts down.
+    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) {
+        signal.await;
+        tracing::info!("shutting down");
+        self.shutdown().await;
+    }
+}
+
+/// Marks down the hosts whose lease ran out (and what they ran lost).
+async fn sweep_expired_hosts(store: Store) {
+    let mut tick = tokio::time::interval(EXPIRY_SWEEP);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match store.expire_host_leases().await {
+            Ok(down) => {
+                for host in down {
+                    tracing::warn!(%host, "host marked down: its lease ran out; its running sandboxes are lost");
+                }
+            }
+            Err(e) => tracing::warn!("looking for expired host leases: {}", crate::error::chain(&e)),
+        }
+    }
+}
+
+/// The API's routes, each sent to a host, but for the replica's own
+/// `/healthz` and `/metrics`; preview hosts are told apart first.
+fn router(state: ReplicaState) -> Router {
+    let (_, document) = crate::routes::api().split_for_parts();
+    let idempotency = Idempotency {
+        store: state.store.clone(),
+        limiter: state.limiter.clone(),
+        routes: Arc::new(idempotency::routes_with_keys(&document)),
+    };
+    let mut api = Router::new().route("/healthz", get(healthz)).route("/metrics", get(metrics));
+    for path in document.paths.paths.keys() {
+        if !matches!(path.as_str(), "/healthz" | "/metrics" | crate::routes::PROXY_DEEP_DOCUMENTED) {
+            api = api.route(path, any(forward));
+        }
+    }
+    let api = api
+        .route(crate::routes::PROXY_ROOT_SLASH, any(forward))
+        .route(crate::routes::PROXY_DEEP_PATH, any(forward))
+        .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
+        .with_state(state.clone());
+    let app = crate::http::with_middleware(api).layer(axum::middleware::from_fn_with_state(state.clone(), track));
+    Router::new().fallback_service(app).layer(axum::middleware::from_fn_with_state(state, preview_hosts))
+}
+
+async fn healthz() -> impl IntoResponse {
+    axum::Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// This replica's requests, and every host of the database.
+async fn metrics(State(state): State<ReplicaState>) -> impl IntoResponse {
+    let mut text = state.metrics.render(&Default::default());
+    match state.store.hosts().await {
+        Ok(hosts) => text.push_str(&crate::metrics::render_hosts(&hosts, now_ms())),
+        Err(e) => tracing::warn!("metrics: listing hosts: {}", crate::error::chain(&e)),
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+}
+
+/// Counts every response by method, route template and status.
+async fn track(State(state): State<ReplicaState>, request: Request, next: Next) -> Response {
+    let method = request.method().as_str().to_string();
+    let route = request.extensions().get::<MatchedPath>().map_or("other", |m| crate::routes::route_label(m.as_str())).to_string();
+    let response = next.run(request).await;
+    state.metrics.count_request(&method, &route, response.status().as_u16());
+    response
+}
+
+/// A preview host's request goes, as it came, to its sandbox's host.
+async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next: Next) -> Response {
+    let host = request.headers().get(header::HOST).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let Some(Ok(preview)) = host.and_then(|h| state.previews.recognise(&h)) else { return next.run(request).await };
+    let answer = async {
+        let row = state.store.sandbox_by_id(&preview.sandbox_id).await?;
+        let (mut parts, body) = request.into_parts();
+        let client_upgrade = upgrade_protocol(&parts.headers).and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+        let outgoing = Outgoing { parts, caller: None, held: None, keep_credentials: true };
+        match row {
+            Some(row) => {
+                let host = usable_host_of(&state, &row).await?.ok_or_else(|| host_down(&row))?;
+                send(&state, &host, &outgoing, Body::new(body), client_upgrade).await.map_err(ApiError::from)
+            }
+            None => send_anywhere(&state, &outgoing, Body::new(body)).await,
+        }
+    };
+    answer.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A request on its way to a host: what it asked, and who asked.
+struct Outgoing {
+    parts: Parts,
+    caller: Option<Caller>,
+    held: Option<HeldKey>,
+    /// A preview host's request: its `Authorization` is the sandbox app's, not Clade's.
+    keep_credentials: bool,
+}
+
+impl Outgoing {
+    fn path(&self) -> &str {
+        self.parts.uri.path()
+    }
+
+    /// The `n`th segment of the path (`/v1/sandboxes/{id}`: 3 is the id).
+    fn segment(&self, n: usize) -> Option<&str> {
+        self.path().split('/').nth(n).filter(|s| !s.is_empty())
+    }
+}
+
+/// Every API route but the replica's own: to the host it concerns.
+async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, request: Request) -> Result<Response, ApiError> {
+    let (mut parts, body) = request.into_parts();
+    let caller = match parts.extensions.get::<Caller>().cloned() {
+        Some(caller) => Some(caller),
+        None if presents_key(&parts) => Some(authenticate(&state.store, &state.limiter, &parts).await?),
+        // The host answers 401 as any server would.
+        None => None,
+    };
+    let held = parts.extensions.get::<HeldKey>().cloned();
+    let client_upgrade = upgrade_protocol(&parts.headers).and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+    let outgoing = Outgoing { parts, caller, held, keep_credentials: false };
+    let Some(workspace_id) = outgoing.caller.as_ref().map(|c| c.workspace.id.clone()) else {
+        return send_anywhere(&state, &outgoing, Body::new(body)).await;
+    };
+    let template = matched.as_str();
+    if template == "/v1/sandboxes" && outgoing.parts.method == Method::POST {
+        return create(&state, &outgoing, body).await;
+    }
+    if template.starts_with("/v1/sandboxes/{id}") {
+        let id = outgoing.segment(3).unwrap_or_default().to_string();
+        let Some(row) = state.store.sandbox(&workspace_id, &id).await? else {
+            return send_anywhere(&state, &outgoing, Body::new(body)).await;
+        };
+        let Some(host) = usable_host_of(&state, &row).await? else {
+            return without_host(&state, template, &outgoing, &row, body).await;
+        };
+        return match connect(&host).await {
+            Ok(sender) => Ok(exchange(&state, &host, sender, &outgoing, Body::new(body), client_upgrade).await?),
+            // Dead before its lease says so: as if it were down.
+            Err(e @ SendError::Connect { .. }) => {
+                tracing::warn!(sandbox = %row.id, "{e}");
+                without_host(&state, template, &outgoing, &row, body).await
+            }
+            Err(e) => Err(e.into()),
+        };
+    }
+    if template.starts_with("/v1/snapshots/{id}") {
+        let id = outgoing.segment(3).unwrap_or_default();
+        if let Some(host) = snapshot_host(&state, &workspace_id, id).await? {
+            return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+        }
+    }
+    send_anywhere(&state, &outgoing, Body::new(body)).await
+}
+
+/// A create: from a snapshot on the host that has it, otherwise where
+/// placement says, the next host when one is full or does not answer.
+async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<Response, ApiError> {
+    let body = read_body(body, content_length(&outgoing.parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
+    let workspace_id = outgoing.caller.as_ref().map(|c| c.workspace.id.as_str()).unwrap_or_default();
+    if let Some(snapshot) = from_snapshot(&body) {
+        if let Some(host) = snapshot_host(state, workspace_id, &snapshot).await? {
+            return Ok(send(state, &host, outgoing, Body::from(body), None).await?);
+        }
+        // An unknown snapshot: any host answers 404 as it would.
+        return send_anywhere(state, outgoing, Body::from(body)).await;
+    }
+    let mut tried = Vec::new();
+    while tried.len() < PLACEMENT_TRIES {
+        let Some(host) = state.store.place_sandbox(&tried).await? else { break };
+        match send(state, &host, outgoing, Body::from(body.clone()), None).await {
+            // Nothing was sent: the next host may take it.
+            Err(SendError::Connect { .. }) => tracing::warn!(host = %host.id, "placement: the host did not answer; trying another"),
+            Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                tracing::info!(host = %host.id, "placement: the host is full; trying another");
+            }
+            answer => return Ok(answer?),
+        }
+        tried.push(host.id);
+    }
+    Err(ApiError::Unavailable {
+        message: "no compute capacity available: every host is full or down".into(),
+        retry_after: Some(crate::sandbox::SCHEDULER_RETRY_AFTER),
+    })
+}
+
+/// The snapshot named by a create's body, if any.
+fn from_snapshot(body: &Bytes) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value.get("from_snapshot")?.as_str().filter(|s| !s.is_empty()).map(str::to_string)
+}
+
+/// The live host of the sandbox a snapshot was taken of.
+async fn snapshot_host(state: &ReplicaState, workspace_id: &str, snapshot_id: &str) -> Result<Option<HostRow>, ApiError> {
+    let Some(snapshot) = state.store.snapshot(workspace_id, snapshot_id).await? else { return Ok(None) };
+    let Some(host_id) = state.store.host_of_sandbox(&snapshot.sandbox_id).await? else { return Ok(None) };
+    let host = state.store.host(&host_id).await?;
+    match host {
+        Some(host) if usable(&host) => Ok(Some(host)),
+        _ => Err(ApiError::Unavailable {
+            message: format!("snapshot {snapshot_id} is kept on host {host_id}, which is down"),
+            retry_after: Some(HOST_RETRY_AFTER),
+        }),
+    }
+}
+
+/// The sandbox's host, if it can be asked.
+async fn usable_host_of(state: &ReplicaState, row: &SandboxRow) -> Result<Option<HostRow>, ApiError> {
+    let Some(host_id) = &row.host_id else { return Ok(None) };
+    Ok(state.store.host(host_id).await?.filter(usable))
+}
+
+/// A host that holds its lease and serves an address (draining hosts still
+/// serve their sandboxes).
+fn usable(host: &HostRow) -> bool {
+    host.state != HostState::Down && host.address.is_some() && host.lease_expires_at >= now_ms()
+}
+
+/// A request about a sandbox whose host is down: its row can be read (any
+/// host answers from the database) and it can be deleted (here: the host
+/// removes what is left of its VM when it comes back); nothing else.
+async fn without_host(
+    state: &ReplicaState,
+    template: &str,
+    outgoing: &Outgoing,
+    row: &SandboxRow,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let method = &outgoing.parts.method;
+    let reads_row = *method == Method::GET && matches!(template, "/v1/sandboxes/{id}" | "/v1/sandboxes/{id}/events");
+    if reads_row {
+        return send_anywhere(state, outgoing, body).await;
+    }
+    if *method == Method::DELETE && template == "/v1/sandboxes/{id}" {
+        state.store.set_sandbox_state(&row.id, SandboxState::Deleted, None).await?;
+        let host = row.host_id.as_deref().unwrap_or_default();
+        let detail = serde_json::json!({ "while_host_down": host });
+        if let Err(e) = state.store.record_event(&row.workspace_id, &row.id, "deleted", detail).await {
+            tracing::warn!(sandbox = %row.id, "recording a delete: {}", crate::error::chain(&e));
+        }
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    Err(host_down(row))
+}
+
+fn host_down(row: &SandboxRow) -> ApiError {
+    let host = row.host_id.as_deref().unwrap_or("(none)");
+    if row.state == SandboxState::Lost {
+        return ApiError::conflict(format!(
+            "sandbox {} is lost ({}): it can be used again if its host comes back, or deleted",
+            row.id,
+            row.state_reason.as_deref().unwrap_or("its host stopped answering")
+        ));
+    }
+    ApiError::Unavailable {
+        message: format!("sandbox {} is {} on host {host}, which is down; it can be used again when that host is back", row.id, row.state),
+        retry_after: Some(HOST_RETRY_AFTER),
+    }
+}
+
+/// A request any host answers the same (from the database): to a live
+/// one, the next when one does not answer.
+async fn send_anywhere(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<Response, ApiError> {
+    let mut hosts: Vec<HostRow> = state.store.hosts().await?.into_iter().filter(usable).collect();
+    let mut last = None;
+    while !hosts.is_empty() {
+        let host = hosts.swap_remove(rand::random::<usize>() % hosts.len());
+        match connect(&host).await {
+            Ok(sender) => return Ok(exchange(state, &host, sender, outgoing, body, None).await?),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(match last {
+        Some(e) => e.into(),
+        None => ApiError::Unavailable { message: "no host is up".into(), retry_after: Some(HOST_RETRY_AFTER) },
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    /// Nothing was sent.
+    #[error("host {host} at {address} did not answer: {source}")]
+    Connect {
+        host: String,
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("host {host} failed the request: {detail}")]
+    Exchange { host: String, detail: String },
+}
+
+impl From<SendError> for ApiError {
+    fn from(e: SendError) -> Self {
+        ApiError::Unavailable { message: e.to_string(), retry_after: Some(HOST_RETRY_AFTER) }
+    }
+}
+
+/// Sends the request to `host` and streams its answer back (an upgrade:
+/// the two connections are joined).
+async fn send(
+    state: &ReplicaState,
+    host: &HostRow,
+    outgoing: &Outgoing,
+    body: Body,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+) -> Result<Response, SendError> {
+    let sender = connect(host).await?;
+    exchange(state, host, sender, outgoing, body, client_upgrade).await
+}
+
+type HostSender = hyper::client::conn::http1::SendRequest<Body>;
+
+/// A connection to `host`'s API.
+async fn connect(host: &HostRow) -> Result<HostSender, SendError> {
+    let address = host.address.clone().unwrap_or_default();
+    let authority = address.strip_prefix("http://").unwrap_or(&address).trim_end_matches('/').to_string();
+    let stream = tokio::net::TcpStream::connect(&authority).await.map_err(|source| SendError::Connect {
+        host: host.id.clone(),
+        address: address.clone(),
+        source,
+    })?;
+    let _ = stream.set_nodelay(true);
+    let (sender, connection) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
+        .await
+        .map_err(|e| SendError::Exchange { host: host.id.clone(), detail: e.to_string() })?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.with_upgrades().await {
+            tracing::debug!("connection to a host: {e}");
+        }
+    });
+    Ok(sender)
+}
+
+/// The request over a connection to `host`, and its answer.
+async fn exchange(
+    state: &ReplicaState,
+    host: &HostRow,
+    mut sender: HostSender,
+    outgoing: &Outgoing,
+    body: Body,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+) -> Result<Response, SendError> {
+    let exchange = |detail: String| SendError::Exchange { host: host.id.clone(), detail };
+    let request = to_host(state, outgoing, body).map_err(exchange)?;
+    let mut response = sender.send_request(request).await.map_err(|e| exchange(e.to_string()))?;
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client_upgrade) = client_upgrade else {
+            return Err(exchange("it switched protocols without being asked to".into()));
+        };
+        let host_upgrade = hyper::upgrade::on(&mut response);
+        tokio::spawn(join_upgraded(client_upgrade, host_upgrade, state.stopping.clone()));
+        let (parts, _) = response.into_parts();
+        let mut response = Response::from_parts(parts, Body::empty());
+        response.extensions_mut().insert(Proxied);
+        return Ok(response);
+    }
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let mut response = Response::from_parts(parts, Body::new(body));
+    // The host's answer is whole (its errors in the envelope already).
+    response.extensions_mut().insert(Proxied);
+    Ok(response)
+}
+
+/// The request as the host gets it: the user's, with Clade's credentials
+/// replaced by the cluster secret and the caller the replica authenticated.
+fn to_host(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<axum::http::Request<Body>, String> {
+    let parts = &outgoing.parts;
+    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let uri: Uri = path_and_query.parse().map_err(|e| format!("invalid path: {e}"))?;
+    let mut headers: HeaderMap = parts.headers.clone();
+    let upgrade = upgrade_protocol(&headers);
+    strip_hop_by_hop(&mut headers);
+    for name in INTERNAL_HEADERS.iter().chain(&[idempotency::HEADER]) {
+        headers.remove(*name);
+    }
+    if !outgoing.keep_credentials {
+        headers.remove(header::AUTHORIZATION);
+        headers.remove("x-api-key");
+    }
+    let set = |headers: &mut HeaderMap, name: &'static str, value: &str| {
+        if let Ok(value) = HeaderValue::from_str(value) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    };
+    headers.insert(HeaderName::from_static(SECRET_HEADER), state.secret.header_value());
+    if let Some(caller) = &outgoing.caller {
+        set(&mut headers, WORKSPACE_HEADER, &caller.workspace.id);
+        set(&mut headers, KEY_HEADER, &caller.key.id);
+    }
+    if let Some(HeldKey(key)) = &outgoing.held {
+        set(&mut headers, HELD_KEY_HEADER, key);
+    }
+    if let Ok(request_id) = REQUEST_ID.try_with(Clone::clone) {
+        set(&mut headers, REQUEST_ID_HEADER, &request_id);
+    }
+    if let Some(protocol) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, protocol);
+    }
+    let mut request = axum::http::Request::new(body);
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
+/// Copies bytes between the client's and the host's upgraded connections
+/// until either side closes or the replica stops.
+async fn join_upgraded(client: hyper::upgrade::OnUpgrade, host: hyper::upgrade::OnUpgrade, stopping: CancellationToken) {
+    let (client, host) = match tokio::try_join!(client, host) {
+        Ok(both) => both,
+        Err(e) => {
+            tracing::debug!("upgrade through a replica failed: {e}");
+            return;
+        }
+    };
+    let (mut client, mut host) = (TokioIo::new(client), TokioIo::new(host));
+    tokio::select! {
+        outcome = tokio::io::copy_bidirectional(&mut client, &mut host) => {
+            if let Err(e) = outcome {
+                tracing::debug!("upgraded connection through a replica: {e}");
+            }
+        }
+        () = stopping.cancelled() => {}
+    }
+}

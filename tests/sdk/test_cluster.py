@@ -1,0 +1,248 @@
+"""Many hosts, one API (issue 26's acceptance), through the unmodified SDK:
+three `clade host run` agents (data directories and ports of their own) and
+two `clade server --no-vms` replicas on one PostgreSQL this test starts.
+Sandboxes spread over the hosts and are reached through either replica; a
+host killed with SIGKILL loses what it ran (`lost`, within its lease) while
+creates keep succeeding on the others; a replica killed mid-create leaves a
+retry on the other replica with the same Idempotency-Key exactly one sandbox.
+
+The hosts run without sandbox networking: on one machine, hosts would share
+the nftables table and namespace names (each real host is a machine of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+import pandastack
+import pytest
+import requests
+from pandastack import PandastackError
+
+from conftest import BIN, REPO, TEMPLATE, free_port, skip_or_fail, wait_for
+
+SECRET = "sdk-cluster-secret-" + uuid.uuid4().hex
+LEASE_SECONDS = 3
+
+
+class Postgres:
+    """A PostgreSQL of our own on a unix socket, as an unprivileged user."""
+
+    def __init__(self):
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), reverse=True)
+        if not bins:
+            skip_or_fail("PostgreSQL is not installed (scripts/install-host-deps)")
+        self.bin = bins[0].parent
+        self.user = pwd.getpwnam("postgres")
+        self.dir = Path(tempfile.mkdtemp(prefix="clade-sdk-pg-"))
+        os.chown(self.dir, self.user.pw_uid, self.user.pw_gid)
+        self.data = self.dir / "data"
+        self.run("initdb", "-D", str(self.data), "-U", "clade", "-A", "trust", "--no-sync", "-E", "UTF8", "--locale=C")
+        options = f"-k {self.dir} -c listen_addresses='' -c fsync=off -c full_page_writes=off"
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-o", options, "-w", "-t", "60", "start")
+        self.url = f"postgres://clade@localhost/postgres?host={self.dir}"
+
+    def run(self, tool: str, *args: str) -> str:
+        out = subprocess.run(
+            [str(self.bin / tool), *args], user=self.user.pw_uid, group=self.user.pw_gid, cwd=self.dir,
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, f"{tool}: {out.stdout}{out.stderr}"
+        return out.stdout
+
+    def query(self, sql: str) -> List[List[str]]:
+        out = self.run("psql", "-h", str(self.dir), "-U", "clade", "-d", "postgres", "-At", "-F", "\t", "-c", sql)
+        return [line.split("\t") for line in out.splitlines() if line]
+
+    def stop(self):
+        subprocess.run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"],
+                       user=self.user.pw_uid, group=self.user.pw_gid, capture_output=True, timeout=60)
+
+
+class Proc:
+    """A `clade host run` or `clade server --no-vms` process."""
+
+    def __init__(self, name: str, args: List[str], secret_file: Path):
+        self.name = name
+        self.data_dir = Path(tempfile.mkdtemp(prefix=f"clade-sdk-{name}-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = self.data_dir / "process.log"
+        self.env = {**os.environ, "NO_COLOR": "1", "CLADE_CLUSTER_SECRET_FILE": str(secret_file)}
+        guestd = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "clade-guestd"
+        if "CLADE_GUESTD" not in self.env and guestd.is_file():
+            self.env["CLADE_GUESTD"] = str(guestd)
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "Proc":
+        cmd = [str(BIN), *[a.replace("{port}", str(self.port)).replace("{dir}", str(self.data_dir)) for a in self.args]]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True)
+        headers = {"x-clade-cluster-secret": SECRET}
+
+        def healthy():
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
+            try:
+                return requests.get(f"{self.url}/healthz", headers=headers, timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_for(healthy, timeout=120, what=f"{self.name} to answer")
+        return self
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def vm_pids(self) -> List[int]:
+        marker = str(self.data_dir).encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if marker in (entry / "cmdline").read_bytes():
+                        pids.append(int(entry.name))
+                except OSError:
+                    pass
+        return pids
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@pytest.fixture
+def cluster(requirements):
+    pg = Postgres()
+    secret_file = Path(tempfile.mkdtemp(prefix="clade-sdk-secret-")) / "cluster.secret"
+    secret_file.write_text(SECRET + "\n")
+    procs: List[Proc] = []
+
+    def host(name: str) -> Proc:
+        proc = Proc(name, ["host", "--data-dir", "{dir}", "--database-url", pg.url, "run", "--listen", "127.0.0.1:{port}",
+                           "--no-network", "--standby", "0", "--lease-seconds", str(LEASE_SECONDS)], secret_file)
+        procs.append(proc)
+        return proc.start()
+
+    def replica(name: str) -> Proc:
+        proc = Proc(name, ["server", "--no-vms", "--data-dir", "{dir}", "--database-url", pg.url, "--listen",
+                           "127.0.0.1:{port}"], secret_file)
+        procs.append(proc)
+        return proc.start()
+
+    hosts = [host(f"host-{i}") for i in range(3)]
+    replicas = [replica(f"replica-{i}") for i in range(2)]
+    admin_key = (replicas[0].data_dir / "admin.key").read_text().strip()
+    failed = False
+    try:
+        yield pg, hosts, replicas, admin_key
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for proc in procs:
+            proc.kill()
+            for pid in proc.vm_pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        pg.stop()
+        if failed:
+            for proc in procs:
+                print(f"--- {proc.name} ---\n{proc.log_tail()}")
+
+
+def hosts_of(pg: Postgres, ids: List[str]) -> dict:
+    listed = ",".join(f"'{i}'" for i in ids)
+    return dict(pg.query(f"SELECT id, host_id FROM sandboxes WHERE id IN ({listed})"))
+
+
+def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(cluster):
+    pg, hosts, replicas, admin_key = cluster
+    clients = [pandastack.Client(api_key=admin_key, api_url=r.url) for r in replicas]
+    host_ids = {h.name: (h.data_dir / "host.id").read_text().strip() for h in hosts}
+
+    # Twelve creates, alternating replicas, spread over the three hosts.
+    made = [clients[i % 2].sandboxes.create(template=TEMPLATE, metadata={"n": str(i)}) for i in range(12)]
+    placed = hosts_of(pg, [s.id for s in made])
+    per_host = {h: sum(1 for v in placed.values() if v == h) for h in host_ids.values()}
+    print(f"placement: {per_host}")
+    assert all(n >= 2 for n in per_host.values()), per_host
+
+    # Exec and files on each, through both replicas.
+    for sb in made:
+        via_a = clients[0].sandboxes.get(sb.id)
+        via_b = clients[1].sandboxes.get(sb.id)
+        assert via_a.exec(f"echo {sb.id} > /tmp/me && cat /tmp/me").stdout.strip() == sb.id
+        assert via_b.filesystem.read("/tmp/me").decode().strip() == sb.id
+        via_b.filesystem.write("/tmp/from-b", "b")
+        assert via_a.exec("cat /tmp/from-b").stdout == "b"
+
+    # A fork lands on its parent's host and sees its files.
+    child = clients[1].sandboxes.get(made[0].id).fork()
+    assert hosts_of(pg, [child.id])[child.id] == placed[made[0].id]
+    assert child.exec("cat /tmp/me").stdout.strip() == made[0].id
+
+    # SIGKILL one host: within its lease, what it ran is lost; creates keep succeeding.
+    victim = hosts[1]
+    victim_id = host_ids[victim.name]
+    on_victim = [sb.id for sb in made if placed[sb.id] == victim_id]
+    victim.kill()
+    killed_at = time.monotonic()
+    wait_for(lambda: all(clients[0].sandboxes.get(i).status == "lost" for i in on_victim),
+             timeout=LEASE_SECONDS * 4, interval=0.2, what="the dead host's sandboxes to be lost")
+    print(f"lost after {time.monotonic() - killed_at:.1f} s (lease {LEASE_SECONDS} s)")
+    with pytest.raises(PandastackError):
+        clients[1].sandboxes.get(on_victim[0]).exec("true")
+    after = [clients[i % 2].sandboxes.create(template=TEMPLATE) for i in range(3)]
+    assert all(h != victim_id for h in hosts_of(pg, [s.id for s in after]).values())
+    clients[0].sandboxes.get(on_victim[0]).kill()
+
+    # SIGKILL a replica mid-create: the retry on the other, same key, ends with one sandbox.
+    key = str(uuid.uuid4())
+    tag = f"cluster-{key[:8]}"
+    outcome = {}
+
+    def keyed(client):
+        client.session.headers["Idempotency-Key"] = key
+        return client
+
+    def first_attempt():
+        try:
+            outcome["sandbox"] = keyed(pandastack.Client(api_key=admin_key, api_url=replicas[1].url)).sandboxes.create(
+                template=TEMPLATE, metadata={"tag": tag})
+        except PandastackError as e:
+            outcome["error"] = e
+
+    attempt = threading.Thread(target=first_attempt)
+    attempt.start()
+    wait_for(lambda: pg.query(f"SELECT state FROM idempotency_keys WHERE idem_key = '{key}'") == [["pending"]],
+             timeout=60, interval=0.005, what="the create to hold its key")
+    replicas[1].kill()
+    attempt.join(60)
+    started = time.monotonic()
+    retried = keyed(pandastack.Client(api_key=admin_key, api_url=replicas[0].url)).sandboxes.create(
+        template=TEMPLATE, metadata={"tag": tag})
+    print(f"retry answered after {time.monotonic() - started:.1f} s; first attempt: {sorted(outcome)}")
+    tagged = [s.id for s in clients[0].sandboxes.list() if (s.metadata or {}).get("tag") == tag]
+    assert tagged == [retried.id]
+    assert retried.exec("echo once").stdout == "once\n"
+
+    for sb in [*made, *after, child, retried]:
+        if sb.id not in on_victim:
+            clients[0].sandboxes.get(sb.id).kill()
