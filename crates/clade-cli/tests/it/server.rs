@@ -84,5 +84,5 @@ fn server_prints_its_first_key_serves_it_and_accepts_keys_made_meanwhile() {
     let status = server.wait().unwrap();
     assert!(status.success(), "SIGTERM is a clean stop: {status}");
     let listed = hosts();
-    assert_eq!((listed[0]["state"].as_str(), listed[0]["state_reason"].as_str()), (Some("down"), Some("its server stopped")), "{listed}");
+    assert_eq!((listed[0]["state"].as_str(), listed[0]["state_reason"].as_str()), (Some("down"), Some("it stopped")), "{listed}");
 }
