@@ -161,18 +161,7 @@ class CladeServer:
 
     def vm_pids(self) -> List[int]:
         """Processes (QEMU, holders) started for VMs under this data directory."""
-        marker = str(self.data_dir).encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker in cmdline and (self.proc is None or int(entry.name) != self.proc.pid):
-                pids.append(int(entry.name))
-        return pids
+        return processes_under(self.data_dir, self.proc.pid if self.proc else None)
 
     def teardown(self, keep_log: bool) -> None:
         """Deletes the sandboxes, stops the server, kills VMs left behind (by
@@ -198,11 +187,32 @@ class CladeServer:
                 time.sleep(0.5)
 
     def log_tail(self, lines: int = 60) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def processes_under(directory: Path, exclude: Optional[int] = None) -> List[int]:
+    """Processes whose command line names `directory` (a data directory's
+    QEMUs and holders), but this one and `exclude`."""
+    marker = str(directory).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), exclude):
+            continue
         try:
-            text = self.log_path.read_text(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def log_tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
 
 
 _failed = False

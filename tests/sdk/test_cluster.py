@@ -28,7 +28,7 @@ import pytest
 import requests
 from pandastack import PandastackError
 
-from conftest import BIN, REPO, TEMPLATE, free_port, skip_or_fail, wait_for
+from conftest import BIN, REPO, TEMPLATE, free_port, log_tail, processes_under, skip_or_fail, wait_for
 
 SECRET = "sdk-cluster-secret-" + uuid.uuid4().hex
 LEASE_SECONDS = 3
@@ -107,22 +107,10 @@ class Proc:
             self.proc.wait(30)
 
     def vm_pids(self) -> List[int]:
-        marker = str(self.data_dir).encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                try:
-                    if marker in (entry / "cmdline").read_bytes():
-                        pids.append(int(entry.name))
-                except OSError:
-                    pass
-        return pids
+        return processes_under(self.data_dir, self.proc.pid if self.proc else None)
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
 
 @pytest.fixture

@@ -57,42 +57,42 @@ pub struct HostRunArgs {
 }
 
 pub async fn run(command: HostCommand, database_url: Option<String>, host: HostConfig) -> anyhow::Result<ExitCode> {
-    let command = match command {
-        HostCommand::Run(args) => return run_host(args, database_url, host).await,
-        other => other,
-    };
-    let url = database_url.unwrap_or_else(|| Store::default_url(&host.data_dir));
-    let store = Store::open(&url).await?;
+    let url = database_url.clone().unwrap_or_else(|| Store::default_url(&host.data_dir));
+    let open = || Store::open(&url);
     match command {
-        HostCommand::Run(_) => unreachable!("handled above"),
-        HostCommand::Drain { id } => set_state(&store, &id, HostState::Draining, "drained by its operator").await?,
-        HostCommand::Undrain { id } => set_state(&store, &id, HostState::Up, "").await?,
-        HostCommand::Ls { json } => {
-            store.expire_host_leases().await?;
-            let hosts = store.hosts().await?;
-            let now = clade_store::now_ms();
-            if json {
-                crate::output::json(&serde_json::Value::Array(hosts.iter().map(|h| host_json(h, now)).collect()));
-            } else {
-                println!("ID\tNAME\tSTATE\tSANDBOXES\tMEMORY MIB\tLEASE AGE");
-                for h in &hosts {
-                    println!(
-                        "{}\t{}\t{}\t{}/{}\t{}/{}\t{}",
-                        h.id,
-                        h.name,
-                        h.state.as_str(),
-                        h.load.running_vms,
-                        h.capacity_vms,
-                        h.load.used_memory_mb,
-                        h.capacity_memory_mb,
-                        lease_age(h, now)
-                    );
-                }
-            }
-        }
+        HostCommand::Run(args) => return run_host(args, database_url, host).await,
+        HostCommand::Drain { id } => set_state(open().await?, &id, HostState::Draining, "drained by its operator").await?,
+        HostCommand::Undrain { id } => set_state(open().await?, &id, HostState::Up, "").await?,
+        HostCommand::Ls { json } => list(open().await?, json).await?,
     }
-    store.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `clade host ls`.
+async fn list(store: Store, json: bool) -> anyhow::Result<()> {
+    store.expire_host_leases().await?;
+    let hosts = store.hosts().await?;
+    store.close().await;
+    let now = clade_store::now_ms();
+    if json {
+        crate::output::json(&serde_json::Value::Array(hosts.iter().map(|h| host_json(h, now)).collect()));
+        return Ok(());
+    }
+    println!("ID\tNAME\tSTATE\tSANDBOXES\tMEMORY MIB\tLEASE AGE");
+    for h in &hosts {
+        println!(
+            "{}\t{}\t{}\t{}/{}\t{}/{}\t{}",
+            h.id,
+            h.name,
+            h.state.as_str(),
+            h.load.running_vms,
+            h.capacity_vms,
+            h.load.used_memory_mb,
+            h.capacity_memory_mb,
+            lease_age(h, now)
+        );
+    }
+    Ok(())
 }
 
 /// `clade host run`.
@@ -114,12 +114,18 @@ async fn run_host(args: HostRunArgs, database_url: Option<String>, host: HostCon
 
 /// Drains or undrains a host; a down host stays down (it is undrained or
 /// drained when it registers again).
-async fn set_state(store: &Store, id: &str, state: HostState, reason: &str) -> anyhow::Result<()> {
-    let Some(row) = store.host(id).await? else { anyhow::bail!("no host {id} (clade host ls lists them)") };
-    if row.state == HostState::Down {
-        anyhow::bail!("host {id} is down; it can be drained once it runs again");
+async fn set_state(store: Store, id: &str, state: HostState, reason: &str) -> anyhow::Result<()> {
+    let outcome = async {
+        let Some(row) = store.host(id).await? else { anyhow::bail!("no host {id} (clade host ls lists them)") };
+        if row.state == HostState::Down {
+            anyhow::bail!("host {id} is down; it can be drained once it runs again");
+        }
+        store.set_host_state(id, state, (!reason.is_empty()).then_some(reason)).await?;
+        Ok(())
     }
-    store.set_host_state(id, state, (!reason.is_empty()).then_some(reason)).await?;
+    .await;
+    store.close().await;
+    outcome?;
     eprintln!("host {id}: {}", state.as_str());
     Ok(())
 }

@@ -21,6 +21,7 @@ use axum::http::{StatusCode, Uri, Version};
 use axum::response::Response;
 use clade_host::agent::{AgentError, PortStream};
 use hyper_util::rt::TokioIo;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{agent_error, ApiError};
 use crate::http::Proxied;
@@ -116,24 +117,41 @@ pub(crate) async fn forward(state: &AppState, target: Target, rewrite: Rewrite, 
         parts.headers.insert(header::UPGRADE, protocol.clone());
     }
 
-    let mut response = sender
+    let response = sender
         .send_request(axum::http::Request::from_parts(parts, body))
         .await
         .map_err(|e| ApiError::BadGateway(format!("port {} of sandbox {} did not answer: {e}", target.port, target.sandbox_id)))?;
     state.service.touch(&entry);
 
+    let service = state.service.clone();
+    relay(response, client_upgrade, state.stopping.clone(), move || service.touch(&entry))
+        .map_err(|UnaskedUpgrade| ApiError::BadGateway("the sandbox switched protocols without being asked to".into()))
+}
+
+/// An upstream switched protocols though its request asked for no upgrade.
+#[derive(Debug)]
+pub(crate) struct UnaskedUpgrade;
+
+/// An upstream's answer (a sandbox's port, a host's API) as the client's:
+/// its hop-by-hop headers left behind, marked `Proxied` (its status and body
+/// are the upstream's). A `101` joins the client's and the upstream's
+/// upgraded connections byte for byte, until either closes or `stopping`;
+/// `in_use` runs every [`IN_USE_TOUCH`] meanwhile.
+pub(crate) fn relay(
+    mut response: hyper::Response<hyper::body::Incoming>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    stopping: CancellationToken,
+    in_use: impl Fn() + Send + 'static,
+) -> Result<Response, UnaskedUpgrade> {
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-        let Some(client_upgrade) = client_upgrade else {
-            return Err(ApiError::BadGateway("the sandbox switched protocols without being asked to".into()));
-        };
-        let guest_upgrade = hyper::upgrade::on(&mut response);
-        tokio::spawn(join_upgraded(client_upgrade, guest_upgrade, entry, state.clone()));
+        let client_upgrade = client_upgrade.ok_or(UnaskedUpgrade)?;
+        let upstream_upgrade = hyper::upgrade::on(&mut response);
+        tokio::spawn(join_upgraded(client_upgrade, upstream_upgrade, stopping, in_use));
         let (parts, _) = response.into_parts();
         let mut response = Response::from_parts(parts, Body::empty());
         response.extensions_mut().insert(Proxied);
         return Ok(response);
     }
-
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     let mut response = Response::from_parts(parts, Body::new(body));
@@ -141,30 +159,35 @@ pub(crate) async fn forward(state: &AppState, target: Target, rewrite: Rewrite, 
     Ok(response)
 }
 
-/// Copies bytes between the client's and the guest's upgraded connections
-/// until either side closes.
-async fn join_upgraded(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnUpgrade, entry: Arc<Entry>, state: AppState) {
-    let (client, guest) = match tokio::try_join!(client, guest) {
+/// Copies bytes between two upgraded connections until either side closes
+/// or `stopping`, running `in_use` every [`IN_USE_TOUCH`].
+async fn join_upgraded(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    stopping: CancellationToken,
+    in_use: impl Fn(),
+) {
+    let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(both) => both,
         Err(e) => {
-            tracing::debug!(sandbox = %entry.id, "proxied upgrade failed: {e}");
+            tracing::debug!("proxied upgrade failed: {e}");
             return;
         }
     };
-    let (mut client, mut guest) = (TokioIo::new(client), TokioIo::new(guest));
-    let mut in_use = tokio::time::interval(IN_USE_TOUCH);
-    let copy = tokio::io::copy_bidirectional(&mut client, &mut guest);
+    let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
+    let mut touch = tokio::time::interval(IN_USE_TOUCH);
+    let copy = tokio::io::copy_bidirectional(&mut client, &mut upstream);
     tokio::pin!(copy);
     loop {
         tokio::select! {
             outcome = &mut copy => {
                 if let Err(e) = outcome {
-                    tracing::debug!(sandbox = %entry.id, "proxied upgraded connection: {e}");
+                    tracing::debug!("proxied upgraded connection: {e}");
                 }
                 break;
             }
-            _ = in_use.tick() => state.service.touch(&entry),
-            () = state.stopping.cancelled() => break,
+            _ = touch.tick() => in_use(),
+            () = stopping.cancelled() => break,
         }
     }
 }

@@ -48,6 +48,7 @@ use std::time::Duration;
 
 use clade_host::{HostConfig, VmRuntime};
 use clade_store::{Store, StoreError};
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
@@ -177,8 +178,7 @@ pub struct Server {
     addr: SocketAddr,
     admin_key: Option<String>,
     state: AppState,
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    serving: Serving,
     reaper: tokio::task::JoinHandle<()>,
     /// Renews this host's lease.
     lease: tokio::task::JoinHandle<()>,
@@ -219,22 +219,12 @@ impl Server {
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
             cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
         };
-        let listener =
-            tokio::net::TcpListener::bind(config.listen).await.map_err(|source| ServerError::Listen { addr: config.listen, source })?;
-        let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
+        let (listener, addr) = bind(config.listen).await?;
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
-        let app = routes::router(state.clone());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let serving = Serving::start(listener, routes::router(state.clone()));
         tracing::info!(%addr, "clade server listening");
-        Ok(Self { addr, admin_key, state, stop, task, reaper, lease, host_id })
+        Ok(Self { addr, admin_key, state, serving, reaper, lease, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -265,12 +255,7 @@ impl Server {
         self.reaper.abort();
         self.lease.abort();
         self.state.stopping.cancel();
-        let _ = self.stop.send(());
-        match self.task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!("server: {e}"),
-            Err(e) => tracing::error!("server task: {e}"),
-        }
+        self.serving.stop("server").await;
         self.state.service.detach().await;
         self.state.service.end_host_lease(&self.host_id).await;
         self.state.service.runtime().drain_standby();
@@ -285,5 +270,44 @@ impl Server {
         signal.await;
         tracing::info!("shutting down");
         self.shutdown().await;
+    }
+}
+
+/// Binds the listener of a server or replica: it and the address it got.
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
+    let listen = |source| ServerError::Listen { addr, source };
+    let listener = TcpListener::bind(addr).await.map_err(listen)?;
+    let bound = listener.local_addr().map_err(listen)?;
+    Ok((listener, bound))
+}
+
+/// An app being served until it is stopped.
+#[derive(Debug)]
+struct Serving {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Serving {
+    fn start(listener: TcpListener, app: axum::Router) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Self { stop, task }
+    }
+
+    /// Stops accepting requests and waits for those in flight to finish.
+    async fn stop(self, what: &str) {
+        let _ = self.stop.send(());
+        match self.task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("{what}: {e}"),
+            Err(e) => tracing::error!("{what} task: {e}"),
+        }
     }
 }

@@ -33,14 +33,13 @@ use axum::Router;
 use bytes::Bytes;
 use clade_store::{now_ms, HostRow, HostState, SandboxRow, SandboxState, Store};
 use hyper_util::rt::TokioIo;
-use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{authenticate, presents_key, Caller};
 use crate::cluster::{ClusterSecret, HELD_KEY_HEADER, INTERNAL_HEADERS, KEY_HEADER, SECRET_HEADER, WORKSPACE_HEADER};
 use crate::error::{ApiError, REQUEST_ID};
-use crate::forward::{strip_hop_by_hop, upgrade_protocol};
-use crate::http::{content_length, read_body, Proxied, JSON_BODY_LIMIT, REQUEST_ID_HEADER};
+use crate::forward::{relay, strip_hop_by_hop, upgrade_protocol, UnaskedUpgrade};
+use crate::http::{content_length, read_body, JSON_BODY_LIMIT, REQUEST_ID_HEADER};
 use crate::idempotency::{self, HeldKey, Idempotency};
 use crate::metrics::Metrics;
 use crate::preview::Previews;
@@ -84,8 +83,7 @@ pub struct Replica {
     addr: SocketAddr,
     admin_key: Option<String>,
     state: ReplicaState,
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    serving: crate::Serving,
     sweep: tokio::task::JoinHandle<()>,
 }
 
@@ -105,21 +103,11 @@ impl Replica {
             metrics: Arc::default(),
             stopping: CancellationToken::new(),
         };
-        let listener =
-            tokio::net::TcpListener::bind(config.listen).await.map_err(|source| ServerError::Listen { addr: config.listen, source })?;
-        let addr = listener.local_addr().map_err(|source| ServerError::Listen { addr: config.listen, source })?;
-        let app = router(state.clone());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let (listener, addr) = crate::bind(config.listen).await?;
+        let serving = crate::Serving::start(listener, router(state.clone()));
         let sweep = tokio::spawn(sweep_expired_hosts(store));
         tracing::info!(%addr, "clade server (replica, no VMs) listening");
-        Ok(Self { addr, admin_key, state, stop, task, sweep })
+        Ok(Self { addr, admin_key, state, serving, sweep })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -139,12 +127,7 @@ impl Replica {
     pub async fn shutdown(self) {
         self.sweep.abort();
         self.state.stopping.cancel();
-        let _ = self.stop.send(());
-        match self.task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!("replica: {e}"),
-            Err(e) => tracing::error!("replica task: {e}"),
-        }
+        self.serving.stop("replica").await;
         self.state.store.close().await;
     }
 
@@ -213,11 +196,7 @@ async fn metrics(State(state): State<ReplicaState>) -> impl IntoResponse {
 
 /// Counts every response by method, route template and status.
 async fn track(State(state): State<ReplicaState>, request: Request, next: Next) -> Response {
-    let method = request.method().as_str().to_string();
-    let route = request.extensions().get::<MatchedPath>().map_or("other", |m| crate::routes::route_label(m.as_str())).to_string();
-    let response = next.run(request).await;
-    state.metrics.count_request(&method, &route, response.status().as_u16());
-    response
+    crate::routes::counted(&state.metrics, request, next).await
 }
 
 /// A preview host's request goes, as it came, to its sandbox's host.
@@ -399,11 +378,7 @@ async fn without_host(
 fn host_down(row: &SandboxRow) -> ApiError {
     let host = row.host_id.as_deref().unwrap_or("(none)");
     if row.state == SandboxState::Lost {
-        return ApiError::conflict(format!(
-            "sandbox {} is lost ({}): it can be used again if its host comes back, or deleted",
-            row.id,
-            row.state_reason.as_deref().unwrap_or("its host stopped answering")
-        ));
+        return crate::sandbox::lost(&row.id, row.state_reason.as_deref());
     }
     ApiError::Unavailable {
         message: format!("sandbox {} is {} on host {host}, which is down; it can be used again when that host is back", row.id, row.state),
@@ -496,24 +471,10 @@ async fn exchange(
 ) -> Result<Response, SendError> {
     let exchange = |detail: String| SendError::Exchange { host: host.id.clone(), detail };
     let request = to_host(state, outgoing, body).map_err(exchange)?;
-    let mut response = sender.send_request(request).await.map_err(|e| exchange(e.to_string()))?;
-    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-        let Some(client_upgrade) = client_upgrade else {
-            return Err(exchange("it switched protocols without being asked to".into()));
-        };
-        let host_upgrade = hyper::upgrade::on(&mut response);
-        tokio::spawn(join_upgraded(client_upgrade, host_upgrade, state.stopping.clone()));
-        let (parts, _) = response.into_parts();
-        let mut response = Response::from_parts(parts, Body::empty());
-        response.extensions_mut().insert(Proxied);
-        return Ok(response);
-    }
-    let (mut parts, body) = response.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    let mut response = Response::from_parts(parts, Body::new(body));
+    let response = sender.send_request(request).await.map_err(|e| exchange(e.to_string()))?;
     // The host's answer is whole (its errors in the envelope already).
-    response.extensions_mut().insert(Proxied);
-    Ok(response)
+    relay(response, client_upgrade, state.stopping.clone(), || {})
+        .map_err(|UnaskedUpgrade| exchange("it switched protocols without being asked to".into()))
 }
 
 /// The request as the host gets it: the user's, with Clade's credentials
@@ -558,25 +519,4 @@ fn to_host(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<axum
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
     Ok(request)
-}
-
-/// Copies bytes between the client's and the host's upgraded connections
-/// until either side closes or the replica stops.
-async fn join_upgraded(client: hyper::upgrade::OnUpgrade, host: hyper::upgrade::OnUpgrade, stopping: CancellationToken) {
-    let (client, host) = match tokio::try_join!(client, host) {
-        Ok(both) => both,
-        Err(e) => {
-            tracing::debug!("upgrade through a replica failed: {e}");
-            return;
-        }
-    };
-    let (mut client, mut host) = (TokioIo::new(client), TokioIo::new(host));
-    tokio::select! {
-        outcome = tokio::io::copy_bidirectional(&mut client, &mut host) => {
-            if let Err(e) = outcome {
-                tracing::debug!("upgraded connection through a replica: {e}");
-            }
-        }
-        () = stopping.cancelled() => {}
-    }
 }

@@ -191,11 +191,16 @@ impl Store {
         rows.iter().map(SandboxRow::from_row).collect()
     }
 
-    /// The sandboxes of a host in one of `states`, in any workspace
-    /// (start-up recovery). Rows from before hosts (no host) are claimed for
-    /// it first: they were made by the one host there was.
-    pub async fn sandboxes_of_host(&self, host_id: &str, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {
+    /// Gives the rows from before hosts (no host) to `host_id`: they were
+    /// made by the one host there was (start-up recovery, once).
+    pub async fn claim_unhosted_sandboxes(&self, host_id: &str) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET host_id = $1 WHERE host_id IS NULL").bind(host_id).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// The sandboxes of a host in one of `states`, in any workspace
+    /// (recovery, the idle reaper).
+    pub async fn sandboxes_of_host(&self, host_id: &str, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {
         let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE host_id = $1 ORDER BY created_at, id"))
             .bind(host_id)
             .fetch_all(&self.pool)

@@ -122,16 +122,21 @@ pub(crate) const PROXY_DEEP_DOCUMENTED: &str = "/v1/sandboxes/{id}/proxy/{port}/
 /// layers run once it has chosen a route, so the route is the template it
 /// matched (`MatchedPath`); a request that matched none is `other`.
 async fn track(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    counted(state.service.metrics(), request, next).await
+}
+
+/// The response to `request`, counted in `metrics` by its method, route label and status.
+pub(crate) async fn counted(metrics: &crate::metrics::Metrics, request: Request, next: Next) -> Response {
     let method = request.method().as_str().to_string();
     let route = request.extensions().get::<MatchedPath>().map_or("other", |m| route_label(m.as_str())).to_string();
     let response = next.run(request).await;
-    state.service.metrics().count_request(&method, &route, response.status().as_u16());
+    metrics.count_request(&method, &route, response.status().as_u16());
     response
 }
 
 /// The metrics label of a route template: the documented path of the
 /// proxy's extra spellings, `preview` for preview hosts, the template itself otherwise.
-pub(crate) fn route_label(template: &str) -> &str {
+fn route_label(template: &str) -> &str {
     match template {
         PROXY_ROOT_SLASH => "/v1/sandboxes/{id}/proxy/{port}",
         PROXY_DEEP_PATH => PROXY_DEEP_DOCUMENTED,

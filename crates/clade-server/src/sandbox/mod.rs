@@ -375,6 +375,14 @@ pub fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("sandbox {id} not found"))
 }
 
+/// A sandbox whose host stopped answering while it ran (ADR 21).
+pub fn lost(id: &str, reason: Option<&str>) -> ApiError {
+    ApiError::conflict(format!(
+        "sandbox {id} is lost ({}): it can be used again if its host comes back, or deleted",
+        reason.unwrap_or("its host stopped answering")
+    ))
+}
+
 fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
     match state {
         SandboxState::Paused => ApiError::conflict(format!("sandbox {id} is paused: resume it first (POST /v1/sandboxes/{id}/resume)")),
@@ -383,10 +391,7 @@ fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
             reason.unwrap_or("no reason recorded")
         )),
         SandboxState::Creating => ApiError::conflict(format!("sandbox {id} is still being created")),
-        SandboxState::Lost => ApiError::conflict(format!(
-            "sandbox {id} is lost ({}): it can be used again if its host comes back, or deleted",
-            reason.unwrap_or("its host stopped answering")
-        )),
+        SandboxState::Lost => lost(id, reason),
         SandboxState::Deleted => not_found(id),
         SandboxState::Running | SandboxState::Hibernated => {
             ApiError::internal("internal error", format!("sandbox {id} is {state} without a VM"))

@@ -18,6 +18,7 @@ impl SandboxService {
     pub async fn recover(&self) -> Result<(), ApiError> {
         // Lost: this host was presumed dead (or stopped) while it ran them.
         let live = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated, SandboxState::Lost];
+        self.store().claim_unhosted_sandboxes(self.host_id()).await?;
         let rows = self.store().sandboxes_of_host(self.host_id(), &live).await?;
         let failed = self.store().sandboxes_of_host(self.host_id(), &[SandboxState::Failed]).await?;
         let listed = self.runtime().list();
