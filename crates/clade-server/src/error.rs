@@ -143,6 +143,20 @@ impl ApiError {
     }
 }
 
+/// Retry-After when another host of the cluster is down or did not answer.
+pub const HOST_RETRY_AFTER: u32 = 2;
+
+/// Another host's answer: its refusals as it gave them, its faults and
+/// silence as "try again".
+impl From<crate::peer::PeerError> for ApiError {
+    fn from(e: crate::peer::PeerError) -> Self {
+        match e {
+            crate::peer::PeerError::Refused { status, message, .. } if status.is_client_error() => Self::from_status(status, &message),
+            other => Self::Unavailable { message: other.to_string(), retry_after: Some(HOST_RETRY_AFTER) },
+        }
+    }
+}
+
 impl From<clade_store::StoreError> for ApiError {
     fn from(e: clade_store::StoreError) -> Self {
         Self::internal("database error", e)
@@ -206,6 +220,8 @@ pub fn vm_error(what: &str, err: VmError) -> ApiError {
         VmError::InvalidSpec(message) => ApiError::bad_request(message),
         VmError::Unsupported(message) => ApiError::conflict(message),
         VmError::Busy(message) => ApiError::Unavailable { message, retry_after: Some(1) },
+        // What arrived is kept: a retry resumes the transfer.
+        e @ VmError::Transfer(_) => ApiError::Unavailable { message: format!("{what}: {e}"), retry_after: Some(2) },
         other => ApiError::internal(format!("{what} failed"), other),
     }
 }

@@ -32,6 +32,7 @@ mod host_api;
 pub mod http;
 pub mod idempotency;
 pub mod metrics;
+pub mod peer;
 pub mod preview;
 pub mod rate_limit;
 pub mod replica;
@@ -204,7 +205,8 @@ impl Server {
         }
         let runtime = runtime.with_standby(config.sandboxes.standby);
         let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
-        let service = sandbox::SandboxService::new(host_id.clone(), runtime, store.clone(), config.sandboxes.clone());
+        let secret = config.cluster.as_ref().map(|member| member.secret.clone());
+        let service = sandbox::SandboxService::new(host_id.clone(), secret, runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);

@@ -32,25 +32,23 @@ use axum::routing::{any, get};
 use axum::Router;
 use bytes::Bytes;
 use clade_store::{now_ms, HostRow, HostState, SandboxRow, SandboxState, Store};
-use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{authenticate, presents_key, Caller};
 use crate::cluster::{ClusterSecret, HELD_KEY_HEADER, INTERNAL_HEADERS, KEY_HEADER, SECRET_HEADER, WORKSPACE_HEADER};
-use crate::error::{ApiError, REQUEST_ID};
+use crate::error::{ApiError, HOST_RETRY_AFTER, REQUEST_ID};
 use crate::forward::{relay, strip_hop_by_hop, upgrade_protocol, UnaskedUpgrade};
 use crate::http::{content_length, read_body, JSON_BODY_LIMIT, REQUEST_ID_HEADER};
 use crate::idempotency::{self, HeldKey, Idempotency};
 use crate::metrics::Metrics;
+use crate::peer::{connect, HostSender, Peer, PeerError};
 use crate::preview::Previews;
 use crate::rate_limit::RateLimiter;
+use crate::sandbox::reachable;
 use crate::{Limits, ServerError};
 
 /// How often a replica looks for hosts whose lease ran out.
 const EXPIRY_SWEEP: Duration = Duration::from_secs(2);
-
-/// Retry-After when a host is down or did not answer.
-const HOST_RETRY_AFTER: u32 = 2;
 
 /// At most this many hosts are tried for one create.
 const PLACEMENT_TRIES: usize = 8;
@@ -266,10 +264,11 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
         let Some(host) = usable_host_of(&state, &row).await? else {
             return without_host(&state, template, &outgoing, &row, body).await;
         };
+        let host = leave_draining_host(&state, &row, host, !reads_row(template, &outgoing.parts.method)).await;
         return match connect(&host).await {
             Ok(sender) => Ok(exchange(&state, &host, sender, &outgoing, Body::new(body), client_upgrade).await?),
             // Dead before its lease says so: as if it were down.
-            Err(e @ SendError::Connect { .. }) => {
+            Err(e @ PeerError::Connect { .. }) => {
                 tracing::warn!(sandbox = %row.id, "{e}");
                 without_host(&state, template, &outgoing, &row, body).await
             }
@@ -302,7 +301,7 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
         let Some(host) = state.store.place_sandbox(&tried).await? else { break };
         match send(state, &host, outgoing, Body::from(body.clone()), None).await {
             // Nothing was sent: the next host may take it.
-            Err(SendError::Connect { .. }) => tracing::warn!(host = %host.id, "placement: the host did not answer; trying another"),
+            Err(PeerError::Connect { .. }) => tracing::warn!(host = %host.id, "placement: the host did not answer; trying another"),
             Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
                 tracing::info!(host = %host.id, "placement: the host is full; trying another");
             }
@@ -328,7 +327,7 @@ async fn snapshot_host(state: &ReplicaState, workspace_id: &str, snapshot_id: &s
     let Some(host_id) = state.store.host_of_sandbox(&snapshot.sandbox_id).await? else { return Ok(None) };
     let host = state.store.host(&host_id).await?;
     match host {
-        Some(host) if usable(&host) => Ok(Some(host)),
+        Some(host) if reachable(&host) => Ok(Some(host)),
         _ => Err(ApiError::Unavailable {
             message: format!("snapshot {snapshot_id} is kept on host {host_id}, which is down"),
             retry_after: Some(HOST_RETRY_AFTER),
@@ -336,16 +335,10 @@ async fn snapshot_host(state: &ReplicaState, workspace_id: &str, snapshot_id: &s
     }
 }
 
-/// The sandbox's host, if it can be asked.
+/// The sandbox's host, if it can be asked (a draining host still serves its sandboxes).
 async fn usable_host_of(state: &ReplicaState, row: &SandboxRow) -> Result<Option<HostRow>, ApiError> {
     let Some(host_id) = &row.host_id else { return Ok(None) };
-    Ok(state.store.host(host_id).await?.filter(usable))
-}
-
-/// A host that holds its lease and serves an address (draining hosts still
-/// serve their sandboxes).
-fn usable(host: &HostRow) -> bool {
-    host.state != HostState::Down && host.address.is_some() && host.lease_expires_at >= now_ms()
+    Ok(state.store.host(host_id).await?.filter(reachable))
 }
 
 /// A request about a sandbox whose host is down: its row can be read (any
@@ -359,8 +352,7 @@ async fn without_host(
     body: Body,
 ) -> Result<Response, ApiError> {
     let method = &outgoing.parts.method;
-    let reads_row = *method == Method::GET && matches!(template, "/v1/sandboxes/{id}" | "/v1/sandboxes/{id}/events");
-    if reads_row {
+    if *method == Method::GET && matches!(template, "/v1/sandboxes/{id}" | "/v1/sandboxes/{id}/events") {
         return send_anywhere(state, outgoing, body).await;
     }
     if *method == Method::DELETE && template == "/v1/sandboxes/{id}" {
@@ -373,6 +365,39 @@ async fn without_host(
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     Err(host_down(row))
+}
+
+/// Whether a request about a sandbox leaves it as it is (reads its row or
+/// events, deletes it) rather than using it (which wakes it).
+fn reads_row(template: &str, method: &Method) -> bool {
+    (*method == Method::GET && matches!(template, "/v1/sandboxes/{id}" | "/v1/sandboxes/{id}/events"))
+        || (*method == Method::DELETE && template == "/v1/sandboxes/{id}")
+}
+
+/// A hibernated sandbox whose host drains moves before a request `wakes`
+/// it (ADR 22): the host where it lands, or its own when it cannot move
+/// now (it can still be woken there).
+async fn leave_draining_host(state: &ReplicaState, row: &SandboxRow, host: HostRow, wakes: bool) -> HostRow {
+    if !wakes || row.state != SandboxState::Hibernated || host.state != HostState::Draining {
+        return host;
+    }
+    let peer = Peer::new(host.clone(), state.secret.clone());
+    let path = format!("/sandboxes/{}/move", row.id);
+    if let Err(e) = peer.call(Method::POST, &path, Some(&serde_json::json!({}))).await {
+        tracing::info!(sandbox = %row.id, "not moved off its draining host now: {e}");
+    }
+    // Wherever it is now (the host's own drain may have moved it first).
+    let now_on = match state.store.sandbox_by_id(&row.id).await {
+        Ok(Some(row)) => row.host_id,
+        _ => None,
+    };
+    match now_on.filter(|id| *id != host.id) {
+        Some(id) => match state.store.host(&id).await {
+            Ok(Some(target)) if reachable(&target) => target,
+            _ => host,
+        },
+        None => host,
+    }
 }
 
 fn host_down(row: &SandboxRow) -> ApiError {
@@ -389,7 +414,7 @@ fn host_down(row: &SandboxRow) -> ApiError {
 /// A request any host answers the same (from the database): to a live
 /// one, the next when one does not answer.
 async fn send_anywhere(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<Response, ApiError> {
-    let mut hosts: Vec<HostRow> = state.store.hosts().await?.into_iter().filter(usable).collect();
+    let mut hosts: Vec<HostRow> = state.store.hosts().await?.into_iter().filter(reachable).collect();
     let mut last = None;
     while !hosts.is_empty() {
         let host = hosts.swap_remove(rand::random::<usize>() % hosts.len());
@@ -404,26 +429,6 @@ async fn send_anywhere(state: &ReplicaState, outgoing: &Outgoing, body: Body) ->
     })
 }
 
-#[derive(Debug, thiserror::Error)]
-enum SendError {
-    /// Nothing was sent.
-    #[error("host {host} at {address} did not answer: {source}")]
-    Connect {
-        host: String,
-        address: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("host {host} failed the request: {detail}")]
-    Exchange { host: String, detail: String },
-}
-
-impl From<SendError> for ApiError {
-    fn from(e: SendError) -> Self {
-        ApiError::Unavailable { message: e.to_string(), retry_after: Some(HOST_RETRY_AFTER) }
-    }
-}
-
 /// Sends the request to `host` and streams its answer back (an upgrade:
 /// the two connections are joined).
 async fn send(
@@ -432,32 +437,9 @@ async fn send(
     outgoing: &Outgoing,
     body: Body,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-) -> Result<Response, SendError> {
+) -> Result<Response, PeerError> {
     let sender = connect(host).await?;
     exchange(state, host, sender, outgoing, body, client_upgrade).await
-}
-
-type HostSender = hyper::client::conn::http1::SendRequest<Body>;
-
-/// A connection to `host`'s API.
-async fn connect(host: &HostRow) -> Result<HostSender, SendError> {
-    let address = host.address.clone().unwrap_or_default();
-    let authority = address.strip_prefix("http://").unwrap_or(&address).trim_end_matches('/').to_string();
-    let stream = tokio::net::TcpStream::connect(&authority).await.map_err(|source| SendError::Connect {
-        host: host.id.clone(),
-        address: address.clone(),
-        source,
-    })?;
-    let _ = stream.set_nodelay(true);
-    let (sender, connection) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
-        .await
-        .map_err(|e| SendError::Exchange { host: host.id.clone(), detail: e.to_string() })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.with_upgrades().await {
-            tracing::debug!("connection to a host: {e}");
-        }
-    });
-    Ok(sender)
 }
 
 /// The request over a connection to `host`, and its answer.
@@ -468,8 +450,8 @@ async fn exchange(
     outgoing: &Outgoing,
     body: Body,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-) -> Result<Response, SendError> {
-    let exchange = |detail: String| SendError::Exchange { host: host.id.clone(), detail };
+) -> Result<Response, PeerError> {
+    let exchange = |detail: String| PeerError::Exchange { host: host.id.clone(), detail };
     let request = to_host(state, outgoing, body).map_err(exchange)?;
     let response = sender.send_request(request).await.map_err(|e| exchange(e.to_string()))?;
     // The host's answer is whole (its errors in the envelope already).

@@ -198,6 +198,18 @@ impl Store {
         Ok(())
     }
 
+    /// Hands a hibernated sandbox from one host to another (its files are on
+    /// both): false, and nothing changed, unless it is still hibernated on `from`.
+    pub async fn move_sandbox(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
+        let moved = sqlx::query("UPDATE sandboxes SET host_id = $1 WHERE id = $2 AND host_id = $3 AND state = 'hibernated'")
+            .bind(to)
+            .bind(id)
+            .bind(from)
+            .execute(&self.pool)
+            .await?;
+        Ok(moved.rows_affected() == 1)
+    }
+
     /// The sandboxes of a host in one of `states`, in any workspace
     /// (recovery, the idle reaper).
     pub async fn sandboxes_of_host(&self, host_id: &str, states: &[SandboxState]) -> Result<Vec<SandboxRow>, StoreError> {

@@ -36,6 +36,10 @@ pub enum VmError {
     /// QEMU did not do what it was asked (a load, a save, a rehearsal).
     #[error("QEMU: {0}")]
     Vmm(String),
+    /// Files another host was to send did not all arrive (that host, the
+    /// network, a checksum): what arrived is kept for the next try.
+    #[error("moving files between hosts: {0}")]
+    Transfer(String),
     /// A blocking task of the operation ended without an answer (a panic).
     #[error("{what} task")]
     Task {

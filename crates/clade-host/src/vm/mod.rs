@@ -14,7 +14,10 @@
 //! adopt, remove, admission's view of them), `handle` ([`Vm`]: state,
 //! pause, resume, stop), `restore` (QEMU started, saved state put into it,
 //! the post-restore hook), `hibernate`, `snapshot` (snapshots and forks),
-//! `capture` (what a guest wrote), `monitor`, `spec`, `error`; below them
+//! `capture` (what a guest wrote), `import` (templates, snapshots and
+//! hibernated VMs served to and brought from other hosts), `monitor`,
+//! `spec`, `error`; below them `transfer` (a bundle of files moved between
+//! hosts, checksummed and resumable),
 //! `launch` (QEMU's command line and confinement), `record` (`vm.json` and
 //! the sweep), `template`, `standby`, `admission`, `migrate`, `idle`.
 
@@ -24,6 +27,7 @@ mod error;
 mod handle;
 mod hibernate;
 mod idle;
+mod import;
 mod launch;
 mod migrate;
 mod monitor;
@@ -34,15 +38,18 @@ mod snapshot;
 mod spec;
 mod standby;
 pub mod template;
+mod transfer;
 
 pub use crate::process::ProcessId;
 pub use admission::{Admission, AdmissionError};
 pub use idle::translation_cache_kib;
+pub use import::Imported;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};
 pub use migrate::MigrateError;
 pub use record::{runs as vm_runs, stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
 pub use snapshot::SnapshotRecord;
 pub use template::Template;
+pub use transfer::{BundleFile, BundleKind, BundleSource, Manifest, CHUNK as BUNDLE_CHUNK};
 
 pub use error::{FailureKind, VmError, VmFailure};
 pub use handle::Vm;

@@ -65,20 +65,43 @@ impl Template {
 /// What a template was baked for (`template.json`): templates of the same
 /// image name, shape and accelerator supersede each other, the newest bake
 /// winning. (A KVM host where someone runs TCG VMs too keeps both.)
+///
+/// A template brought from another host (see `import`) whose key this host
+/// had already baked under is `imported`: kept while something of that
+/// host's needs it, never the one new VMs are made from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct TemplateMeta {
-    image: String,
-    image_id: String,
+pub(super) struct TemplateMeta {
+    pub(super) image: String,
+    pub(super) image_id: String,
     memory_mb: u32,
     vcpus: u32,
     accel: String,
     baked_unix_ms: u64,
+    /// Tells two bakes of one key apart (their RAM differs): a memory delta
+    /// over one means nothing over the other.
+    #[serde(default)]
+    bake_id: Option<String>,
+    #[serde(default)]
+    pub(super) imported: bool,
 }
 
 impl TemplateMeta {
-    const FILE: &'static str = "template.json";
+    pub(super) const FILE: &'static str = "template.json";
 
-    fn load(dir: &Path) -> Option<Self> {
+    /// Whether `other` is the same bake (whatever the host's name for it).
+    pub(super) fn same_bake(&self, other: &TemplateMeta) -> bool {
+        (&self.image_id, self.baked_unix_ms, &self.bake_id) == (&other.image_id, other.baked_unix_ms, &other.bake_id)
+    }
+
+    /// A short name for the bake, for the key of an imported copy.
+    pub(super) fn bake_name(&self) -> String {
+        match &self.bake_id {
+            Some(id) => id.chars().take(8).collect(),
+            None => format!("{:x}", self.baked_unix_ms),
+        }
+    }
+
+    pub(super) fn load(dir: &Path) -> Option<Self> {
         serde_json::from_slice(&std::fs::read(dir.join(Self::FILE)).ok()?).ok()
     }
 
@@ -125,7 +148,7 @@ impl TemplateLock {
     }
 
     /// Blocks in `spawn_blocking`: a bake holds the lock for seconds.
-    async fn take_async(templates_dir: &Path, key: &str, arg: FlockArg) -> Result<Self, VmError> {
+    pub(super) async fn take_async(templates_dir: &Path, key: &str, arg: FlockArg) -> Result<Self, VmError> {
         let (dir, key) = (templates_dir.to_path_buf(), key.to_string());
         tokio::task::spawn_blocking(move || Self::take(&dir, &key, arg))
             .await
@@ -209,6 +232,8 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
             vcpus,
             accel: runtime.accel.to_string(),
             baked_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            bake_id: Some(super::runtime::hex_id()),
+            imported: false,
         };
         let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Records(format!("template metadata: {e}")))?;
         std::fs::write(staging.join(TemplateMeta::FILE), json).map_err(io_err("writing the template metadata"))
@@ -218,13 +243,7 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
         let _ = std::fs::remove_dir_all(&staging);
         return Err(e);
     }
-    let _ = std::fs::remove_dir_all(&template.dir);
-    std::fs::rename(&staging, &template.dir).map_err(io_err("publishing the template"))?;
-    // The seed overlay names the published disk layer as its backing file.
-    let seed_tmp = template.dir.join("overlay.qcow2.tmp");
-    super::runtime::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp, None).await?;
-    set_read_only(&seed_tmp)?;
-    std::fs::rename(&seed_tmp, template.overlay()).map_err(io_err("publishing the template overlay"))?;
+    publish(&staging, &template).await?;
     tracing::info!(template = %key, image = %image.name, "template baked");
     drop(lock);
     // The new template may supersede others; their removal is not the
@@ -233,6 +252,18 @@ pub(super) async fn ensure(runtime: &VmRuntime, image: &GuestImage, memory_mb: u
     let collector = runtime.clone();
     tokio::task::spawn_blocking(move || collector.collect_templates());
     Ok((template, true))
+}
+
+/// Puts the template made in `staging` in place, then its seed overlay
+/// (which names the published disk layer as its backing file): complete
+/// only then. The caller holds the template's lock.
+pub(super) async fn publish(staging: &Path, template: &Template) -> Result<(), VmError> {
+    let _ = std::fs::remove_dir_all(&template.dir);
+    std::fs::rename(staging, &template.dir).map_err(io_err("publishing the template"))?;
+    let seed_tmp = template.dir.join("overlay.qcow2.tmp");
+    super::runtime::create_overlay(&template.dir.join("disk.qcow2"), "qcow2", &seed_tmp, None).await?;
+    set_read_only(&seed_tmp)?;
+    std::fs::rename(&seed_tmp, template.overlay()).map_err(io_err("publishing the template overlay"))
 }
 
 async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u32, dir: &Path) -> Result<(), VmError> {
@@ -384,12 +415,13 @@ impl VmRuntime {
 }
 
 /// The templates some other one supersedes: all but the newest bake of each
-/// image and shape, and those without metadata (baked by an older Clade,
-/// under an older key scheme).
+/// image and shape, those without metadata (baked by an older Clade, under
+/// an older key scheme), and imported copies of a shape this host has a
+/// bake of its own of.
 fn superseded(templates: &[(String, Option<TemplateMeta>)]) -> Vec<String> {
     let mut newest: HashMap<(&str, u32, u32, &str), (u64, &str)> = HashMap::new();
     for (key, meta) in templates {
-        if let Some(meta) = meta {
+        if let Some(meta) = meta.as_ref().filter(|m| !m.imported) {
             let candidate = (meta.baked_unix_ms, key.as_str());
             let slot = newest.entry(meta.lineage()).or_insert(candidate);
             *slot = (*slot).max(candidate);
@@ -415,7 +447,7 @@ fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     ]
 }
 
-fn set_read_only(path: &Path) -> Result<(), VmError> {
+pub(super) fn set_read_only(path: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)).map_err(io_err(format!("chmod {}", path.display())))
 }
@@ -425,7 +457,16 @@ mod tests {
     use super::*;
 
     fn meta(image: &str, memory_mb: u32, baked_unix_ms: u64) -> Option<TemplateMeta> {
-        Some(TemplateMeta { image: image.into(), image_id: "id".into(), memory_mb, vcpus: 1, accel: "tcg".into(), baked_unix_ms })
+        Some(TemplateMeta {
+            image: image.into(),
+            image_id: "id".into(),
+            memory_mb,
+            vcpus: 1,
+            accel: "tcg".into(),
+            baked_unix_ms,
+            bake_id: None,
+            imported: false,
+        })
     }
 
     #[test]
@@ -438,10 +479,13 @@ mod tests {
             ("python".to_string(), meta("python", 512, 0)),
             ("base-kvm".to_string(), meta("base", 512, 0).map(|m| TemplateMeta { accel: "kvm".into(), ..m })),
             ("pre-metadata".to_string(), None),
+            // Another host's bake, newer than this host's: still not the one used here.
+            ("base-theirs".to_string(), meta("base", 512, 9).map(|m| TemplateMeta { imported: true, ..m })),
+            ("python-theirs".to_string(), meta("python", 1024, 9).map(|m| TemplateMeta { imported: true, ..m })),
         ];
         let mut superseded = superseded(&templates);
         superseded.sort();
-        assert_eq!(superseded, ["base-old", "base-older", "pre-metadata"]);
+        assert_eq!(superseded, ["base-old", "base-older", "base-theirs", "pre-metadata"]);
     }
 
     #[test]

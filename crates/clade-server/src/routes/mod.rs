@@ -6,6 +6,7 @@ pub(crate) mod exec;
 pub(crate) mod exec_stream;
 pub(crate) mod files;
 pub(crate) mod fork;
+mod internal;
 pub(crate) mod lifecycle;
 pub(crate) mod limits;
 pub(crate) mod logs;
@@ -152,6 +153,11 @@ pub fn router(state: AppState) -> Router {
         store: state.store.clone(),
         limiter: state.limiter.clone(),
         routes: Arc::new(idempotency::routes_with_keys(&document)),
+    };
+    // A host of a cluster also answers its peers (ADR 22).
+    let api = match state.cluster {
+        Some(_) => api.merge(internal::router()),
+        None => api,
     };
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))

@@ -62,7 +62,7 @@ fn sort_children<T>(outcomes: Vec<Result<T, ApiError>>, tree: bool) -> Result<(V
 
 /// A child of a fork-tree that did not start: its index among the
 /// requested children (§3.9 `errors`).
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct ChildError {
     pub index: usize,
     /// Why, as the API would have answered it.
@@ -93,7 +93,16 @@ impl SandboxService {
         let entry = self.entry(&workspace.id, id)?;
         self.touch(&entry);
         let parent = self.store().sandbox(&workspace.id, id).await?.ok_or_else(|| not_found(id))?;
-        let _reservation = self.reserve(&workspace.id, params.count).await?;
+        // A draining host takes no new sandboxes; a full one sends them on.
+        if self.draining().await {
+            return self.fork_elsewhere(workspace, &entry, &parent, &params).await;
+        }
+        let _reservation = match self.reserve(&workspace.id, params.count).await {
+            Err(ApiError::Unavailable { .. }) if self.cluster().is_some() => {
+                return self.fork_elsewhere(workspace, &entry, &parent, &params).await;
+            }
+            reserved => reserved?,
+        };
         self.make_running(&entry).await?;
         let slot = entry.slot.write().await;
         let vm = match (slot.state, &slot.vm) {
@@ -103,7 +112,27 @@ impl SandboxService {
         let outcomes =
             vm.fork_each(self.runtime(), params.count, Lifetime::Persistent).await.map_err(|e| vm_error("forking the sandbox", e))?;
         drop(slot);
-        let (vms, errors) = self.keep_children(id, outcomes, params.tree).await?;
+        let forked = self.adopt_children(workspace, &parent, &params, outcomes, started).await?;
+        let ids: Vec<&str> = forked.children.iter().map(|c| c.id.as_str()).collect();
+        let failed: Vec<serde_json::Value> = forked.errors.iter().map(|e| serde_json::json!({ "index": e.index, "err": e.err })).collect();
+        self.record(&entry, "forked", serde_json::json!({ "children": ids, "tree_id": forked.tree_id, "errors": failed })).await;
+        tracing::info!(sandbox = %id, children = forked.children.len(), failed = forked.errors.len(), boot_ms = forked.boot_ms, "sandbox forked");
+        Ok(forked)
+    }
+
+    /// The children of a fork of `parent` made on this host (each VM's
+    /// outcome in order): kept or stopped as [`sort_children`] says, each
+    /// kept one with its row, its place among this host's sandboxes and
+    /// its `created` event. No row without a VM, and no VM without a row.
+    pub(super) async fn adopt_children(
+        &self,
+        workspace: &Workspace,
+        parent: &SandboxRow,
+        params: &ForkParams,
+        outcomes: Vec<Result<Vm, VmError>>,
+        started: Instant,
+    ) -> Result<Forked, ApiError> {
+        let (vms, errors) = self.keep_children(&parent.id, outcomes, params.tree).await?;
         let tree_id = params.tree.then(|| format!("tree-{:016x}", rand::random::<u64>()));
         // `explore()` asks for its orphans to go after `explore_ttl` idle seconds.
         let ttl_seconds = params.metadata.get("explore_ttl").and_then(|t| t.parse::<u64>().ok()).unwrap_or(parent.ttl_seconds);
@@ -176,11 +205,7 @@ impl SandboxService {
             let detail = serde_json::json!({ "template": row.template, "forked_from": parent.id, "tree_id": tree_id, "boot_ms": boot_ms });
             self.record(&child, "created", detail).await;
         }
-        let ids: Vec<&str> = children.iter().map(|c| c.id.as_str()).collect();
-        let failed: Vec<serde_json::Value> = errors.iter().map(|e| serde_json::json!({ "index": e.index, "err": e.err })).collect();
-        self.record(&entry, "forked", serde_json::json!({ "children": ids, "tree_id": tree_id, "errors": failed })).await;
-        tracing::info!(sandbox = %id, children = children.len(), failed = errors.len(), boot_ms, "sandbox forked");
-        Ok(Forked { parent_id: parent.id, tree_id, children, errors, boot_ms, at: now_ms() })
+        Ok(Forked { parent_id: parent.id.clone(), tree_id, children, errors, boot_ms, at: now_ms() })
     }
 
     /// The children a fork keeps, with their index, and why the others

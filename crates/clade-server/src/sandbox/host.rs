@@ -1,9 +1,10 @@
 //! This machine as a host in the database: registered at start with its
 //! capacity, its lease renewed with its load, `down` when the server stops.
 //! Each renewal also marks down the hosts whose leases ran out, so a dead
-//! host is noticed by whichever live one looks first. In one process the
-//! server is the host; the registration is what `clade host ls` shows and
-//! what placement across hosts (issue 26) will read.
+//! host is noticed by whichever live one looks first. A host of a cluster
+//! that is being drained moves its sandboxes away at each renewal
+//! (`moving`). In one process the server is the host; the registration is
+//! what `clade host ls` shows.
 
 use std::path::Path;
 use std::time::Duration;
@@ -74,6 +75,10 @@ impl SandboxService {
         }
         for down in self.store().expire_host_leases().await? {
             tracing::warn!(host = %down, "host marked down: its lease ran out");
+        }
+        if self.draining().await {
+            let service = self.clone();
+            tokio::spawn(async move { service.evacuate().await });
         }
         Ok(())
     }

@@ -16,6 +16,7 @@ mod create;
 mod fork;
 pub mod host;
 mod lifecycle;
+mod moving;
 mod reaper;
 mod recover;
 mod snapshot;
@@ -34,6 +35,7 @@ use tokio::task::AbortHandle;
 pub use capacity::SCHEDULER_RETRY_AFTER;
 pub use create::CreateParams;
 pub use fork::{ChildError, ForkParams, Forked, Promoted};
+pub use moving::{reachable, ForkHere, RemoteFork};
 pub use snapshot::snapshot_not_found;
 
 /// The tag of the VMs this server makes (`VmSpec::tag`): at start-up, a VM
@@ -91,6 +93,10 @@ pub struct SandboxService {
 struct Inner {
     /// This host's id in the database: the host of every sandbox it makes.
     host_id: String,
+    /// A host of a cluster (`clade host`): the secret its peers are asked with.
+    cluster: Option<crate::cluster::ClusterSecret>,
+    /// A drain's pass over this host's sandboxes is under way (`moving`).
+    evacuating: AtomicBool,
     runtime: VmRuntime,
     store: Store,
     settings: SandboxSettings,
@@ -170,10 +176,32 @@ impl Entry {
 }
 
 impl SandboxService {
-    pub fn new(host_id: String, runtime: VmRuntime, store: Store, settings: SandboxSettings) -> Self {
+    /// `cluster`: this host's cluster secret, when it is one of many (`clade host`).
+    pub fn new(
+        host_id: String,
+        cluster: Option<crate::cluster::ClusterSecret>,
+        runtime: VmRuntime,
+        store: Store,
+        settings: SandboxSettings,
+    ) -> Self {
         let capacity = capacity::Capacity::new(&settings);
-        let inner = Inner { host_id, runtime, store, settings, live: Mutex::default(), capacity, metrics: Default::default() };
+        let inner = Inner {
+            host_id,
+            cluster,
+            evacuating: AtomicBool::new(false),
+            runtime,
+            store,
+            settings,
+            live: Mutex::default(),
+            capacity,
+            metrics: Default::default(),
+        };
         Self { inner: Arc::new(inner) }
+    }
+
+    /// The cluster secret, on a host of a cluster.
+    pub fn cluster(&self) -> Option<&crate::cluster::ClusterSecret> {
+        self.inner.cluster.as_ref()
     }
 
     /// This host's id in the database.
@@ -392,6 +420,11 @@ fn not_usable(id: &str, state: SandboxState, reason: Option<&str>) -> ApiError {
         )),
         SandboxState::Creating => ApiError::conflict(format!("sandbox {id} is still being created")),
         SandboxState::Lost => lost(id, reason),
+        // Moved to another host under a request that waited for it: asked again, it goes there.
+        SandboxState::Deleted if reason.is_some() => ApiError::Unavailable {
+            message: format!("sandbox {id} is not on this host any more ({}); try again", reason.unwrap_or_default()),
+            retry_after: Some(1),
+        },
         SandboxState::Deleted => not_found(id),
         SandboxState::Running | SandboxState::Hibernated => {
             ApiError::internal("internal error", format!("sandbox {id} is {state} without a VM"))

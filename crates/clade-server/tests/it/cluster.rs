@@ -116,6 +116,32 @@ async fn a_replica_sends_each_request_to_its_sandboxs_host_and_a_stopped_host_lo
     assert_eq!(store.host_of_sandbox(&child).await.unwrap().as_deref(), Some(host_a.host_id()));
     assert_eq!(api.exec(&child, "cat /tmp/me").await["stdout"].as_str().unwrap().trim(), on_a[0]);
 
+    // While its host drains, a fork lands on another host: the child has
+    // the parent's files and processes, from a snapshot brought over with
+    // the template bake it stands on.
+    let parent = on_a[1].clone();
+    api.exec(&parent, "nohup sleep 4242 >/dev/null 2>&1 &").await;
+    store.set_host_state(host_a.host_id(), clade_store::HostState::Draining, Some("test")).await.unwrap();
+    let fork = api.post(&format!("/v1/sandboxes/{parent}/fork"), json!({})).await.expect(201).json();
+    let far_child = fork["id"].as_str().or(fork["sandbox"]["id"].as_str()).unwrap().to_string();
+    assert_eq!(store.host_of_sandbox(&far_child).await.unwrap().as_deref(), Some(host_b.host_id()), "{fork}");
+    assert_eq!(api.exec(&far_child, "cat /tmp/me").await["stdout"].as_str().unwrap().trim(), parent);
+    let sleeping = api.exec(&far_child, "pgrep -f 'sleep 4242' >/dev/null && echo running").await;
+    assert_eq!(sleeping["stdout"].as_str().unwrap().trim(), "running", "{sleeping}");
+    let events = api.get(&format!("/v1/sandboxes/{parent}/events")).await.expect(200).json();
+    assert!(events.to_string().contains(host_b.host_id()), "the parent's fork event names the child's host: {events}");
+
+    // Hibernated on the draining host, it wakes on the other: same files, same processes.
+    api.post(&format!("/v1/sandboxes/{parent}/hibernate"), json!({})).await.expect(200);
+    let woken = api.exec(&parent, "cat /tmp/me; pgrep -f 'sleep 4242' >/dev/null && echo running").await;
+    assert_eq!(woken["stdout"].as_str().unwrap().split_whitespace().collect::<Vec<_>>(), [parent.as_str(), "running"], "{woken}");
+    assert_eq!(store.host_of_sandbox(&parent).await.unwrap().as_deref(), Some(host_b.host_id()));
+    let moved: Vec<String> = host_a.service().runtime().list().into_iter().map(|(record, _)| record.id).collect();
+    assert!(!moved.contains(&parent), "its old host let its files go: {moved:?}");
+    store.set_host_state(host_a.host_id(), clade_store::HostState::Up, None).await.unwrap();
+    on.get_mut(host_a.host_id()).unwrap().retain(|id| *id != parent);
+    on.get_mut(host_b.host_id()).unwrap().push(parent.clone());
+
     // A keyed create retried through the replica is answered once.
     let keyed = |body| {
         api.send_with(
@@ -154,7 +180,7 @@ async fn a_replica_sends_each_request_to_its_sandboxs_host_and_a_stopped_host_lo
     let left: Vec<String> = host_b.service().runtime().list().into_iter().map(|(record, _)| record.id).collect();
     assert!(!left.contains(&on_b[1]), "the VM deleted while its host was down is gone: {left:?}");
 
-    for id in ids.iter().filter(|id| **id != on_b[1]).chain([&child, &keyed_id, &elsewhere]) {
+    for id in ids.iter().filter(|id| **id != on_b[1]).chain([&child, &far_child, &keyed_id, &elsewhere]) {
         api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
     }
     replica.shutdown().await;
