@@ -2,7 +2,8 @@
 three `clade host run` agents (data directories and ports of their own) and
 two `clade server --no-vms` replicas on one PostgreSQL this test starts.
 Sandboxes spread over the hosts and are reached through either replica; a
-host killed with SIGKILL loses what it ran (`lost`, within its lease) while
+drained host's forks land on other hosts and its hibernated sandboxes wake
+on other hosts, files and processes intact; a host killed with SIGKILL loses what it ran (`lost`, within its lease) while
 creates keep succeeding on the others; a replica killed mid-create leaves a
 retry on the other replica with the same Idempotency-Key exactly one sandbox.
 
@@ -186,6 +187,32 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     assert hosts_of(pg, [child.id])[child.id] == placed[made[0].id]
     assert child.exec("cat /tmp/me").stdout.strip() == made[0].id
 
+    # `clade host drain`: a fork of a sandbox there lands on another host, with
+    # the parent's files and processes; a sandbox hibernated there wakes on another.
+    parent = clients[0].sandboxes.get(made[0].id)
+    parent_host = placed[parent.id]
+    parent.exec("nohup sleep 4242 >/dev/null 2>&1 &")
+    sleeper = clients[0].sandboxes.get(next(s.id for s in made[1:] if placed[s.id] == parent_host))
+    sleeper.exec("nohup sleep 4343 >/dev/null 2>&1 &")
+    host_cli = [str(BIN), "host", "--database-url", pg.url]
+    drained = subprocess.run([*host_cli, "drain", parent_host], capture_output=True, text=True, timeout=60)
+    assert drained.returncode == 0, drained.stderr
+    started = time.monotonic()
+    far = parent.fork()
+    print(f"cross-host fork answered in {time.monotonic() - started:.2f} s")
+    assert hosts_of(pg, [far.id])[far.id] not in (parent_host, None)
+    assert far.exec("cat /tmp/me").stdout.strip() == parent.id
+    assert far.exec("pgrep -f 'sleep 4242' >/dev/null && echo running").stdout == "running\n"
+    clients[1].sandboxes.get(sleeper.id).hibernate()
+    started = time.monotonic()
+    woken = clients[1].sandboxes.get(sleeper.id).exec("cat /tmp/me; pgrep -f 'sleep 4343' >/dev/null && echo running")
+    print(f"wake on another host answered in {time.monotonic() - started:.2f} s")
+    assert woken.stdout.split() == [sleeper.id, "running"]
+    assert hosts_of(pg, [sleeper.id])[sleeper.id] not in (parent_host, None)
+    undrained = subprocess.run([*host_cli, "undrain", parent_host], capture_output=True, text=True, timeout=60)
+    assert undrained.returncode == 0, undrained.stderr
+    placed = hosts_of(pg, [s.id for s in made])
+
     # SIGKILL one host: within its lease, what it ran is lost; creates keep succeeding.
     victim = hosts[1]
     victim_id = host_ids[victim.name]
@@ -231,6 +258,6 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     assert tagged == [retried.id]
     assert retried.exec("echo once").stdout == "once\n"
 
-    for sb in [*made, *after, child, retried]:
+    for sb in [*made, *after, child, far, retried]:
         if sb.id not in on_victim:
             clients[0].sandboxes.get(sb.id).kill()

@@ -20,7 +20,9 @@ pub enum HostCommand {
     /// Run this machine's VMs for the servers of the database (`clade server
     /// --no-vms`), behind the internal API; until SIGINT/SIGTERM.
     Run(HostRunArgs),
-    /// Take no new sandboxes on a host (those it runs stay); kept across its restarts.
+    /// Take no new sandboxes on a host, forks of its sandboxes included (they
+    /// land on other hosts); its persistent and hibernated sandboxes move to
+    /// other hosts (hibernated first); the others end there. Kept across its restarts.
     Drain {
         /// The host's id (`clade host ls`).
         id: String,
