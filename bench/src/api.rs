@@ -268,7 +268,7 @@ impl Api {
     }
 
     /// Runs `echo hi`; its round trip.
-    async fn exec_echo(&self, id: &str) -> anyhow::Result<Duration> {
+    pub(crate) async fn exec_echo(&self, id: &str) -> anyhow::Result<Duration> {
         let start = Instant::now();
         let (status, body) = self.call(Method::POST, &format!("sandboxes/{id}/exec"), Some(json!({ "cmd": "echo hi" }))).await?;
         let elapsed = start.elapsed();
@@ -276,7 +276,7 @@ impl Api {
         Ok(elapsed)
     }
 
-    async fn delete(&self, id: &str) -> anyhow::Result<()> {
+    pub(crate) async fn delete(&self, id: &str) -> anyhow::Result<()> {
         let (status, body) = self.call(Method::DELETE, &format!("sandboxes/{id}"), None).await?;
         anyhow::ensure!(status.is_success(), "delete {id}: HTTP {status}: {body}");
         Ok(())
@@ -294,15 +294,30 @@ pub(crate) struct ServerProcess {
 
 impl ServerProcess {
     pub(crate) async fn start(clade: &Path, data_dir: &Path) -> anyhow::Result<Self> {
+        // Networking has its own benchmark (`net`); here the API's overhead alone.
+        let args = ["server", "--no-network", "--data-dir", "{dir}", "--listen", "127.0.0.1:{port}"];
+        Self::launch(clade, data_dir, &args, &[], "listening on", true).await
+    }
+
+    /// `clade` with `args` (`{dir}`: the data directory, `{port}`: a free
+    /// port) and `env`, ready once its log says `ready` (and, with
+    /// `admin_key`, once the data directory holds the first start's key).
+    pub(crate) async fn launch(
+        clade: &Path,
+        data_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        ready: &str,
+        admin_key: bool,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(clade.exists(), "{} not found: `cargo build --release -p clade-cli` or pass --clade", clade.display());
         std::fs::create_dir_all(data_dir)?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let log = data_dir.join("server.log");
+        let dir = data_dir.display().to_string();
         let child = std::process::Command::new(clade)
-            // Networking has its own benchmark (`net`); here the API's overhead alone.
-            .args(["server", "--no-network", "--data-dir"])
-            .arg(data_dir)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(args.iter().map(|a| a.replace("{dir}", &dir).replace("{port}", &port.to_string())))
+            .envs(env.iter().copied())
             .env_remove("CLADE_DATABASE_URL")
             .env_remove("CLADE_LISTEN")
             .env_remove("CLADE_MAX_RUNNING")
@@ -317,9 +332,12 @@ impl ServerProcess {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Some(status) = server.child.as_mut().and_then(|c| c.try_wait().transpose()).transpose()? {
-                anyhow::bail!("the server exited ({status}): {}", server.log_text());
+                anyhow::bail!("{} exited ({status}): {}", args[0], server.log_text());
             }
-            if server.log_text().contains("listening on") {
+            if server.log_text().contains(ready) {
+                if !admin_key {
+                    return Ok(server);
+                }
                 if let Ok(key) = std::fs::read_to_string(data_dir.join("admin.key")) {
                     server.api.key = key.trim().to_string();
                     return Ok(server);
@@ -327,7 +345,7 @@ impl ServerProcess {
             }
             if Instant::now() > deadline {
                 let _ = server.stop().await;
-                anyhow::bail!("the server did not start within 120 s");
+                anyhow::bail!("{} did not start within 120 s", args[0]);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -6,8 +6,10 @@
 //!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
 //!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
 //!   cargo run --release -p clade-bench -- proxy [--requests 200]
+//!   cargo run --release -p clade-bench -- cluster [--forks 10] [--wakes 5]
 
 mod api;
+mod cluster;
 mod host;
 mod net;
 mod proxy;
@@ -32,6 +34,9 @@ enum Bench {
     /// The HTTP API's overhead: a real `clade server` against clade-host
     /// driven directly, in the same run, as ratios API ÷ host.
     Api(api::ApiArgs),
+    /// Forks and wakes onto another host against the same on one host
+    /// (two `clade host` processes and a replica on PostgreSQL).
+    Cluster(cluster::ClusterArgs),
     /// Namespace preparation rate, create latency with vs without a network,
     /// guest↔server throughput.
     Net(net::NetArgs),
@@ -69,6 +74,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.bench {
             Bench::Api(args) => api::run(args).await,
+            Bench::Cluster(args) => cluster::run(args).await,
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
