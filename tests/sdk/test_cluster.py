@@ -3,7 +3,8 @@ three `clade host run` agents (data directories and ports of their own) and
 two `clade server --no-vms` replicas on one PostgreSQL this test starts.
 Sandboxes spread over the hosts and are reached through either replica; a
 drained host's forks land on other hosts and its hibernated sandboxes wake
-on other hosts, files and processes intact; a host killed with SIGKILL loses what it ran (`lost`, within its lease) while
+on other hosts, files and processes intact; a host killed with SIGKILL has
+its hibernated sandbox woken from the copy another host keeps; a host killed with SIGKILL loses what it ran (`lost`, within its lease) while
 creates keep succeeding on the others; a replica killed mid-create leaves a
 retry on the other replica with the same Idempotency-Key exactly one sandbox.
 
@@ -123,7 +124,8 @@ def cluster(requirements):
 
     def host(name: str) -> Proc:
         proc = Proc(name, ["host", "--data-dir", "{dir}", "--database-url", pg.url, "run", "--listen", "127.0.0.1:{port}",
-                           "--no-network", "--standby", "0", "--lease-seconds", str(LEASE_SECONDS)], secret_file)
+                           "--no-network", "--standby", "0", "--lease-seconds", str(LEASE_SECONDS),
+                           "--replicate-hibernated"], secret_file)
         procs.append(proc)
         return proc.start()
 
@@ -217,6 +219,17 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     victim = hosts[1]
     victim_id = host_ids[victim.name]
     on_victim = [sb.id for sb in made if placed[sb.id] == victim_id]
+    # One of them hibernated first: a copy is kept on another host (--replicate-hibernated).
+    keeper = clients[0].sandboxes.get(on_victim.pop())
+    keeper.exec("nohup sleep 4444 >/dev/null 2>&1 &")
+    keeper.hibernate()
+
+    def copy_holder():
+        rows = pg.query(f"SELECT replica_host_id FROM sandboxes WHERE id = '{keeper.id}'")
+        return rows and rows[0] and rows[0][0] not in ("", victim_id) and rows[0][0]
+
+    wait_for(copy_holder, timeout=60, interval=0.2, what="a copy of the hibernated sandbox on another host")
+    holder = copy_holder()
     victim.kill()
     killed_at = time.monotonic()
     wait_for(lambda: all(clients[0].sandboxes.get(i).status == "lost" for i in on_victim),
@@ -224,6 +237,12 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     print(f"lost after {time.monotonic() - killed_at:.1f} s (lease {LEASE_SECONDS} s)")
     with pytest.raises(PandastackError):
         clients[1].sandboxes.get(on_victim[0]).exec("true")
+    # The hibernated one wakes from its copy on the other host: files and processes.
+    started = time.monotonic()
+    woken = clients[1].sandboxes.get(keeper.id).exec("cat /tmp/me; pgrep -f 'sleep 4444' >/dev/null && echo running")
+    print(f"woken from its copy after its host died in {time.monotonic() - started:.2f} s")
+    assert woken.stdout.split() == [keeper.id, "running"]
+    assert hosts_of(pg, [keeper.id])[keeper.id] == holder
     after = [clients[i % 2].sandboxes.create(template=TEMPLATE) for i in range(3)]
     assert all(h != victim_id for h in hosts_of(pg, [s.id for s in after]).values())
     clients[0].sandboxes.get(on_victim[0]).kill()

@@ -52,6 +52,10 @@ pub struct HostRunArgs {
     /// Env: CLADE_HOST_LEASE_SECONDS.
     #[arg(long, env = "CLADE_HOST_LEASE_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     lease_seconds: u64,
+    /// Copy each sandbox this host hibernates to another host, where it
+    /// can be woken if this one dies. Env: CLADE_REPLICATE_HIBERNATED.
+    #[arg(long, env = "CLADE_REPLICATE_HIBERNATED")]
+    replicate_hibernated: bool,
     #[command(flatten)]
     cluster: ClusterArgs,
     #[command(flatten)]
@@ -106,7 +110,8 @@ async fn run_host(args: HostRunArgs, database_url: Option<String>, host: HostCon
     let mut config = ServerConfig::new(args.listen, host);
     config.database_url = Some(database_url);
     config.host_lease = std::time::Duration::from_secs(args.lease_seconds);
-    config.cluster = Some(HostMembership { secret: args.cluster.secret("clade host run")?, advertise });
+    let secret = args.cluster.secret("clade host run")?;
+    config.cluster = Some(HostMembership { secret, advertise, replicate_hibernated: args.replicate_hibernated });
     args.machine.apply(&mut config, "clade host");
     let server = Server::start(config).await?;
     eprintln!("clade host: {} serving its servers on http://{}", server.host_id(), server.addr());

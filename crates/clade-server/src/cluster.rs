@@ -88,6 +88,9 @@ pub struct HostMembership {
     /// `http://HOST:PORT`, registered in the database for the servers;
     /// `{port}` in it is the port the host listens on.
     pub advertise: String,
+    /// Each sandbox it hibernates is also copied to another host, where it
+    /// can be woken if this one dies (ADR 22).
+    pub replicate_hibernated: bool,
 }
 
 #[cfg(test)]

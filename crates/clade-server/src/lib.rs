@@ -205,8 +205,8 @@ impl Server {
         }
         let runtime = runtime.with_standby(config.sandboxes.standby);
         let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
-        let secret = config.cluster.as_ref().map(|member| member.secret.clone());
-        let service = sandbox::SandboxService::new(host_id.clone(), secret, runtime, store.clone(), config.sandboxes.clone());
+        let service =
+            sandbox::SandboxService::new(host_id.clone(), config.cluster.clone(), runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         service.start_standby();
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);

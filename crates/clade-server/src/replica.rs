@@ -261,10 +261,14 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
         let Some(row) = state.store.sandbox(&workspace_id, &id).await? else {
             return send_anywhere(&state, &outgoing, Body::new(body)).await;
         };
+        let wakes = !reads_row(template, &outgoing.parts.method);
         let Some(host) = usable_host_of(&state, &row).await? else {
-            return without_host(&state, template, &outgoing, &row, body).await;
+            return match take_over_copy(&state, &row, wakes).await {
+                Some(holder) => Ok(send(&state, &holder, &outgoing, Body::new(body), client_upgrade).await?),
+                None => without_host(&state, template, &outgoing, &row, body).await,
+            };
         };
-        let host = leave_draining_host(&state, &row, host, !reads_row(template, &outgoing.parts.method)).await;
+        let host = leave_draining_host(&state, &row, host, wakes).await;
         return match connect(&host).await {
             Ok(sender) => Ok(exchange(&state, &host, sender, &outgoing, Body::new(body), client_upgrade).await?),
             // Dead before its lease says so: as if it were down.
@@ -397,6 +401,25 @@ async fn leave_draining_host(state: &ReplicaState, row: &SandboxRow, host: HostR
             _ => host,
         },
         None => host,
+    }
+}
+
+/// A hibernated sandbox whose host is down, about to be woken, is taken
+/// over by the host that keeps a copy of it, if one does (ADR 22): that host.
+async fn take_over_copy(state: &ReplicaState, row: &SandboxRow, wakes: bool) -> Option<HostRow> {
+    let (Some(from), Some(holder)) = (row.host_id.as_deref(), row.replica_host_id.as_deref()) else { return None };
+    if !wakes || row.state != SandboxState::Hibernated {
+        return None;
+    }
+    let holder = state.store.host(holder).await.ok().flatten().filter(reachable)?;
+    let body = serde_json::json!({ "source_host": from });
+    let peer = Peer::new(holder.clone(), state.secret.clone());
+    match peer.call(Method::POST, &format!("/sandboxes/{}/take-over", row.id), Some(&body)).await {
+        Ok(_) => Some(holder),
+        Err(e) => {
+            tracing::warn!(sandbox = %row.id, "the host that keeps a copy did not take it over: {e}");
+            None
+        }
     }
 }
 

@@ -40,6 +40,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0006_placement.sql"),
         postgres: include_str!("../migrations/postgres/0006_placement.sql"),
     },
+    Migration {
+        version: 7,
+        sqlite: include_str!("../migrations/sqlite/0007_replicas.sql"),
+        postgres: include_str!("../migrations/postgres/0007_replicas.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -71,6 +71,8 @@ pub struct SandboxRow {
     pub preview_auth: bool,
     /// The host whose VM it is (none: a row from before hosts).
     pub host_id: Option<String>,
+    /// The host that keeps a copy of it while it stays hibernated (ADR 22).
+    pub replica_host_id: Option<String>,
 }
 
 /// What a create stores; the rest starts at its defaults.
@@ -96,7 +98,7 @@ pub struct NewSandbox {
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
                        hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot, \
-                       preview_auth, host_id";
+                       preview_auth, host_id, replica_host_id";
 
 impl SandboxRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -121,6 +123,7 @@ impl SandboxRow {
             from_snapshot: col(row, "from_snapshot")?,
             preview_auth: col::<i64>(row, "preview_auth")? != 0,
             host_id: col(row, "host_id")?,
+            replica_host_id: col(row, "replica_host_id")?,
         })
     }
 }
@@ -131,7 +134,7 @@ impl Store {
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({COLUMNS}, idempotency_key) \
-             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14, $15)"
+             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14, NULL, $15)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -168,6 +171,7 @@ impl Store {
             from_snapshot: new.from_snapshot,
             preview_auth: new.preview_auth,
             host_id: Some(new.host_id),
+            replica_host_id: None,
         })
     }
 
@@ -200,14 +204,46 @@ impl Store {
 
     /// Hands a hibernated sandbox from one host to another (its files are on
     /// both): false, and nothing changed, unless it is still hibernated on `from`.
+    /// A copy elsewhere is of the host it left, and is let go.
     pub async fn move_sandbox(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
-        let moved = sqlx::query("UPDATE sandboxes SET host_id = $1 WHERE id = $2 AND host_id = $3 AND state = 'hibernated'")
-            .bind(to)
+        let moved = sqlx::query(
+            "UPDATE sandboxes SET host_id = $1, replica_host_id = NULL WHERE id = $2 AND host_id = $3 AND state = 'hibernated'",
+        )
+        .bind(to)
+        .bind(id)
+        .bind(from)
+        .execute(&self.pool)
+        .await?;
+        Ok(moved.rows_affected() == 1)
+    }
+
+    /// Records that host `replica` keeps a copy of the hibernated sandbox
+    /// `id` of host `host`: false, and nothing recorded, unless it is still
+    /// hibernated there.
+    pub async fn set_sandbox_replica(&self, id: &str, host: &str, replica: &str) -> Result<bool, StoreError> {
+        let set = sqlx::query("UPDATE sandboxes SET replica_host_id = $1 WHERE id = $2 AND host_id = $3 AND state = 'hibernated'")
+            .bind(replica)
             .bind(id)
-            .bind(from)
+            .bind(host)
             .execute(&self.pool)
             .await?;
-        Ok(moved.rows_affected() == 1)
+        Ok(set.rows_affected() == 1)
+    }
+
+    /// Hands a hibernated sandbox whose host `from` is down to the host
+    /// that keeps its copy (`to`): false, and nothing changed, unless that
+    /// copy is still the one recorded.
+    pub async fn take_over_sandbox(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
+        let taken = sqlx::query(
+            "UPDATE sandboxes SET host_id = $1, replica_host_id = NULL \
+             WHERE id = $2 AND host_id = $3 AND replica_host_id = $1 AND state = 'hibernated'",
+        )
+        .bind(to)
+        .bind(id)
+        .bind(from)
+        .execute(&self.pool)
+        .await?;
+        Ok(taken.rows_affected() == 1)
     }
 
     /// The sandboxes of a host in one of `states`, in any workspace
@@ -233,13 +269,17 @@ impl Store {
     }
 
     /// Moves a sandbox to `state`, recording why (or clearing the reason).
+    /// A copy another host keeps is let go unless it stays hibernated.
     pub async fn set_sandbox_state(&self, id: &str, state: SandboxState, reason: Option<&str>) -> Result<(), StoreError> {
-        let updated = sqlx::query("UPDATE sandboxes SET state = $1, state_reason = $2 WHERE id = $3")
-            .bind(state.as_str())
-            .bind(reason)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET state = $1, state_reason = $2, \
+             replica_host_id = CASE WHEN $1 = 'hibernated' THEN replica_host_id ELSE NULL END WHERE id = $3",
+        )
+        .bind(state.as_str())
+        .bind(reason)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
         if updated.rows_affected() == 0 {
             return Err(StoreError::NotFound(format!("sandbox {id}")));
         }

@@ -1,7 +1,11 @@
 //! Templates, snapshots and hibernated VMs from another host (ADR 22):
 //! their bundles served ([`VmRuntime::bundle_manifest`],
 //! [`VmRuntime::bundle_chunk`]) and brought in ([`VmRuntime::import_snapshot`],
-//! [`VmRuntime::import_hibernated`]).
+//! [`VmRuntime::import_hibernated`]). A hibernated VM can also be kept as a
+//! *replica*, a copy another host holds in case its own host dies
+//! (`<data_dir>/replicas/<id>`, [`VmRuntime::import_replica`]): never run
+//! or listed, it keeps what it stands on from being collected, and becomes
+//! this host's VM only when asked ([`VmRuntime::promote_replica`]).
 //!
 //! What a VM stands on comes first: its template's bake (a memory delta is
 //! only good over the RAM it was taken over, so the bake must be the same,
@@ -21,7 +25,7 @@ use super::record::{Phase, VmRecord};
 use super::runtime::VmRuntime;
 use super::snapshot::{SnapshotRecord, SNAPSHOTS_DIR};
 use super::template::{publish, set_read_only, Template, TemplateLock, TemplateMeta};
-use super::transfer::{describe, fetch, imports_dir, read_chunk, valid_id, BundleKind, BundleSource, Manifest};
+use super::transfer::{describe, fetch, imports_dir, read_chunk, valid_id, BundleKind, BundleSource, Manifest, StagingLock};
 use crate::process::ProcessId;
 
 /// The files of each bundle, as served.
@@ -32,6 +36,8 @@ const VM_RECORD: &str = "vm.json";
 const VM_FILES: [&str; 4] = [VM_RECORD, "disk.qcow2", HIBERNATED_STATE, HIBERNATED_MEMORY];
 /// A snapshot being imported: its importer, until what needs it is recorded.
 const IMPORTER: &str = "taker.json";
+/// Under the data directory: copies of other hosts' hibernated VMs.
+pub(super) const REPLICAS_DIR: &str = "replicas";
 
 /// What an import holds until the VMs it was for are recorded: the
 /// snapshot layers it brought, which the collector must leave alone until then.
@@ -112,11 +118,76 @@ impl VmRuntime {
     /// Brings the hibernated VM `id` from `source`: here it is hibernated,
     /// with the same disk, memory and processes, for [`VmRuntime::wake`].
     /// The source keeps its copy; removing it is the caller's decision.
-    pub async fn import_hibernated<S: BundleSource>(&self, source: &S, id: &str) -> Result<(), VmError> {
+    pub async fn import_hibernated<S: BundleSource>(&self, source: &S, id: &str) -> Result<Manifest, VmError> {
+        self.import_hibernated_into(source, id, &self.vms_dir).await
+    }
+
+    /// Keeps a copy of the hibernated VM `id` of `source` as a replica;
+    /// returns the manifest it was made from (the caller checks it is still
+    /// the source's: a VM woken and hibernated again meanwhile is another).
+    pub async fn import_replica<S: BundleSource>(&self, source: &S, id: &str) -> Result<Manifest, VmError> {
+        let replicas = self.replicas_dir();
+        std::fs::create_dir_all(&replicas).map_err(io_err("creating the replicas directory"))?;
+        let _ = std::fs::remove_dir_all(replicas.join(id));
+        self.import_hibernated_into(source, id, &replicas).await
+    }
+
+    /// Makes the replica `id` this host's hibernated VM (its host died).
+    pub fn promote_replica(&self, id: &str) -> Result<(), VmError> {
+        let from = self.replica_dir(id)?;
+        let mut record = VmRecord::load(&from).ok_or_else(|| VmError::NotFound(id.to_string()))?;
+        record.owner = ProcessId::current();
+        record.save_durably(&from).map_err(io_err("writing the VM record"))?;
+        let to = self.vms_dir.join(id);
+        if to.exists() {
+            return Err(VmError::Unsupported(format!("VM {id} is already on this host")));
+        }
+        std::fs::rename(&from, &to).map_err(io_err("promoting the replica"))
+    }
+
+    /// Removes the replica `id`, and what only it needed.
+    pub fn drop_replica(&self, id: &str) {
+        if let Ok(dir) = self.replica_dir(id) {
+            let _ = std::fs::remove_dir_all(dir);
+            self.collect_layers();
+        }
+    }
+
+    /// The ids of the replicas this host keeps.
+    pub fn replicas(&self) -> Vec<String> {
+        std::fs::read_dir(self.replicas_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// The records of the replicas this host keeps (what they stand on is in use).
+    pub(super) fn replica_records(&self) -> Vec<VmRecord> {
+        std::fs::read_dir(self.replicas_dir()).into_iter().flatten().flatten().filter_map(|e| VmRecord::load(&e.path())).collect()
+    }
+
+    fn replicas_dir(&self) -> PathBuf {
+        self.config.data_dir.join(REPLICAS_DIR)
+    }
+
+    fn replica_dir(&self, id: &str) -> Result<PathBuf, VmError> {
+        let dir = self.replicas_dir().join(id);
+        match valid_id(id) && dir.is_dir() {
+            true => Ok(dir),
+            false => Err(VmError::NotFound(id.to_string())),
+        }
+    }
+
+    async fn import_hibernated_into<S: BundleSource>(&self, source: &S, id: &str, parent: &Path) -> Result<Manifest, VmError> {
         if !valid_id(id) {
             return Err(VmError::InvalidSpec(format!("{id:?} is not a VM id")));
         }
-        let dir = self.vms_dir.join(id);
+        let dir = parent.join(id);
+        let area = parent.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let staging = imports_dir(&self.config.data_dir).join(format!("{area}-{id}"));
+        let _staging = StagingLock::take(&staging).await?;
         if dir.exists() {
             return Err(VmError::Unsupported(format!("VM {id} is already on this host")));
         }
@@ -130,7 +201,6 @@ impl VmRuntime {
             if let Some(backing) = record.backing_snapshot.clone() {
                 Box::pin(self.import_snapshot_into(source, &backing, false, &mut held)).await?;
             }
-            let staging = imports_dir(&self.config.data_dir).join(format!("vm-{id}"));
             let names: Vec<&str> = VM_FILES.into_iter().filter(|name| manifest.file(name).is_some()).collect();
             fetch(source, &manifest, &names, &staging).await?;
             let below = self.layer_below(record.backing_snapshot.as_deref(), &template);
@@ -146,7 +216,7 @@ impl VmRuntime {
         }
         .await;
         held.finish();
-        brought
+        brought.map(|()| manifest)
     }
 
     /// [`Self::import_snapshot`], or (`restorable` false) only the disk
@@ -162,6 +232,8 @@ impl VmRuntime {
             return Err(VmError::InvalidSpec(format!("{id:?} is not a snapshot id")));
         }
         let dir = self.snapshots_dir().join(id);
+        let staging = imports_dir(&self.config.data_dir).join(format!("snapshot-{id}"));
+        let _staging = StagingLock::take(&staging).await?;
         if let Some(local) = SnapshotRecord::load(&dir) {
             // Its layer is here already (what it stands on with it).
             if !restorable || (!local.deleted && dir.join("state").is_file()) {
@@ -176,7 +248,6 @@ impl VmRuntime {
         if let Some(backing) = record.backing_snapshot.clone() {
             Box::pin(self.import_snapshot_into(source, &backing, false, imported)).await?;
         }
-        let staging = imports_dir(&self.config.data_dir).join(format!("snapshot-{id}"));
         let names: &[&str] = if restorable { &["disk.qcow2", "state", "memory"] } else { &["disk.qcow2"] };
         fetch(source, &manifest, names, &staging).await?;
         let below = self.layer_below(record.backing_snapshot.as_deref(), &template);

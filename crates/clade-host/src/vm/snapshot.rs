@@ -318,6 +318,7 @@ impl VmRuntime {
             .map(|e| (e.path(), SnapshotRecord::load(&e.path())))
             .collect();
         let mut needed: Vec<String> = self.list().into_iter().filter_map(|(r, _)| r.backing_snapshot).collect();
+        needed.extend(self.replica_records().into_iter().filter_map(|r| r.backing_snapshot));
         needed.extend(records.iter().filter_map(|(_, r)| r.as_ref()?.backing_snapshot.clone()));
         let mut removed = 0;
         for (dir, record) in &records {

@@ -405,12 +405,13 @@ impl VmRuntime {
         removed
     }
 
-    /// Every template key a VM or snapshot record on this host names.
+    /// Every template key a VM, replica or snapshot record on this host names.
     fn templates_in_use(&self) -> HashSet<String> {
         let vms =
             std::fs::read_dir(&self.vms_dir).into_iter().flatten().flatten().filter_map(|e| super::VmRecord::load(&e.path())?.template);
+        let replicas = self.replica_records().into_iter().filter_map(|r| r.template);
         let snapshots = self.snapshots_all_records().into_iter().map(|s| s.template);
-        vms.chain(snapshots).collect()
+        vms.chain(replicas).chain(snapshots).collect()
     }
 }
 

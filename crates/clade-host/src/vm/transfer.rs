@@ -273,6 +273,29 @@ async fn read_with_retries<S: BundleSource>(
     )))
 }
 
+/// One importer at a time per staging directory (across processes too):
+/// two imports of one snapshot, or a move and a copy of one VM, would
+/// write the same files.
+pub(super) struct StagingLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl StagingLock {
+    pub(super) async fn take(staging: &Path) -> Result<Self, VmError> {
+        let path = staging.with_extension("lock");
+        let taken = tokio::task::spawn_blocking(move || {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
+            nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, e)| std::io::Error::from(e))
+        })
+        .await
+        .map_err(task_err("staging lock"))?;
+        Ok(Self { _lock: taken.map_err(io_err("locking the staging directory"))? })
+    }
+}
+
 /// Where the bundles fetched from other hosts are staged, under the data directory.
 pub(super) fn imports_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("imports")

@@ -24,6 +24,8 @@ pub fn router() -> Router<AppState> {
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/fork-here"), post(fork_here))
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/adopt"), post(adopt))
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/move"), post(move_away))
+        .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/replica"), post(keep_replica))
+        .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/take-over"), post(take_over))
 }
 
 fn kind(name: &str) -> Result<BundleKind, ApiError> {
@@ -69,6 +71,7 @@ async fn fork_here(
     Ok(Json(state.service.fork_here(&id, request).await?))
 }
 
+/// Which host has the sandbox (or had it: a take-over).
 #[derive(Debug, Deserialize)]
 struct Adopt {
     source_host: String,
@@ -76,6 +79,18 @@ struct Adopt {
 
 async fn adopt(State(state): State<AppState>, Path(id): Path<String>, Json(request): Json<Adopt>) -> Result<StatusCode, ApiError> {
     state.service.adopt_moved(&id, &request.source_host).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Keep a copy of a hibernated sandbox of `source_host`.
+async fn keep_replica(State(state): State<AppState>, Path(id): Path<String>, Json(request): Json<Adopt>) -> Result<StatusCode, ApiError> {
+    state.service.keep_replica(&id, &request.source_host).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Take over a hibernated sandbox of the dead `source_host` from the copy kept here.
+async fn take_over(State(state): State<AppState>, Path(id): Path<String>, Json(request): Json<Adopt>) -> Result<StatusCode, ApiError> {
+    state.service.take_over(&id, &request.source_host).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -80,6 +80,9 @@ impl SandboxService {
             let service = self.clone();
             tokio::spawn(async move { service.evacuate().await });
         }
+        if self.cluster().is_some() {
+            self.prune_replicas().await;
+        }
         Ok(())
     }
 

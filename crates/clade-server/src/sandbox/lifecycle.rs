@@ -62,6 +62,7 @@ impl SandboxService {
             let mut slot = entry.slot.write().await;
             if service.hibernate_locked(&entry, &mut slot).await? {
                 drop(slot);
+                service.replicate_in_background(&entry.id);
                 service.record(&entry, "hibernated", serde_json::json!({})).await;
             }
             Ok(())

@@ -93,8 +93,11 @@ pub struct SandboxService {
 struct Inner {
     /// This host's id in the database: the host of every sandbox it makes.
     host_id: String,
-    /// A host of a cluster (`clade host`): the secret its peers are asked with.
-    cluster: Option<crate::cluster::ClusterSecret>,
+    /// A host of a cluster (`clade host`): the secret its peers are asked
+    /// with, and whether it keeps copies of what it hibernates on them.
+    cluster: Option<crate::cluster::HostMembership>,
+    /// Replicas being made here, not to be pruned before they are recorded (`moving`).
+    replicating: Mutex<std::collections::HashSet<String>>,
     /// A drain's pass over this host's sandboxes is under way (`moving`).
     evacuating: AtomicBool,
     runtime: VmRuntime,
@@ -176,10 +179,10 @@ impl Entry {
 }
 
 impl SandboxService {
-    /// `cluster`: this host's cluster secret, when it is one of many (`clade host`).
+    /// `cluster`: this host's membership, when it is one of many (`clade host`).
     pub fn new(
         host_id: String,
-        cluster: Option<crate::cluster::ClusterSecret>,
+        cluster: Option<crate::cluster::HostMembership>,
         runtime: VmRuntime,
         store: Store,
         settings: SandboxSettings,
@@ -188,6 +191,7 @@ impl SandboxService {
         let inner = Inner {
             host_id,
             cluster,
+            replicating: Mutex::default(),
             evacuating: AtomicBool::new(false),
             runtime,
             store,
@@ -201,7 +205,7 @@ impl SandboxService {
 
     /// The cluster secret, on a host of a cluster.
     pub fn cluster(&self) -> Option<&crate::cluster::ClusterSecret> {
-        self.inner.cluster.as_ref()
+        self.inner.cluster.as_ref().map(|member| &member.secret)
     }
 
     /// This host's id in the database.

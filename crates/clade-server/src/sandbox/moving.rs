@@ -9,13 +9,18 @@
 //! it lacks from the one that has it (`peer`, `clade_host::vm::import`);
 //! the row changes host in one conditional update, so a sandbox is never
 //! on two hosts' books.
+//!
+//! A host started with `--replicate-hibernated` also has each sandbox it
+//! hibernates copied to another host (a *replica*, recorded in the row as
+//! long as the sandbox stays hibernated as copied). If its host dies, the
+//! copy's host takes the sandbox over when a request would wake it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::http::{Method, StatusCode};
-use clade_host::vm::Watchdog;
+use clade_host::vm::{BundleKind, BundleSource, Watchdog};
 use clade_host::Lifetime;
 use clade_store::{now_ms, HostRow, HostState, SandboxRow, SandboxState, Workspace};
 use serde::{Deserialize, Serialize};
@@ -274,6 +279,125 @@ impl SandboxService {
             Err(e) => tracing::warn!("draining: listing this host's sandboxes: {}", chain(&e)),
         }
         self.inner.evacuating.store(false, Ordering::Release);
+    }
+}
+
+impl SandboxService {
+    /// After a hibernation, on a host that keeps copies: one is made on
+    /// another host, in the background (a failure is logged: the sandbox
+    /// is hibernated either way).
+    pub(super) fn replicate_in_background(&self, id: &str) {
+        if !self.inner.cluster.as_ref().is_some_and(|member| member.replicate_hibernated) {
+            return;
+        }
+        let (service, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            match service.replicate(&id).await {
+                Ok(host) => tracing::info!(sandbox = %id, %host, "a copy of the hibernated sandbox is kept on another host"),
+                Err(e) => tracing::warn!(sandbox = %id, "no copy of the hibernated sandbox was made: {e}"),
+            }
+        });
+    }
+
+    /// Has another host (up, the least loaded first) copy hibernated sandbox `id`.
+    async fn replicate(&self, id: &str) -> Result<String, ApiError> {
+        let secret = self.secret()?.clone();
+        let mut hosts: Vec<HostRow> = self
+            .store()
+            .hosts()
+            .await?
+            .into_iter()
+            .filter(|h| h.id != self.host_id() && h.state == HostState::Up && reachable(h))
+            .collect();
+        hosts.sort_by_key(|h| h.load.running_vms);
+        let body = serde_json::json!({ "source_host": self.host_id() });
+        for host in hosts.into_iter().take(TARGET_TRIES) {
+            let host_id = host.id.clone();
+            match Peer::new(host, secret.clone()).call(Method::POST, &format!("/sandboxes/{id}/replica"), Some(&body)).await {
+                Ok(_) => return Ok(host_id),
+                Err(e @ PeerError::Connect { .. }) => tracing::warn!(sandbox = %id, "{e}; trying another host"),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Unavailable { message: "no other host is up to keep a copy".into(), retry_after: Some(HOST_RETRY_AFTER) })
+    }
+
+    /// Keeps a copy of hibernated sandbox `id` of host `source_host`, and
+    /// records it in its row if it is still hibernated as copied.
+    pub async fn keep_replica(&self, id: &str, source_host: &str) -> Result<(), ApiError> {
+        let (id, source_host) = (id.to_string(), source_host.to_string());
+        self.run_to_end(move |service| async move {
+            service.inner.replicating.lock().expect("replicating lock").insert(id.clone());
+            let kept = service.keep_replica_task(&id, &source_host).await;
+            service.inner.replicating.lock().expect("replicating lock").remove(&id);
+            kept
+        })
+        .await
+    }
+
+    async fn keep_replica_task(&self, id: &str, source_host: &str) -> Result<(), ApiError> {
+        let row = self.store().sandbox_by_id(id).await?.ok_or_else(|| not_found(id))?;
+        if row.host_id.as_deref() != Some(source_host) || row.state != SandboxState::Hibernated {
+            return Err(ApiError::conflict(format!("sandbox {id} is not hibernated on host {source_host}")));
+        }
+        let peer = self.peer(source_host).await?;
+        let copied = self.runtime().import_replica(&peer, id).await.map_err(|e| vm_error("copying the hibernated sandbox", e))?;
+        // Woken (and maybe hibernated again) while it was copied: another state.
+        let unchanged = peer.manifest(BundleKind::Vm, id).await.is_ok_and(|now| now == copied);
+        if !unchanged || !self.store().set_sandbox_replica(id, source_host, self.host_id()).await? {
+            self.runtime().drop_replica(id);
+            return Err(ApiError::conflict(format!("sandbox {id} changed while it was being copied; no copy is kept")));
+        }
+        Ok(())
+    }
+
+    /// Takes over hibernated sandbox `id` from its dead host `from`, from
+    /// the copy this host keeps: it is this host's from now on.
+    pub async fn take_over(&self, id: &str, from: &str) -> Result<(), ApiError> {
+        let (id, from) = (id.to_string(), from.to_string());
+        self.run_to_end(move |service| async move { service.take_over_task(&id, &from).await }).await
+    }
+
+    async fn take_over_task(&self, id: &str, from: &str) -> Result<(), ApiError> {
+        let row = self.store().sandbox_by_id(id).await?.ok_or_else(|| not_found(id))?;
+        let copy_is_ours = row.replica_host_id.as_deref() == Some(self.host_id());
+        if row.host_id.as_deref() != Some(from) || row.state != SandboxState::Hibernated || !copy_is_ours {
+            return Err(ApiError::conflict(format!("this host keeps no copy of sandbox {id} as hibernated on host {from}")));
+        }
+        // Never two hosts with one sandbox: only when its own host is gone.
+        if self.store().host(from).await?.is_some_and(|h| reachable(&h)) {
+            return Err(ApiError::conflict(format!("sandbox {id}'s host {from} is up: it is woken there")));
+        }
+        self.runtime().promote_replica(id).map_err(|e| vm_error("taking over the copy", e))?;
+        if !self.store().take_over_sandbox(id, from, self.host_id()).await? {
+            let _ = self.runtime().remove(id).await;
+            return Err(ApiError::conflict(format!("sandbox {id} changed while it was being taken over")));
+        }
+        let slot = Slot { state: SandboxState::Hibernated, reason: None, vm: None, watcher: None };
+        let entry = Entry::new(&row.id, &row.workspace_id, slot, row.last_activity_at);
+        self.insert(entry.clone());
+        self.record(&entry, "taken_over", serde_json::json!({ "from": from, "to": self.host_id() })).await;
+        tracing::info!(sandbox = %id, %from, "took over a hibernated sandbox of a dead host from its copy");
+        Ok(())
+    }
+
+    /// Removes the copies this host keeps that their rows no longer name
+    /// (woken, moved, deleted), but for those being made.
+    pub(super) async fn prune_replicas(&self) {
+        for id in self.runtime().replicas() {
+            if self.inner.replicating.lock().expect("replicating lock").contains(&id) {
+                continue;
+            }
+            let keep = match self.store().sandbox_by_id(&id).await {
+                Ok(Some(row)) => row.state == SandboxState::Hibernated && row.replica_host_id.as_deref() == Some(self.host_id()),
+                Ok(None) => false,
+                Err(_) => true,
+            };
+            if !keep {
+                self.runtime().drop_replica(&id);
+                tracing::info!(sandbox = %id, "let go of a copy that is not needed any more");
+            }
+        }
     }
 }
 

@@ -93,6 +93,9 @@ impl SandboxService {
         };
         match outcome {
             Ok(true) => {
+                if action == Reap::Hibernate {
+                    self.replicate_in_background(&entry.id);
+                }
                 tracing::info!(sandbox = %entry.id, idle_seconds, action = action_name, "reaped an idle sandbox");
                 let detail = serde_json::json!({ "action": action_name, "idle_seconds": idle_seconds, limit_name: limit });
                 self.record(entry, "reaped", detail).await;

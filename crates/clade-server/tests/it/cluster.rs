@@ -37,7 +37,11 @@ async fn start_host(base: &HostConfig, data_dir: &Path, database_url: &str) -> S
     config.database_url = Some(database_url.to_string());
     config.host_lease = Duration::from_millis(1500);
     config.sandboxes.standby = 0;
-    config.cluster = Some(HostMembership { secret: ClusterSecret::new(SECRET).unwrap(), advertise: "http://127.0.0.1:{port}".into() });
+    config.cluster = Some(HostMembership {
+        secret: ClusterSecret::new(SECRET).unwrap(),
+        advertise: "http://127.0.0.1:{port}".into(),
+        replicate_hibernated: true,
+    });
     Server::start(config).await.expect("host starts")
 }
 
