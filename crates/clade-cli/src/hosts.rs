@@ -156,5 +156,6 @@ fn host_json(host: &HostRow, now: i64) -> serde_json::Value {
         "lease_age_ms": (now - host.heartbeat_at).max(0),
         "lease_expires_at": crate::output::utc_time(host.lease_expires_at),
         "started_at": crate::output::utc_time(host.started_at),
+        "templates": host.templates,
     })
 }

@@ -137,6 +137,7 @@ mod tests {
             started_at: 0,
             heartbeat_at: 1_000,
             lease_expires_at: 16_000,
+            templates: vec!["base".into()],
         };
         let text = render_hosts(&[host], 3_500);
         assert!(text.contains("clade_host_up{host=\"host_1\",name=\"rack\\\"7\"} 1\n"), "{text}");

@@ -293,16 +293,18 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
 async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<Response, ApiError> {
     let body = read_body(body, content_length(&outgoing.parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
     let workspace_id = outgoing.caller.as_ref().map(|c| c.workspace.id.as_str()).unwrap_or_default();
-    if let Some(snapshot) = from_snapshot(&body) {
+    if let Some(snapshot) = json_field(&body, "from_snapshot") {
         if let Some(host) = snapshot_host(state, workspace_id, &snapshot).await? {
             return Ok(send(state, &host, outgoing, Body::from(body), None).await?);
         }
         // An unknown snapshot: any host answers 404 as it would.
         return send_anywhere(state, outgoing, Body::from(body)).await;
     }
+    // A host that has baked the template already first.
+    let template = json_field(&body, "template");
     let mut tried = Vec::new();
     while tried.len() < PLACEMENT_TRIES {
-        let Some(host) = state.store.place_sandbox(&tried).await? else { break };
+        let Some(host) = state.store.place_sandbox(&tried, template.as_deref()).await? else { break };
         match send(state, &host, outgoing, Body::from(body.clone()), None).await {
             // Nothing was sent: the next host may take it.
             Err(PeerError::Connect { .. }) => tracing::warn!(host = %host.id, "placement: the host did not answer; trying another"),
@@ -319,10 +321,10 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
     })
 }
 
-/// The snapshot named by a create's body, if any.
-fn from_snapshot(body: &Bytes) -> Option<String> {
+/// A string field of a create's body (`from_snapshot`, `template`), if any.
+fn json_field(body: &Bytes, name: &str) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    value.get("from_snapshot")?.as_str().filter(|s| !s.is_empty()).map(str::to_string)
+    value.get(name)?.as_str().filter(|s| !s.is_empty()).map(str::to_string)
 }
 
 /// The live host of the sandbox a snapshot was taken of.

@@ -63,10 +63,12 @@ pub struct HostRow {
     pub started_at: UnixMillis,
     pub heartbeat_at: UnixMillis,
     pub lease_expires_at: UnixMillis,
+    /// What it holds of templates: image names baked, `bake:ID` of each bake.
+    pub templates: Vec<String>,
 }
 
 const COLUMNS: &str = "id, name, address, state, state_reason, capacity_vms, capacity_memory_mb, running_vms, used_memory_mb, \
-                       started_at, heartbeat_at, lease_expires_at";
+                       started_at, heartbeat_at, lease_expires_at, templates";
 
 impl HostRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -84,6 +86,7 @@ impl HostRow {
             started_at: col(row, "started_at")?,
             heartbeat_at: col(row, "heartbeat_at")?,
             lease_expires_at: col(row, "lease_expires_at")?,
+            templates: col::<String>(row, "templates")?.split_whitespace().map(str::to_string).collect(),
         })
     }
 }
@@ -94,7 +97,7 @@ impl Store {
     pub async fn register_host(&self, host: &HostRegistration, lease_ms: i64) -> Result<HostRow, StoreError> {
         let now = now_ms();
         sqlx::query(&format!(
-            "INSERT INTO hosts ({COLUMNS}) VALUES ($1, $2, $3, 'up', NULL, $4, $5, 0, 0, $6, $6, $7) \
+            "INSERT INTO hosts ({COLUMNS}) VALUES ($1, $2, $3, 'up', NULL, $4, $5, 0, 0, $6, $6, $7, '') \
              ON CONFLICT (id) DO UPDATE SET name = excluded.name, address = excluded.address, \
              state = CASE WHEN hosts.state = 'draining' THEN 'draining' ELSE 'up' END, state_reason = NULL, \
              capacity_vms = excluded.capacity_vms, capacity_memory_mb = excluded.capacity_memory_mb, running_vms = 0, \
@@ -113,12 +116,13 @@ impl Store {
         self.host(&host.id).await?.ok_or_else(|| StoreError::NotFound(format!("host {}", host.id)))
     }
 
-    /// Renews a host's lease with its load. False when it is `down` (its
-    /// lease ran out first, or it was never registered): it must register again.
-    pub async fn renew_host_lease(&self, id: &str, load: HostLoad, lease_ms: i64) -> Result<bool, StoreError> {
+    /// Renews a host's lease with its load and what it holds of templates
+    /// (tokens without spaces). False when it is `down` (its lease ran out
+    /// first, or it was never registered): it must register again.
+    pub async fn renew_host_lease(&self, id: &str, load: HostLoad, templates: &[String], lease_ms: i64) -> Result<bool, StoreError> {
         let now = now_ms();
         let renewed = sqlx::query(
-            "UPDATE hosts SET running_vms = $1, used_memory_mb = $2, heartbeat_at = $3, lease_expires_at = $4 \
+            "UPDATE hosts SET running_vms = $1, used_memory_mb = $2, heartbeat_at = $3, lease_expires_at = $4, templates = $6 \
              WHERE id = $5 AND state <> 'down' AND lease_expires_at >= $3",
         )
         .bind(i64::from(load.running_vms))
@@ -126,6 +130,7 @@ impl Store {
         .bind(now)
         .bind(now + lease_ms)
         .bind(id)
+        .bind(templates.join(" "))
         .execute(&self.pool)
         .await?;
         Ok(renewed.rows_affected() == 1)
@@ -162,13 +167,17 @@ impl Store {
     }
 
     /// Chooses the host of a new sandbox: one that is `up`, holds its
-    /// lease, serves an address and has room, the least loaded first; and
-    /// counts the sandbox on it at once, so that placements at the same
-    /// moment spread (the host's next renewal reports its true load). On
-    /// PostgreSQL the chosen row is locked and skipped by other placers
-    /// until counted; SQLite runs one writer at a time. None: no host has room.
-    pub async fn place_sandbox(&self, exclude: &[String]) -> Result<Option<HostRow>, StoreError> {
-        let excluded: String = (0..exclude.len()).map(|i| format!(" AND id <> ${}", i + 2)).collect();
+    /// lease, serves an address and has room, the least loaded first and,
+    /// among those as loaded, one that holds `prefer` (a template's image
+    /// name or bake, see [`HostRow::templates`]: what it would otherwise
+    /// bake or be sent); and counts the sandbox on it at once, so that
+    /// placements at the same moment spread (the host's next renewal
+    /// reports its true load). Load comes first: a bake is paid once per
+    /// host, an overloaded host on every request. On PostgreSQL the chosen row is locked and
+    /// skipped by other placers until counted; SQLite runs one writer at a
+    /// time. None: no host has room.
+    pub async fn place_sandbox(&self, exclude: &[String], prefer: Option<&str>) -> Result<Option<HostRow>, StoreError> {
+        let excluded: String = (0..exclude.len()).map(|i| format!(" AND id <> ${}", i + 3)).collect();
         let lock = match self.backend {
             crate::Backend::Postgres => " FOR UPDATE SKIP LOCKED",
             crate::Backend::Sqlite => "",
@@ -177,10 +186,13 @@ impl Store {
             "UPDATE hosts SET running_vms = running_vms + 1 WHERE id = (\
                SELECT id FROM hosts WHERE state = 'up' AND address IS NOT NULL AND lease_expires_at >= $1 \
                AND running_vms < capacity_vms{excluded} \
-               ORDER BY (running_vms * 1000) / capacity_vms, running_vms, id LIMIT 1{lock}) \
+               ORDER BY (running_vms * 1000) / capacity_vms, CASE WHEN (' ' || templates || ' ') LIKE $2 THEN 0 ELSE 1 END, \
+               running_vms, id LIMIT 1{lock}) \
              RETURNING {COLUMNS}"
         );
-        let mut query = sqlx::query(&sql).bind(now_ms());
+        // Without a preference, one space: no padded list is exactly that.
+        let holds = prefer.filter(|p| !p.is_empty() && !p.contains(' ')).map_or_else(|| " ".to_string(), |p| format!("% {p} %"));
+        let mut query = sqlx::query(&sql).bind(now_ms()).bind(holds);
         for id in exclude {
             query = query.bind(id);
         }

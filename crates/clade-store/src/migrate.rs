@@ -45,6 +45,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0007_replicas.sql"),
         postgres: include_str!("../migrations/postgres/0007_replicas.sql"),
     },
+    Migration {
+        version: 8,
+        sqlite: include_str!("../migrations/sqlite/0008_host_templates.sql"),
+        postgres: include_str!("../migrations/postgres/0008_host_templates.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

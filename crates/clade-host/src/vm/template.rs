@@ -405,6 +405,39 @@ impl VmRuntime {
         removed
     }
 
+    /// What this host holds of templates, for placement (ADR 22): the image
+    /// name of each complete template it made from its own bakes, and
+    /// [`Self::bake_token`] of every bake it has.
+    pub fn template_tokens(&self) -> Vec<String> {
+        let mut tokens = Vec::new();
+        for entry in std::fs::read_dir(&self.templates_dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let template = Template { dir: entry.path(), key: name };
+            if !template.is_complete() {
+                continue;
+            }
+            if let Some(meta) = TemplateMeta::load(&template.dir) {
+                if !meta.imported {
+                    tokens.push(meta.image.clone());
+                }
+                tokens.push(format!("bake:{}", meta.bake_name()));
+            }
+        }
+        tokens.sort();
+        tokens.dedup();
+        tokens
+    }
+
+    /// The bake of template `key` as a placement token (`bake:ID`), when it has one.
+    pub fn bake_token(&self, key: &str) -> Option<String> {
+        TemplateMeta::load(&self.templates_dir.join(key)).map(|meta| format!("bake:{}", meta.bake_name()))
+    }
+
+    /// [`Self::bake_token`] of the template VM `id` stands on.
+    pub fn vm_bake_token(&self, id: &str) -> Option<String> {
+        self.bake_token(&self.load_record(id).ok()?.1.template?)
+    }
+
     /// Every template key a VM, replica or snapshot record on this host names.
     fn templates_in_use(&self) -> HashSet<String> {
         let vms =

@@ -68,10 +68,12 @@ impl SandboxService {
     async fn renew_lease(&self, host: &HostRegistration, lease_ms: i64) -> Result<(), StoreError> {
         let running = self.count_by_state().await.get("running").copied().unwrap_or(0) as u32;
         let load = HostLoad { running_vms: running, used_memory_mb: u64::from(running) * u64::from(self.settings().memory_mb) };
-        if !self.store().renew_host_lease(&host.id, load, lease_ms).await? {
+        let runtime = self.runtime().clone();
+        let templates = tokio::task::spawn_blocking(move || runtime.template_tokens()).await.unwrap_or_default();
+        if !self.store().renew_host_lease(&host.id, load, &templates, lease_ms).await? {
             tracing::warn!(host = %host.id, "this host's lease had run out (it was marked down); registering again");
             self.store().register_host(host, lease_ms).await?;
-            self.store().renew_host_lease(&host.id, load, lease_ms).await?;
+            self.store().renew_host_lease(&host.id, load, &templates, lease_ms).await?;
         }
         for down in self.store().expire_host_leases().await? {
             tracing::warn!(host = %down, "host marked down: its lease ran out");

@@ -79,17 +79,20 @@ impl SandboxService {
         matches!(self.store().host(self.host_id()).await, Ok(Some(host)) if host.state == HostState::Draining)
     }
 
-    /// Asks hosts that placement picks (never this one) to do `call`, the
-    /// next when one does not answer or is full; the host that did it and its answer.
+    /// Asks hosts that placement picks (never this one; one that holds the
+    /// template bake of sandbox `id` first) to do `call`, the next when one
+    /// does not answer or is full; the host that did it and its answer.
     async fn on_another_host<T>(
         &self,
         what: &str,
+        id: &str,
         call: impl Fn(Peer) -> futures::future::BoxFuture<'static, Result<T, PeerError>>,
     ) -> Result<(String, T), ApiError> {
         let secret = self.secret()?.clone();
+        let bake = self.runtime().vm_bake_token(id);
         let mut tried = vec![self.host_id().to_string()];
         while tried.len() <= TARGET_TRIES {
-            let Some(host) = self.store().place_sandbox(&tried).await? else { break };
+            let Some(host) = self.store().place_sandbox(&tried, bake.as_deref()).await? else { break };
             let id = host.id.clone();
             match call(Peer::new(host, secret.clone())).await {
                 Ok(answer) => return Ok((id, answer)),
@@ -133,7 +136,7 @@ impl SandboxService {
         let body = serde_json::to_value(&request).map_err(|e| ApiError::internal("internal error", e))?;
         let path = format!("/sandboxes/{}/fork-here", parent.id);
         let made = self
-            .on_another_host("forking on another host", |peer| {
+            .on_another_host("forking on another host", &parent.id, |peer| {
                 let (path, body) = (path.clone(), body.clone());
                 Box::pin(async move { peer.call_json::<RemoteFork>(Method::POST, &path, Some(&body)).await })
             })
@@ -218,7 +221,7 @@ impl SandboxService {
                     Box::pin(async move { peer.call(Method::POST, &path, Some(&body)).await })
                         as futures::future::BoxFuture<'static, Result<bytes::Bytes, PeerError>>
                 };
-                self.on_another_host("moving the sandbox", call).await?.0
+                self.on_another_host("moving the sandbox", &entry.id, call).await?.0
             }
         };
         // The row is the other host's now, and so are the files.
@@ -309,7 +312,9 @@ impl SandboxService {
             .into_iter()
             .filter(|h| h.id != self.host_id() && h.state == HostState::Up && reachable(h))
             .collect();
-        hosts.sort_by_key(|h| h.load.running_vms);
+        // One that holds the bake already first (it need not be copied), then the least loaded.
+        let bake = self.runtime().vm_bake_token(id);
+        hosts.sort_by_key(|h| (!bake.as_ref().is_some_and(|b| h.templates.contains(b)), h.load.running_vms));
         let body = serde_json::json!({ "source_host": self.host_id() });
         for host in hosts.into_iter().take(TARGET_TRIES) {
             let host_id = host.id.clone();

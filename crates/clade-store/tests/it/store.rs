@@ -338,13 +338,13 @@ async fn hosts_register_keep_a_lease_with_their_load_and_go_down_when_it_runs_ou
         store.register_host(&register("b"), 1).await.unwrap();
 
         let load = HostLoad { running_vms: 3, used_memory_mb: 1536 };
-        assert!(store.renew_host_lease("a", load, 60_000).await.unwrap());
-        assert!(!store.renew_host_lease("nobody", load, 60_000).await.unwrap());
+        assert!(store.renew_host_lease("a", load, &[], 60_000).await.unwrap());
+        assert!(!store.renew_host_lease("nobody", load, &[], 60_000).await.unwrap());
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         // b's lease ran out: whoever looks marks it down, once; its late renewal fails.
         assert_eq!(store.expire_host_leases().await.unwrap(), ["b"]);
         assert_eq!(store.expire_host_leases().await.unwrap(), Vec::<String>::new());
-        assert!(!store.renew_host_lease("b", load, 60_000).await.unwrap());
+        assert!(!store.renew_host_lease("b", load, &[], 60_000).await.unwrap());
         let hosts = store.hosts().await.unwrap();
         let states: Vec<(&str, HostState, u32)> = hosts.iter().map(|h| (h.id.as_str(), h.state, h.load.running_vms)).collect();
         assert_eq!(states, [("a", HostState::Up, 3), ("b", HostState::Down, 0)], "{}", db.name());
@@ -353,8 +353,62 @@ async fn hosts_register_keep_a_lease_with_their_load_and_go_down_when_it_runs_ou
         // Registering again brings it back; draining is a state of its own.
         assert_eq!(store.register_host(&register("b"), 60_000).await.unwrap().state, HostState::Up);
         assert!(store.set_host_state("a", HostState::Draining, Some("clade host drain")).await.unwrap());
-        assert!(store.renew_host_lease("a", load, 60_000).await.unwrap(), "a draining host keeps its lease");
+        assert!(store.renew_host_lease("a", load, &[], 60_000).await.unwrap(), "a draining host keeps its lease");
         assert_eq!(store.host("a").await.unwrap().unwrap().state, HostState::Draining);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn placement_takes_the_least_loaded_host_then_one_holding_the_template_and_a_hibernated_sandbox_changes_host_once() {
+    use clade_store::{HostLoad, HostRegistration};
+    for db in TestDb::all() {
+        let store = db.open().await;
+        for id in ["a", "b", "c"] {
+            let host = HostRegistration {
+                id: id.into(),
+                name: id.into(),
+                address: Some(format!("http://{id}:8081")),
+                capacity_vms: 2,
+                capacity_memory_mb: 1024,
+            };
+            store.register_host(&host, 60_000).await.unwrap();
+        }
+        let holds = |tokens: &[&str]| tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+        let one = HostLoad { running_vms: 1, used_memory_mb: 512 };
+        store.renew_host_lease("a", one, &holds(&["base", "bake:aaaa"]), 60_000).await.unwrap();
+        store.renew_host_lease("b", one, &holds(&["base", "bake:bbbb"]), 60_000).await.unwrap();
+        assert_eq!(store.host("b").await.unwrap().unwrap().templates, ["base", "bake:bbbb"]);
+        let place = |prefer: Option<&'static str>| {
+            let store = store.clone();
+            async move { store.place_sandbox(&[], prefer).await.unwrap().map(|h| h.id) }
+        };
+        // The least loaded first, whatever it holds (c: 0 of 2)…
+        assert_eq!(place(Some("bake:bbbb")).await.as_deref(), Some("c"), "{}", db.name());
+        // …then, among hosts as loaded (all 1 of 2), the holder; a prefix is not a token.
+        assert_eq!(place(Some("bake:bbbb")).await.as_deref(), Some("b"), "{}", db.name());
+        assert_eq!(place(Some("bake:bb")).await.as_deref(), Some("a"), "{}", db.name());
+        assert_eq!(place(Some("bake:aaaa")).await.as_deref(), Some("c"), "a is full: {}", db.name());
+        assert_eq!(place(None).await, None, "every host is full: {}", db.name());
+
+        let ws = store.ensure_workspace("default").await.unwrap();
+        store.insert_sandbox(NewSandbox { host_id: "a".into(), ..new_sandbox("s1", &ws.id) }).await.unwrap();
+        assert!(!store.move_sandbox("s1", "a", "b").await.unwrap(), "only a hibernated sandbox moves");
+        store.set_sandbox_state("s1", SandboxState::Hibernated, None).await.unwrap();
+        assert!(!store.set_sandbox_replica("s1", "b", "c").await.unwrap(), "a copy of it as on the host it is not on");
+        assert!(store.set_sandbox_replica("s1", "a", "c").await.unwrap());
+        store.set_sandbox_state("s1", SandboxState::Hibernated, None).await.unwrap();
+        assert_eq!(store.sandbox_by_id("s1").await.unwrap().unwrap().replica_host_id.as_deref(), Some("c"), "still as copied");
+        assert!(!store.take_over_sandbox("s1", "a", "b").await.unwrap(), "b keeps no copy");
+        assert!(store.take_over_sandbox("s1", "a", "c").await.unwrap());
+        let row = store.sandbox_by_id("s1").await.unwrap().unwrap();
+        assert_eq!((row.host_id.as_deref(), row.replica_host_id), (Some("c"), None));
+        assert!(store.move_sandbox("s1", "c", "b").await.unwrap());
+        assert!(!store.move_sandbox("s1", "c", "a").await.unwrap(), "it is b's now");
+        // A copy is let go by any change but a hibernation.
+        assert!(store.set_sandbox_replica("s1", "b", "a").await.unwrap());
+        store.set_sandbox_state("s1", SandboxState::Running, None).await.unwrap();
+        assert_eq!(store.sandbox_by_id("s1").await.unwrap().unwrap().replica_host_id, None);
         store.close().await;
     }
 }
