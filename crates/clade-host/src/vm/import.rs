@@ -297,7 +297,8 @@ impl VmRuntime {
         }
         let image = self.images.cached(&meta.image)?.filter(|image| image.id == meta.image_id).ok_or_else(|| {
             VmError::Unsupported(format!(
-                "template {key} on {} stands on image {} ({}), which this host has not built: run `clade image pull {}` here",
+                "template {key} on {} stands on image {} ({}), which this host does not have: \
+                 `clade images build --image {}` makes it here when both hosts run the same Clade",
                 source.label(),
                 meta.image,
                 meta.image_id,
