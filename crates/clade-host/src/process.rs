@@ -132,6 +132,33 @@ impl ProcessId {
     }
 }
 
+/// Has this process's allocator serve every large allocation (a fork's
+/// page buffers, a file's chunks) from a mapping of its own, unmapped when
+/// freed. glibc otherwise raises that threshold each time such a block is
+/// freed, after which large blocks come from its arenas and stay there:
+/// a server that made forks kept tens of MiB it no longer used.
+pub fn unmap_large_blocks_when_freed() {
+    // SAFETY: mallopt sets an allocator parameter; it takes integers only
+    // and is meant to be called at any time.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+    }
+}
+
+/// Gives the system back the memory this process's allocator keeps after
+/// freeing it. glibc's malloc holds freed memory in its per-thread arenas;
+/// after a burst of requests on many threads a long-running server would
+/// keep its peak, so a server calls this when things are quiet.
+pub fn return_freed_memory() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it
+    // touches no memory of ours and is safe to call from any thread.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 fn start_ticks(pid: u32) -> Option<u64> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|s| s.start_ticks)
 }

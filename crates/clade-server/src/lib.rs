@@ -183,7 +183,26 @@ pub struct Server {
     reaper: tokio::task::JoinHandle<()>,
     /// Renews this host's lease.
     lease: tokio::task::JoinHandle<()>,
+    heap_trim: tokio::task::JoinHandle<()>,
     host_id: String,
+}
+
+/// How often a server gives back the heap memory its allocator keeps after
+/// a burst (`clade_host::process::return_freed_memory`; a few ms each).
+const HEAP_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Gives freed heap memory back every [`HEAP_TRIM_INTERVAL`], so that a
+/// server's memory after a burst returns to where it was (issue 36's soak).
+pub(crate) fn start_heap_trim() -> tokio::task::JoinHandle<()> {
+    clade_host::process::unmap_large_blocks_when_freed();
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(HEAP_TRIM_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let _ = tokio::task::spawn_blocking(clade_host::process::return_freed_memory).await;
+        }
+    })
 }
 
 impl Server {
@@ -226,7 +245,8 @@ impl Server {
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
         let serving = Serving::start(listener, routes::router(state.clone()));
         tracing::info!(%addr, "clade server listening");
-        Ok(Self { addr, admin_key, state, serving, reaper, lease, host_id })
+        let heap_trim = start_heap_trim();
+        Ok(Self { addr, admin_key, state, serving, reaper, lease, heap_trim, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -255,6 +275,7 @@ impl Server {
     /// the VMs, which keep running for the next start to adopt.
     pub async fn shutdown(self) {
         self.reaper.abort();
+        self.heap_trim.abort();
         self.lease.abort();
         self.state.stopping.cancel();
         self.serving.stop("server").await;

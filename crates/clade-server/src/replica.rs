@@ -83,6 +83,7 @@ pub struct Replica {
     state: ReplicaState,
     serving: crate::Serving,
     sweep: tokio::task::JoinHandle<()>,
+    heap_trim: tokio::task::JoinHandle<()>,
 }
 
 impl Replica {
@@ -105,7 +106,7 @@ impl Replica {
         let serving = crate::Serving::start(listener, router(state.clone()));
         let sweep = tokio::spawn(sweep_expired_hosts(store));
         tracing::info!(%addr, "clade server (replica, no VMs) listening");
-        Ok(Self { addr, admin_key, state, serving, sweep })
+        Ok(Self { addr, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim() })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -124,6 +125,7 @@ impl Replica {
     /// Stops accepting requests and lets those in flight finish.
     pub async fn shutdown(self) {
         self.sweep.abort();
+        self.heap_trim.abort();
         self.state.stopping.cancel();
         self.serving.stop("replica").await;
         self.state.store.close().await;
