@@ -7,6 +7,33 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// The standby pool's figures (`clade_standby_*`).
+pub fn render_standby(stats: &clade_host::vm::StandbyStats) -> String {
+    let mut out = String::new();
+    let families: [(&str, &str, &str, String); 6] = [
+        ("clade_standby_target", "gauge", "Standby VMMs kept per template and lifetime.", stats.target.to_string()),
+        ("clade_standby_ready", "gauge", "Standby VMMs ready now.", stats.ready.to_string()),
+        ("clade_standby_hits_total", "counter", "VMs made on a ready standby VMM.", stats.hits.to_string()),
+        ("clade_standby_misses_total", "counter", "VMs made without one (none was ready).", stats.misses.to_string()),
+        ("clade_standby_prepared_total", "counter", "Standby VMMs made ready.", stats.prepared.to_string()),
+        (
+            "clade_standby_preparation_seconds_total",
+            "counter",
+            "Time spent making standby VMMs ready, in all.",
+            format!("{:.3}", stats.preparing.as_secs_f64()),
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}
+# TYPE {name} {kind}
+{name} {value}"
+        );
+    }
+    out
+}
+
 /// Upper bounds (seconds) of the create latency histogram's buckets.
 const CREATE_BUCKETS: [f64; 10] = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
@@ -121,6 +148,16 @@ mod tests {
         assert!(text.contains("clade_sandbox_create_seconds_bucket{le=\"5\"} 2\n"));
         assert!(text.contains("clade_sandbox_create_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("clade_sandbox_create_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn the_standby_pools_figures_are_gauges_and_counters() {
+        let stats =
+            clade_host::vm::StandbyStats { target: 1, ready: 1, hits: 7, misses: 2, prepared: 9, preparing: Duration::from_millis(4500) };
+        let text = render_standby(&stats);
+        assert!(text.contains("# TYPE clade_standby_ready gauge\nclade_standby_ready 1\n"), "{text}");
+        assert!(text.contains("clade_standby_hits_total 7\n") && text.contains("clade_standby_misses_total 2\n"), "{text}");
+        assert!(text.contains("clade_standby_preparation_seconds_total 4.500\n"), "{text}");
     }
 
     #[test]

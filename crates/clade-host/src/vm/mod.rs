@@ -55,3 +55,4 @@ pub use error::{FailureKind, VmError, VmFailure};
 pub use handle::Vm;
 pub use runtime::{DiskUsage, VmRuntime};
 pub use spec::{BootKind, VmSpec, Watchdog};
+pub use standby::StandbyStats;

@@ -146,6 +146,11 @@ impl VmRuntime {
         self
     }
 
+    /// What the standby pool holds and has done (`/metrics`).
+    pub fn standby_stats(&self) -> standby::StandbyStats {
+        self.standby.stats()
+    }
+
     /// Gives VMs that ask for one a network from `pool`.
     pub fn with_network(mut self, pool: NetPool) -> Self {
         self.network = Some(pool);

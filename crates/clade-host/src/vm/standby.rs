@@ -108,6 +108,30 @@ pub(super) struct StandbyPool {
     /// before the drain (whose sweep of the records then stops it) or sees
     /// the new generation and spawns nothing.
     starting: Mutex<()>,
+    counters: StandbyCounters,
+}
+
+#[derive(Debug, Default)]
+struct StandbyCounters {
+    hits: std::sync::atomic::AtomicU64,
+    misses: std::sync::atomic::AtomicU64,
+    prepared: std::sync::atomic::AtomicU64,
+    preparing_us: std::sync::atomic::AtomicU64,
+}
+
+/// What the standby pool holds and has done, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StandbyStats {
+    /// Standby VMMs kept per template and lifetime.
+    pub target: usize,
+    /// Ready now, all templates together.
+    pub ready: usize,
+    /// VMs made on a ready standby, and made without one (none was ready).
+    pub hits: u64,
+    pub misses: u64,
+    /// Standby VMMs made ready, and the time that took them in all.
+    pub prepared: u64,
+    pub preparing: std::time::Duration,
 }
 
 impl StandbyPool {
@@ -119,8 +143,18 @@ impl StandbyPool {
         self.target
     }
 
-    /// A live standby for this template, if one is ready.
+    /// A live standby for this template, if one is ready (counted as a hit
+    /// or a miss when the pool is on).
     pub fn take(&self, template: &Template, lifetime: Lifetime) -> Option<Standby> {
+        let taken = self.take_ready(template, lifetime);
+        if self.target > 0 {
+            let counter = if taken.is_some() { &self.counters.hits } else { &self.counters.misses };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        taken
+    }
+
+    fn take_ready(&self, template: &Template, lifetime: Lifetime) -> Option<Standby> {
         let mut ready = self.ready.lock().expect("standby lock");
         let slots = ready.get_mut(&(template.key.clone(), lifetime))?;
         while let Some(standby) = slots.pop() {
@@ -130,6 +164,20 @@ impl StandbyPool {
             record::stop_leftover(&standby.dir);
         }
         None
+    }
+
+    pub fn stats(&self) -> StandbyStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ready = self.ready.lock().expect("standby lock").values().map(Vec::len).sum();
+        let counters = &self.counters;
+        StandbyStats {
+            target: self.target,
+            ready,
+            hits: counters.hits.load(Relaxed),
+            misses: counters.misses.load(Relaxed),
+            prepared: counters.prepared.load(Relaxed),
+            preparing: std::time::Duration::from_micros(counters.preparing_us.load(Relaxed)),
+        }
     }
 
     fn generation(&self) -> u64 {
@@ -283,7 +331,11 @@ impl VmRuntime {
         .await;
         match started {
             Ok(Some((exited, qmp, rehearsed))) => {
-                tracing::debug!(vm = %id, rehearsed, took = ?starting.elapsed(), "standby VMM ready");
+                let took = starting.elapsed();
+                let counters = &self.standby.counters;
+                counters.prepared.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                counters.preparing_us.fetch_add(took.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(vm = %id, rehearsed, ?took, "standby VMM ready");
                 Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed }))
             }
             outcome => {

@@ -132,6 +132,15 @@ async fn fifty_concurrent_creates_succeed_or_are_refused_and_nothing_is_half_mad
     assert!(sandbox_vm_dirs(env.data_dir()).is_empty());
     let text = String::from_utf8(api.get("/metrics").await.bytes).unwrap();
     assert!(text.contains(&format!("clade_sandbox_create_seconds_count {}\n", created.len())), "{text}");
+    // Each create either took a standby VMM or found none ready.
+    let value = |name: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("no {name}: {text}"));
+        line[name.len() + 1..].parse().unwrap()
+    };
+    assert_eq!(value("clade_standby_target"), 1, "the default pool: {text}");
+    assert_eq!(value("clade_standby_hits_total") + value("clade_standby_misses_total"), created.len() as u64, "{text}");
+    // The pool made its standby (whether it was ready before the burst is the machine's timing).
+    assert!(value("clade_standby_prepared_total") >= 1, "{text}");
     server.shutdown().await;
 }
 
