@@ -3,14 +3,15 @@
 //! sandboxes and the line of creates under way (503 with Retry-After: it
 //! will pass). A [`Reservation`] counts a create from its admission until
 //! its sandboxes are in the map (or it failed), so concurrent creates
-//! cannot overshoot a limit together.
+//! cannot overshoot a limit together. The line takes turns between
+//! workspaces (`line`): one workspace's burst does not starve another's create.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use clade_store::SandboxState;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::line::{FairLine, Turn};
 use super::{SandboxService, SandboxSettings};
 use crate::error::ApiError;
 
@@ -21,12 +22,13 @@ pub const SCHEDULER_RETRY_AFTER: u32 = 5;
 pub(super) struct Capacity {
     /// Sandboxes being made, per workspace.
     pending: Arc<Mutex<HashMap<String, usize>>>,
-    line: Arc<Semaphore>,
+    /// Creates and forks under way at once, turns taken fairly between workspaces.
+    line: FairLine,
 }
 
 impl Capacity {
     pub fn new(settings: &SandboxSettings) -> Self {
-        Self { pending: Arc::default(), line: Arc::new(Semaphore::new(settings.max_concurrent_creates.max(1))) }
+        Self { pending: Arc::default(), line: FairLine::new(settings.max_concurrent_creates) }
     }
 }
 
@@ -36,7 +38,7 @@ pub(super) struct Reservation {
     pending: Arc<Mutex<HashMap<String, usize>>>,
     workspace_id: String,
     count: usize,
-    _turn: OwnedSemaphorePermit,
+    _turn: Turn,
 }
 
 impl Drop for Reservation {
@@ -100,12 +102,9 @@ impl SandboxService {
                 *n = n.saturating_sub(count);
             }
         };
-        let turn = match tokio::time::timeout(settings.create_queue_timeout, capacity.line.clone().acquire_owned()).await {
-            Ok(Ok(turn)) => turn,
-            _ => {
-                unreserve();
-                return Err(no_capacity());
-            }
+        let Some(turn) = capacity.line.turn(workspace_id, settings.create_queue_timeout).await else {
+            unreserve();
+            return Err(no_capacity());
         };
         Ok(Reservation { pending: capacity.pending.clone(), workspace_id: workspace_id.to_string(), count, _turn: turn })
     }

@@ -16,6 +16,7 @@ mod create;
 mod fork;
 pub mod host;
 mod lifecycle;
+mod line;
 mod moving;
 mod reaper;
 mod recover;
