@@ -171,11 +171,7 @@ class CladeServer:
             self.delete_all_sandboxes()
         finally:
             self.stop()
-            for pid in self.vm_pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(self.vm_pids())
             if keep_log and self.log_path.exists():
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 shutil.copy(self.log_path, ARTIFACTS / f"{self.data_dir.name}.log")
@@ -188,6 +184,15 @@ class CladeServer:
 
     def log_tail(self, lines: int = 60) -> str:
         return log_tail(self.log_path, lines)
+
+
+def kill_all(pids: List[int]) -> None:
+    """SIGKILL to each of `pids` that still runs."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def processes_under(directory: Path, exclude: Optional[int] = None) -> List[int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import signal
 import subprocess
 import tempfile
 import threading
@@ -30,7 +29,7 @@ import pytest
 import requests
 from pandastack import PandastackError
 
-from conftest import BIN, REPO, TEMPLATE, free_port, log_tail, processes_under, skip_or_fail, wait_for
+from conftest import BIN, REPO, TEMPLATE, free_port, kill_all, log_tail, processes_under, skip_or_fail, wait_for
 
 SECRET = "sdk-cluster-secret-" + uuid.uuid4().hex
 LEASE_SECONDS = 3
@@ -147,11 +146,7 @@ def cluster(requirements):
     finally:
         for proc in procs:
             proc.kill()
-            for pid in proc.vm_pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(proc.vm_pids())
         pg.stop()
         if failed:
             for proc in procs:

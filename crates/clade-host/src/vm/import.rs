@@ -22,11 +22,13 @@ use nix::fcntl::FlockArg;
 use super::error::{io_err, VmError};
 use super::hibernate::{HIBERNATED_MEMORY, HIBERNATED_STATE};
 use super::record::{Phase, VmRecord};
+use super::runtime::rebase;
 use super::runtime::VmRuntime;
-use super::snapshot::{SnapshotRecord, SNAPSHOTS_DIR};
+use super::snapshot::{mark_taker, unmark_taker, SnapshotRecord, SNAPSHOTS_DIR};
 use super::template::{publish, set_read_only, Template, TemplateLock, TemplateMeta};
 use super::transfer::{describe, fetch, imports_dir, read_chunk, valid_id, BundleKind, BundleSource, Manifest, StagingLock};
 use crate::process::ProcessId;
+use crate::qcow2::Format;
 
 /// The files of each bundle, as served.
 const TEMPLATE_FILES: [&str; 4] = [TemplateMeta::FILE, "state", "disk.qcow2", "ram"];
@@ -34,8 +36,6 @@ const SNAPSHOT_RECORD: &str = "snapshot.json";
 const SNAPSHOT_FILES: [&str; 4] = [SNAPSHOT_RECORD, "disk.qcow2", "state", "memory"];
 const VM_RECORD: &str = "vm.json";
 const VM_FILES: [&str; 4] = [VM_RECORD, "disk.qcow2", HIBERNATED_STATE, HIBERNATED_MEMORY];
-/// A snapshot being imported: its importer, until what needs it is recorded.
-const IMPORTER: &str = "taker.json";
 /// Under the data directory: copies of other hosts' hibernated VMs.
 pub(super) const REPLICAS_DIR: &str = "replicas";
 
@@ -50,7 +50,7 @@ impl Imported {
     /// Nothing is held any more: imported layers that nothing stands on may go.
     pub fn finish(self) {
         for dir in self.held {
-            let _ = std::fs::remove_file(dir.join(IMPORTER));
+            unmark_taker(&dir);
         }
     }
 }
@@ -204,7 +204,7 @@ impl VmRuntime {
             let names: Vec<&str> = VM_FILES.into_iter().filter(|name| manifest.file(name).is_some()).collect();
             fetch(source, &manifest, &names, &staging).await?;
             let below = self.layer_below(record.backing_snapshot.as_deref(), &template);
-            rebase(&staging.join("disk.qcow2"), &below).await?;
+            rebase(&staging.join("disk.qcow2"), &below, Format::Qcow2).await?;
             record.template = Some(template.key.clone());
             record.phase = Phase::Hibernated;
             record.vmm = None;
@@ -251,12 +251,11 @@ impl VmRuntime {
         let names: &[&str] = if restorable { &["disk.qcow2", "state", "memory"] } else { &["disk.qcow2"] };
         fetch(source, &manifest, names, &staging).await?;
         let below = self.layer_below(record.backing_snapshot.as_deref(), &template);
-        rebase(&staging.join("disk.qcow2"), &below).await?;
+        rebase(&staging.join("disk.qcow2"), &below, Format::Qcow2).await?;
         record.template = template.key.clone();
         // A layer only: kept while something stands on it (see `collect_snapshot_layers`).
         record.deleted = !restorable;
-        let importer = serde_json::to_vec(&ProcessId::current()).unwrap_or_default();
-        std::fs::write(staging.join(IMPORTER), importer).map_err(io_err("recording the snapshot's importer"))?;
+        mark_taker(&staging).map_err(io_err("recording the snapshot's importer"))?;
         let json = serde_json::to_vec_pretty(&record).map_err(|e| VmError::Records(format!("a snapshot record: {e}")))?;
         crate::durable::replace(&staging.join(SNAPSHOT_RECORD), &json, true).map_err(io_err("writing the snapshot record"))?;
         let _ = std::fs::remove_file(staging.join("manifest.json"));
@@ -307,7 +306,7 @@ impl VmRuntime {
         })?;
         let fetched = imports_dir(&self.config.data_dir).join(format!("template-{key}"));
         fetch(source, &manifest, &TEMPLATE_FILES, &fetched).await?;
-        rebase_raw(&fetched.join("disk.qcow2"), &image.rootfs).await?;
+        rebase(&fetched.join("disk.qcow2"), &image.rootfs, Format::Raw).await?;
         meta.imported = local_key != key;
         let json = serde_json::to_vec_pretty(&meta).map_err(|e| VmError::Records(format!("template metadata: {e}")))?;
         std::fs::write(fetched.join(TemplateMeta::FILE), json).map_err(io_err("writing the template metadata"))?;
@@ -344,36 +343,7 @@ async fn fetch_small<S: BundleSource>(source: &S, manifest: &Manifest, name: &st
 
 /// Marks an imported snapshot held by this process while it is needed.
 fn hold(dir: &Path, imported: &mut Imported) {
-    if std::fs::write(dir.join(IMPORTER), serde_json::to_vec(&ProcessId::current()).unwrap_or_default()).is_ok() {
+    if mark_taker(dir).is_ok() {
         imported.held.push(dir.to_path_buf());
     }
-}
-
-/// Points a qcow2 layer at another qcow2 file holding the same data (this
-/// host's copy of the layer below).
-async fn rebase(layer: &Path, below: &Path) -> Result<(), VmError> {
-    rebase_to(layer, below, "qcow2").await
-}
-
-async fn rebase_raw(layer: &Path, below: &Path) -> Result<(), VmError> {
-    rebase_to(layer, below, "raw").await
-}
-
-async fn rebase_to(layer: &Path, below: &Path, format: &str) -> Result<(), VmError> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(layer, std::fs::Permissions::from_mode(0o600)).map_err(io_err(format!("chmod {}", layer.display())))?;
-    let output = tokio::process::Command::new("qemu-img")
-        .args(["rebase", "-q", "-u", "-f", "qcow2", "-F", format, "-b"])
-        .arg(below)
-        .arg(layer)
-        .output()
-        .await
-        .map_err(io_err("running qemu-img"))?;
-    if !output.status.success() {
-        return Err(VmError::Io {
-            context: format!("qemu-img rebase failed: {}", String::from_utf8_lossy(&output.stderr).trim()),
-            source: std::io::Error::other("qemu-img"),
-        });
-    }
-    Ok(())
 }

@@ -49,7 +49,7 @@ pub use migrate::MigrateError;
 pub use record::{runs as vm_runs, stop_leftover as record_cleanup, sweep, Lifetime, Phase, VmRecord};
 pub use snapshot::SnapshotRecord;
 pub use template::Template;
-pub use transfer::{BundleFile, BundleKind, BundleSource, Manifest, CHUNK as BUNDLE_CHUNK};
+pub use transfer::{BundleFile, BundleKind, BundleSource, Manifest};
 
 pub use error::{FailureKind, VmError, VmFailure};
 pub use handle::Vm;

@@ -2,6 +2,7 @@
 //! (boot, create from a template), adopting them, listing and removing
 //! them, and what admission and the disk chain need to know of them.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -566,15 +567,33 @@ pub(super) fn disk_use(layer: &Path) -> Option<(u64, u64)> {
 /// Makes `overlay` an empty qcow2 layer over `base`. With `size` given, the
 /// base is not opened (it may not exist yet) and the layer gets that size.
 pub(super) async fn create_overlay(base: &Path, base_format: &str, overlay: &Path, size: Option<u64>) -> Result<(), VmError> {
-    let mut command = tokio::process::Command::new("qemu-img");
-    command.args(["create", "-q", "-f", "qcow2", "-F", base_format, "-b"]).arg(base).arg(overlay);
+    let mut args: Vec<OsString> = ["create", "-q", "-f", "qcow2", "-F", base_format, "-b"].map(OsString::from).to_vec();
+    args.extend([base.into(), overlay.into()]);
     if let Some(size) = size {
-        command.arg("-u").arg(size.to_string());
+        args.extend(["-u".into(), size.to_string().into()]);
     }
-    let output = command.output().await.map_err(io_err("running qemu-img"))?;
+    qemu_img(&args).await
+}
+
+/// Points the qcow2 `layer` (made writable by its owner only) at `below`
+/// (of `format`) without reading either:
+/// `below` holds the same data as the layer it stood on (another host's
+/// copy of it, ADR 22).
+pub(super) async fn rebase(layer: &Path, below: &Path, format: crate::qcow2::Format) -> Result<(), VmError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(layer, std::fs::Permissions::from_mode(0o600)).map_err(io_err(format!("chmod {}", layer.display())))?;
+    let mut args: Vec<OsString> = ["rebase", "-q", "-u", "-f", "qcow2", "-F", format.driver(), "-b"].map(OsString::from).to_vec();
+    args.extend([below.into(), layer.into()]);
+    qemu_img(&args).await
+}
+
+/// Runs `qemu-img` with `args`; its error output is the failure's context.
+async fn qemu_img(args: &[OsString]) -> Result<(), VmError> {
+    let output = tokio::process::Command::new("qemu-img").args(args).output().await.map_err(io_err("running qemu-img"))?;
     if !output.status.success() {
+        let verb = args.first().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
         return Err(VmError::Io {
-            context: format!("qemu-img create failed: {}", String::from_utf8_lossy(&output.stderr).trim()),
+            context: format!("qemu-img {verb} failed: {}", String::from_utf8_lossy(&output.stderr).trim()),
             source: std::io::Error::other("qemu-img"),
         });
     }

@@ -66,6 +66,19 @@ const TAKER: &str = "taker.json";
 fn taker(dir: &Path) -> Option<ProcessId> {
     serde_json::from_slice(&std::fs::read(dir.join(TAKER)).ok()?).ok()
 }
+
+/// Records this process as taking (or importing) the snapshot in `dir`:
+/// the collector leaves it alone while this process lives.
+pub(super) fn mark_taker(dir: &Path) -> std::io::Result<()> {
+    // (A process id always serializes; an empty file would only fall back
+    // to the age rule.)
+    std::fs::write(dir.join(TAKER), serde_json::to_vec(&ProcessId::current()).unwrap_or_default())
+}
+
+/// Lets the collector have the snapshot in `dir` once nothing needs it.
+pub(super) fn unmark_taker(dir: &Path) {
+    let _ = std::fs::remove_file(dir.join(TAKER));
+}
 const CHILD_LAYER: &str = "child.qcow2";
 const MEMORY: &str = "memory";
 
@@ -368,7 +381,7 @@ impl Vm {
                 .await
                 .map_err(task_err("record"))?
                 .map_err(io_err("writing the snapshot record"))?;
-            let _ = std::fs::remove_file(dir.join(TAKER));
+            unmark_taker(&dir);
             Ok(())
         }
         .await;
@@ -411,10 +424,7 @@ impl Vm {
         };
         let dir = runtime.snapshots_dir().join(&snapshot.id);
         std::fs::create_dir_all(&dir).map_err(io_err("creating the snapshot directory"))?;
-        // (A process id always serializes; an empty file would only fall
-        // back to the age rule.)
-        let taker = serde_json::to_vec(&ProcessId::current()).unwrap_or_default();
-        if let Err(e) = std::fs::write(dir.join(TAKER), taker) {
+        if let Err(e) = mark_taker(&dir) {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(io_err("recording the snapshot's taker")(e));
         }
@@ -553,7 +563,7 @@ impl Vm {
         }
         // The children that started are recorded as backed by it; it goes
         // with the last of them, or now if none is kept.
-        let _ = std::fs::remove_file(dir.join(TAKER));
+        unmark_taker(&dir);
         let children = match (resumed, made) {
             (Ok(()), Ok((children, children_ready))) => {
                 tracing::debug!(?captured, ?parent_resumed, ?children_ready, count, "fork phases");
