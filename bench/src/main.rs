@@ -4,11 +4,13 @@
 //!   cargo run --release -p clade-bench -- vm [--boots 5] [--execs 200]
 //!   cargo run --release -p clade-bench -- snapshot [--creates 50]
 //!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
+//!   cargo run --release -p clade-bench -- burst [--concurrent 50] [--fork-tree 16] [--idle-secs 60]
 //!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
 //!   cargo run --release -p clade-bench -- proxy [--requests 200]
 //!   cargo run --release -p clade-bench -- cluster [--forks 10] [--wakes 5]
 
 mod api;
+mod burst;
 mod cluster;
 mod host;
 mod net;
@@ -34,6 +36,10 @@ enum Bench {
     /// The HTTP API's overhead: a real `clade server` against clade-host
     /// driven directly, in the same run, as ratios API ÷ host.
     Api(api::ApiArgs),
+    /// Bursts and crowds through the API: spaced, back-to-back (again after
+    /// an idle minute) and concurrent creates, a fork-tree; the standby
+    /// pool's size and memory with each.
+    Burst(burst::BurstArgs),
     /// Forks and wakes onto another host against the same on one host
     /// (two `clade host` processes and a replica on PostgreSQL).
     Cluster(cluster::ClusterArgs),
@@ -74,6 +80,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.bench {
             Bench::Api(args) => api::run(args).await,
+            Bench::Burst(args) => burst::run(args).await,
             Bench::Cluster(args) => cluster::run(args).await,
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import pandastack
 
-from conftest import TEMPLATE, processes_under
+from conftest import SHARED_SERVER_ARGS, TEMPLATE, processes_under
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +96,11 @@ def footprint(client: pandastack.Client, data_dir: Path, server_pid: int) -> Foo
     )
 
 
-def settled(client, data_dir: Path, server_pid: int, like: Optional[Footprint] = None, timeout: float = 120) -> Footprint:
+def settled(client, data_dir: Path, server_pid: int, like: Optional[Footprint] = None, timeout: float = 180) -> Footprint:
     """The footprint once the server is at rest (standby VMMs and prepared
-    network slots refilled): no more than `like` in anything, or, without
-    it, unchanged for 5 s (a refill under TCG takes a few seconds)."""
+    network slots refilled, a pool grown by a burst shrunk back once the
+    burst is past its horizon): no more than `like` in anything, or,
+    without it, unchanged for 5 s (a refill under TCG takes a few seconds)."""
     deadline = time.monotonic() + timeout
     last, same_since = footprint(client, data_dir, server_pid), time.monotonic()
     while time.monotonic() < deadline:
@@ -233,7 +234,7 @@ def main() -> int:
     if reason:
         print(f"soak: {reason}", file=sys.stderr)
         return 2
-    server = CladeServer("soak").start()
+    server = CladeServer("soak", args=SHARED_SERVER_ARGS).start()
     try:
         report = soak(server.client(), server.data_dir, server.proc.pid, args.cycles, args.concurrency,
                       args.fork_trees, args.tree_size)

@@ -25,6 +25,14 @@ pub struct ServerArgs {
     /// secret). Any number of replicas can serve one database. Env: CLADE_NO_VMS.
     #[arg(long, env = "CLADE_NO_VMS")]
     no_vms: bool,
+    /// Requests a workspace may send in a burst, refilled at
+    /// --rate-per-sec; beyond, 429 with Retry-After. Env: CLADE_RATE_BURST.
+    #[arg(long, env = "CLADE_RATE_BURST", default_value_t = clade_server::Limits::default().rate_burst)]
+    rate_burst: u32,
+    /// Requests per second a workspace's burst refills at (0: no rate
+    /// limit). Env: CLADE_RATE_PER_SEC.
+    #[arg(long, env = "CLADE_RATE_PER_SEC", default_value_t = clade_server::Limits::default().rate_per_sec)]
+    rate_per_sec: u32,
     #[command(flatten)]
     cluster: ClusterArgs,
     #[command(flatten)]
@@ -45,10 +53,21 @@ pub struct MachineArgs {
     #[arg(long, env = "CLADE_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
     /// QEMU processes kept started ahead of need for the default template
-    /// (standby VMMs: no guest state, so not a warm pool). A create or fork
-    /// child that finds one skips QEMU's start-up; 0 keeps none. Env: CLADE_STANDBY.
+    /// and each template in use, whatever the demand (standby VMMs: no guest
+    /// state, so not a warm pool). A create or fork child that finds one
+    /// skips QEMU's start-up. 0 keeps none at all. Env: CLADE_STANDBY.
     #[arg(long, env = "CLADE_STANDBY", default_value_t = 1)]
     standby: usize,
+    /// MiB the standby VMMs kept beyond --standby may cost together: the
+    /// pool grows toward each template's recent peak of creates and forks
+    /// within it. 0 keeps the pool at --standby. Default: a sixteenth of the
+    /// host's memory. Env: CLADE_STANDBY_MEMORY.
+    #[arg(long, env = "CLADE_STANDBY_MEMORY")]
+    standby_memory: Option<u64>,
+    /// Seconds a burst of creates keeps the pool grown after it.
+    /// Env: CLADE_STANDBY_HORIZON.
+    #[arg(long, env = "CLADE_STANDBY_HORIZON", default_value_t = clade_host::vm::HORIZON_SECS)]
+    standby_horizon: u64,
     /// Run sandboxes without any network (no namespaces, no nftables rules).
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
@@ -90,6 +109,8 @@ impl MachineArgs {
     pub fn apply(&self, config: &mut ServerConfig, who: &str) {
         config.sandboxes.max_running_per_host = self.max_running;
         config.sandboxes.standby = self.standby;
+        config.sandboxes.standby_memory_mb = self.standby_memory;
+        config.sandboxes.standby_horizon = std::time::Duration::from_secs(self.standby_horizon);
         if self.no_network {
             eprintln!("{who}: networking is off (--no-network): sandboxes have no network");
         } else if !nix::unistd::geteuid().is_root() {
@@ -104,12 +125,19 @@ impl MachineArgs {
     }
 }
 
+impl ServerArgs {
+    fn limits(&self) -> clade_server::Limits {
+        clade_server::Limits { rate_burst: self.rate_burst, rate_per_sec: self.rate_per_sec, ..clade_server::Limits::default() }
+    }
+}
+
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
     let data_dir = host.data_dir.clone();
     if args.no_vms {
         return run_replica(args, host).await;
     }
     let mut config = ServerConfig::new(args.listen, host);
+    config.limits = args.limits();
     config.database_url = args.database_url;
     args.machine.apply(&mut config, "clade server");
     config.preview_suffix = args.preview_suffix;
@@ -124,6 +152,7 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
 
 /// `clade server --no-vms`: the API over the hosts of the database.
 async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
+    let limits = args.limits();
     let Some(database_url) = args.database_url else {
         anyhow::bail!("clade server --no-vms serves the hosts of a shared database: give it --database-url postgres://…");
     };
@@ -132,7 +161,7 @@ async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitC
         data_dir: host.data_dir.clone(),
         database_url,
         secret: args.cluster.secret("clade server --no-vms")?,
-        limits: clade_server::Limits::default(),
+        limits,
         preview_suffix: args.preview_suffix,
     };
     let replica = Replica::start(config).await?;

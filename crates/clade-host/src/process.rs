@@ -20,18 +20,28 @@ impl ProcessId {
         Self::of(std::process::id()).expect("our own /proc entry exists")
     }
 
-    /// Sets the niceness of every thread of this process: Linux's
-    /// `setpriority` acts on one thread, and threads started later inherit
-    /// their creator's. Raising the priority again needs root (the host is).
-    pub fn set_niceness(&self, niceness: i32) -> std::io::Result<()> {
+    /// Puts every thread of this process in the background (`SCHED_IDLE`:
+    /// it runs only on CPU time nothing else wants) or back in the
+    /// foreground (`SCHED_OTHER` at niceness 0). Linux schedules threads one
+    /// by one, and threads started later inherit their creator's policy.
+    /// Leaving the background needs root (the host is).
+    pub fn set_background(&self, background: bool) -> std::io::Result<()> {
         if !self.is_alive() {
             return Err(std::io::ErrorKind::NotFound.into());
         }
+        let policy = if background { libc::SCHED_IDLE } else { libc::SCHED_OTHER };
+        let param = libc::sched_param { sched_priority: 0 };
         for task in std::fs::read_dir(format!("/proc/{}/task", self.pid))? {
-            let Ok(tid) = task?.file_name().to_string_lossy().parse::<libc::id_t>() else { continue };
-            // SAFETY: setpriority takes integers only and touches no memory of ours.
+            let Ok(tid) = task?.file_name().to_string_lossy().parse::<libc::pid_t>() else { continue };
+            // SAFETY: sched_setscheduler reads the parameter we pass by
+            // reference for the duration of the call; setpriority takes
+            // integers only. Neither touches other memory of ours.
             #[allow(unsafe_code)]
-            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, niceness) } != 0 {
+            let failed = unsafe {
+                libc::sched_setscheduler(tid, policy, &param) != 0
+                    || (!background && libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 0) != 0)
+            };
+            if failed {
                 let error = std::io::Error::last_os_error();
                 // A thread that ended meanwhile has no priority to set.
                 if error.raw_os_error() != Some(libc::ESRCH) {
@@ -40,6 +50,15 @@ impl ProcessId {
             }
         }
         Ok(())
+    }
+
+    /// The memory it costs the host: its proportional set size (pages
+    /// shared with other processes, a template's RAM file, count in part),
+    /// in bytes; `None` once it is gone.
+    pub fn proportional_memory(&self) -> Option<u64> {
+        let rollup = std::fs::read_to_string(format!("/proc/{}/smaps_rollup", self.pid)).ok()?;
+        let kib = rollup.lines().find_map(|line| line.strip_prefix("Pss:"))?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+        self.is_alive().then_some(kib * 1024)
     }
 
     /// Whether this very process is still running (not merely its pid).
@@ -254,5 +273,42 @@ mod tests {
             assert!(spin.elapsed() < std::time::Duration::from_secs(30), "50 ms of work never showed in our CPU time");
         }
         assert_eq!(ProcessId { start_ticks: me.start_ticks + 1, ..me }.cpu_time(), None);
+    }
+
+    #[test]
+    fn a_process_goes_to_the_background_and_back_with_all_its_threads() {
+        // The policy is per thread: every task's is read.
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let id = ProcessId::of(child.id()).unwrap();
+        let policies = || -> Vec<i32> {
+            std::fs::read_dir(format!("/proc/{}/task", id.pid))
+                .unwrap()
+                .map(|task| {
+                    let tid: libc::pid_t = task.unwrap().file_name().to_string_lossy().parse().unwrap();
+                    // SAFETY: sched_getscheduler takes an integer and touches no memory of ours.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        libc::sched_getscheduler(tid)
+                    }
+                })
+                .collect()
+        };
+        id.set_background(true).unwrap();
+        assert!(policies().iter().all(|&p| p == libc::SCHED_IDLE), "{:?}", policies());
+        if nix::unistd::geteuid().is_root() {
+            id.set_background(false).unwrap();
+            assert!(policies().iter().all(|&p| p == libc::SCHED_OTHER), "{:?}", policies());
+        }
+        id.kill();
+        child.wait().unwrap();
+        assert!(id.set_background(true).is_err(), "a process that is gone has no priority");
+    }
+
+    #[test]
+    fn our_proportional_memory_is_counted_and_ends_with_us() {
+        let me = ProcessId::current();
+        let pss = me.proportional_memory().unwrap();
+        assert!(pss > 1 << 20, "a test process uses more than 1 MiB: {pss}");
+        assert_eq!(ProcessId { start_ticks: me.start_ticks + 1, ..me }.proportional_memory(), None);
     }
 }

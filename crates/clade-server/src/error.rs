@@ -67,9 +67,10 @@ pub enum ApiError {
     /// 503; with Retry-After only when nothing was made and a retry may work.
     #[error("{message}")]
     Unavailable { message: String, retry_after: Option<u32> },
-    /// 507: the host cannot hold another sandbox (§2.6: retried by the SDK).
-    #[error("{0}")]
-    InsufficientStorage(String),
+    /// 507: the host cannot hold another sandbox (§2.6: retried by the SDK);
+    /// `reason` (the body's `detail`) says what it lacks.
+    #[error("{message}: {reason}")]
+    InsufficientStorage { message: String, reason: String },
     /// 502: the sandbox's port did not answer (nothing listens, or it hung up).
     #[error("{0}")]
     BadGateway(String),
@@ -116,7 +117,7 @@ impl ApiError {
             Self::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Self::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Self::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
+            Self::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
             Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -173,6 +174,10 @@ impl IntoResponse for ApiError {
             Self::TooManyRequests { message, workspace: Some(workspace), .. } => {
                 ErrorBody { workspace: Some(workspace.clone()), ..body(message) }
             }
+            Self::InsufficientStorage { message, reason } => {
+                tracing::warn!(request_id = %request_id, status = status.as_u16(), "{message}: {reason}");
+                ErrorBody { detail: Some(reason.clone()), ..body(message) }
+            }
             Self::Internal { public, cause } => {
                 tracing::error!(request_id = %request_id, "{public}: {}", chain(cause.as_ref()));
                 body(public)
@@ -208,7 +213,9 @@ impl IntoResponse for ApiError {
 /// client (the cause is logged, not shown).
 pub fn vm_error(what: &str, err: VmError) -> ApiError {
     match err {
-        VmError::Admission(_) => ApiError::InsufficientStorage("insufficient host memory/storage for sandbox".into()),
+        VmError::Admission(e) => {
+            ApiError::InsufficientStorage { message: "insufficient host memory/storage for sandbox".into(), reason: e.to_string() }
+        }
         VmError::Image(ImageError::UnknownImage { name, available }) => {
             ApiError::bad_request(format!("unknown template {name:?}: available: {available}"))
         }

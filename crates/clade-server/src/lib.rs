@@ -184,6 +184,8 @@ pub struct Server {
     /// Renews this host's lease.
     lease: tokio::task::JoinHandle<()>,
     heap_trim: tokio::task::JoinHandle<()>,
+    /// Fills and tends the standby pool.
+    standby: tokio::task::JoinHandle<()>,
     host_id: String,
 }
 
@@ -222,12 +224,12 @@ impl Server {
         if let Some(network) = &config.network {
             runtime = runtime.with_network(clade_host::net::NetPool::start(network.clone(), clade_host::vm::vm_runs).await?);
         }
-        let runtime = runtime.with_standby(config.sandboxes.standby);
+        let runtime = runtime.with_standby_policy(config.sandboxes.standby_policy());
         let host_id = sandbox::host::host_id(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
         let service =
             sandbox::SandboxService::new(host_id.clone(), config.cluster.clone(), runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
-        service.start_standby();
+        let standby = service.start_standby();
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
         let reaper = service.start_reaper();
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
@@ -246,7 +248,7 @@ impl Server {
         let serving = Serving::start(listener, routes::router(state.clone()));
         tracing::info!(%addr, "clade server listening");
         let heap_trim = start_heap_trim();
-        Ok(Self { addr, admin_key, state, serving, reaper, lease, heap_trim, host_id })
+        Ok(Self { addr, admin_key, state, serving, reaper, lease, heap_trim, standby, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -276,6 +278,7 @@ impl Server {
     pub async fn shutdown(self) {
         self.reaper.abort();
         self.heap_trim.abort();
+        self.standby.abort();
         self.lease.abort();
         self.state.stopping.cancel();
         self.serving.stop("server").await;

@@ -10,9 +10,21 @@ use std::time::Duration;
 /// The standby pool's figures (`clade_standby_*`).
 pub fn render_standby(stats: &clade_host::vm::StandbyStats) -> String {
     let mut out = String::new();
-    let families: [(&str, &str, &str, String); 6] = [
-        ("clade_standby_target", "gauge", "Standby VMMs kept per template and lifetime.", stats.target.to_string()),
+    let families: [(&str, &str, &str, String); 9] = [
+        ("clade_standby_target", "gauge", "Standby VMMs the pool is filling toward (all templates).", stats.target.to_string()),
         ("clade_standby_ready", "gauge", "Standby VMMs ready now.", stats.ready.to_string()),
+        (
+            "clade_standby_memory_bytes",
+            "gauge",
+            "What the ready standby VMMs cost the host's memory (proportional set size).",
+            stats.memory.to_string(),
+        ),
+        (
+            "clade_standby_memory_budget_bytes",
+            "gauge",
+            "What standby VMMs beyond the floor may cost together.",
+            stats.memory_budget.to_string(),
+        ),
         ("clade_standby_hits_total", "counter", "VMs made on a ready standby VMM.", stats.hits.to_string()),
         ("clade_standby_misses_total", "counter", "VMs made without one (none was ready).", stats.misses.to_string()),
         ("clade_standby_prepared_total", "counter", "Standby VMMs made ready.", stats.prepared.to_string()),
@@ -22,6 +34,7 @@ pub fn render_standby(stats: &clade_host::vm::StandbyStats) -> String {
             "Time spent making standby VMMs ready, in all.",
             format!("{:.3}", stats.preparing.as_secs_f64()),
         ),
+        ("clade_standby_retired_total", "counter", "Standby VMMs stopped because demand went.", stats.retired.to_string()),
     ];
     for (name, kind, help, value) in families {
         let _ = writeln!(
@@ -30,6 +43,19 @@ pub fn render_standby(stats: &clade_host::vm::StandbyStats) -> String {
 # TYPE {name} {kind}
 {name} {value}"
         );
+    }
+    for (name, help, value) in [
+        (
+            "clade_standby_template_target",
+            "Standby VMMs a template's pool is filling toward.",
+            (|t: &clade_host::vm::TemplateStandby| t.target) as fn(&_) -> usize,
+        ),
+        ("clade_standby_template_ready", "Standby VMMs of a template ready now.", |t| t.ready),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for template in &stats.templates {
+            let _ = writeln!(out, "{name}{{template=\"{}\"}} {}", template.template, value(template));
+        }
     }
     out
 }
@@ -152,10 +178,26 @@ mod tests {
 
     #[test]
     fn the_standby_pools_figures_are_gauges_and_counters() {
-        let stats =
-            clade_host::vm::StandbyStats { target: 1, ready: 1, hits: 7, misses: 2, prepared: 9, preparing: Duration::from_millis(4500) };
+        let stats = clade_host::vm::StandbyStats {
+            target: 3,
+            ready: 1,
+            memory: 27 << 20,
+            memory_budget: 1 << 30,
+            hits: 7,
+            misses: 2,
+            prepared: 9,
+            preparing: Duration::from_millis(4500),
+            retired: 4,
+            templates: vec![clade_host::vm::TemplateStandby { template: "abc123".into(), target: 3, ready: 1 }],
+        };
         let text = render_standby(&stats);
         assert!(text.contains("# TYPE clade_standby_ready gauge\nclade_standby_ready 1\n"), "{text}");
+        assert!(text.contains("clade_standby_memory_bytes 28311552\n") && text.contains("clade_standby_retired_total 4\n"), "{text}");
+        assert!(
+            text.contains("# TYPE clade_standby_template_target gauge\nclade_standby_template_target{template=\"abc123\"} 3\n"),
+            "{text}"
+        );
+        assert!(text.contains("clade_standby_template_ready{template=\"abc123\"} 1\n"), "{text}");
         assert!(text.contains("clade_standby_hits_total 7\n") && text.contains("clade_standby_misses_total 2\n"), "{text}");
         assert!(text.contains("clade_standby_preparation_seconds_total 4.500\n"), "{text}");
     }

@@ -19,10 +19,11 @@
 //! `spec`, `error`; below them `transfer` (a bundle of files moved between
 //! hosts, checksummed and resumable),
 //! `launch` (QEMU's command line and confinement), `record` (`vm.json` and
-//! the sweep), `template`, `standby`, `admission`, `migrate`, `idle`.
+//! the sweep), `template`, `standby` (and `demand`, what it follows), `admission`, `migrate`, `idle`.
 
 mod admission;
 mod capture;
+mod demand;
 mod error;
 mod handle;
 mod hibernate;
@@ -51,8 +52,9 @@ pub use snapshot::SnapshotRecord;
 pub use template::Template;
 pub use transfer::{BundleFile, BundleKind, BundleSource, Manifest};
 
+pub use demand::{BURST_WINDOW_SECS, HORIZON_SECS};
 pub use error::{FailureKind, VmError, VmFailure};
 pub use handle::Vm;
 pub use runtime::{DiskUsage, VmRuntime};
 pub use spec::{BootKind, VmSpec, Watchdog};
-pub use standby::StandbyStats;
+pub use standby::{StandbyPolicy, StandbyStats, TemplateStandby};

@@ -140,10 +140,16 @@ impl VmRuntime {
         self
     }
 
-    /// Keeps `count` standby VMMs per template and lifetime in use (see
-    /// [`standby`]): for long-running managers; a one-shot CLI keeps none.
-    pub fn with_standby(mut self, count: usize) -> Self {
-        self.standby = Arc::new(standby::StandbyPool::new(count));
+    /// Keeps `count` standby VMMs per template and lifetime in use, whatever
+    /// the demand (see [`standby`]): for tests and benchmarks; a one-shot
+    /// CLI keeps none.
+    pub fn with_standby(self, count: usize) -> Self {
+        self.with_standby_policy(standby::StandbyPolicy::fixed(count))
+    }
+
+    /// Keeps standby VMMs as `policy` says: for long-running managers.
+    pub fn with_standby_policy(mut self, policy: standby::StandbyPolicy) -> Self {
+        self.standby = Arc::new(standby::StandbyPool::new(policy));
         self
     }
 

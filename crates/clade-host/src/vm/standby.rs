@@ -21,6 +21,14 @@
 //! reset, its disk an untouched copy), and the state it is given is the
 //! same template state a cold create would load.
 //!
+//! How many the pool keeps follows demand (ADR 23): per template, the most
+//! VMs asked for within a burst window of the last ten minutes
+//! ([`super::demand`]), at least the operator's floor for a template in use,
+//! and all together within a memory budget, each standby's cost measured as
+//! its VMM's proportional set size. Standbys are prepared in the background
+//! (`SCHED_IDLE`: on CPU time nothing else wants) and stopped once demand
+//! has gone ([`VmRuntime::tend_standby`]).
+//!
 //! A standby VM is an ordinary VM directory whose record says
 //! [`Phase::Standby`]: listings skip it, adoption refuses it, and the sweep
 //! removes it once its owner is gone (an ephemeral one also dies with its
@@ -28,14 +36,16 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio::sync::watch;
 
 use clade_proto::{Command, ExecRequest};
 
+use super::demand::{Demand, HORIZON_SECS};
 use super::error::{io_err, VmError};
 use super::launch::{Disk, Memory};
 use super::migrate::{self, Translations};
@@ -63,6 +73,9 @@ pub(super) struct Standby {
     /// ([`VmRuntime::rehearse`]):
     /// a create from the template keeps what TCG translated then.
     pub rehearsed: bool,
+    /// What its VMM costs the host's memory, measured when it was ready
+    /// (proportional set size, bytes).
+    pub cost: u64,
 }
 
 /// The disk a standby VM is taken with.
@@ -82,10 +95,6 @@ const TAKEN_DISK_NODE: &str = "taken-disk";
 /// a rehearsal's guest writes to.
 const REHEARSAL_DISK_NODE: &str = "rehearsal-disk";
 const REHEARSAL_DISK: &str = "rehearsal.qcow2";
-/// The niceness a standby VMM is prepared at (its start after QMP answers,
-/// its rehearsal): work ahead of need yields the CPU to creates under way,
-/// and the create that takes it sets it back to 0.
-const STANDBY_NICENESS: i32 = 10;
 /// What a rehearsal runs after the post-restore hook: a process started
 /// through the agent, as an agent's first command is (the kernel's exec and
 /// exit, the agent's spawn, the dynamic loader and libc).
@@ -93,70 +102,174 @@ const REHEARSAL_COMMAND: [&str; 3] = ["/bin/sh", "-c", "exit 0"];
 
 type PoolKey = (String, Lifetime);
 
+/// How many standby VMMs the pool keeps ([`VmRuntime::with_standby_policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandbyPolicy {
+    /// Kept for each template in use (and for the templates prestarted, such
+    /// as a server's default one, always).
+    pub floor: usize,
+    /// Grow each template's pool toward its recent peak of VMs asked for
+    /// ([`super::demand`]) and shrink it when that passes; otherwise every
+    /// template in use keeps `floor`.
+    pub follow_demand: bool,
+    /// What the standby VMMs beyond the floors may cost in memory
+    /// together, bytes (0: the pool never grows past its floors).
+    pub memory_budget: u64,
+    /// How long demand is remembered, seconds ([`super::demand`]).
+    pub horizon_secs: u64,
+}
+
+impl StandbyPolicy {
+    /// `count` standby VMMs per template in use, whatever the demand: for
+    /// tests and benchmarks that measure one thing at a time.
+    pub fn fixed(count: usize) -> Self {
+        Self { floor: count, follow_demand: false, memory_budget: 0, horizon_secs: HORIZON_SECS }
+    }
+
+    /// At least `floor` per template in use, more while demand lasts
+    /// (remembered for `horizon_secs`), those within `memory_budget` bytes.
+    pub fn following_demand(floor: usize, memory_budget: u64, horizon_secs: u64) -> Self {
+        Self { floor, follow_demand: true, memory_budget, horizon_secs }
+    }
+
+    /// The memory budget a host gets unless its operator says otherwise: a
+    /// sixteenth of its memory (1.5 GiB of 24 GiB).
+    pub fn default_memory_budget() -> u64 {
+        let total = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|info| info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map_or(4 << 30, |kib| kib * 1024);
+        total / 16
+    }
+
+    fn is_on(&self) -> bool {
+        self.floor > 0 || self.follow_demand
+    }
+}
+
+impl Default for StandbyPolicy {
+    fn default() -> Self {
+        Self::fixed(0)
+    }
+}
+
 /// Standby VMMs by template and lifetime, and how many to keep of each.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct StandbyPool {
-    target: usize,
+    policy: StandbyPolicy,
     ready: Mutex<HashMap<PoolKey, Vec<Standby>>>,
+    /// VMs asked for per key, hits and misses alike.
+    demand: Mutex<HashMap<PoolKey, Demand>>,
+    /// What a standby of each key is started from: for refills that no
+    /// create starts ([`VmRuntime::tend_standby`]).
+    shapes: Mutex<HashMap<PoolKey, (Template, VmSpec)>>,
+    /// Keys kept at the floor whatever the demand (prestarted).
+    kept: Mutex<HashSet<PoolKey>>,
     /// Keys with a refill under way: one at a time per key.
     refilling: Mutex<HashSet<PoolKey>>,
+    /// Standby VMMs being started now, all keys together.
+    starting_now: AtomicUsize,
+    /// What the last standby made ready cost (bytes): the estimate for the
+    /// next one's, against the budget.
+    last_cost: AtomicU64,
     /// Raised by every drain: a standby whose start began before the drain
     /// is stopped when it is ready instead of parked.
-    generation: std::sync::atomic::AtomicU64,
+    generation: AtomicU64,
     /// Held while a standby's QEMU is spawned and recorded, and by a drain
     /// while it raises the generation: a start either has its QEMU recorded
     /// before the drain (whose sweep of the records then stops it) or sees
     /// the new generation and spawns nothing.
     starting: Mutex<()>,
+    /// Demand is counted in whole seconds since this instant.
+    epoch: Instant,
     counters: StandbyCounters,
+}
+
+impl Default for StandbyPool {
+    fn default() -> Self {
+        Self::new(StandbyPolicy::default())
+    }
 }
 
 #[derive(Debug, Default)]
 struct StandbyCounters {
-    hits: std::sync::atomic::AtomicU64,
-    misses: std::sync::atomic::AtomicU64,
-    prepared: std::sync::atomic::AtomicU64,
-    preparing_us: std::sync::atomic::AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    prepared: AtomicU64,
+    preparing_us: AtomicU64,
+    retired: AtomicU64,
 }
 
 /// What the standby pool holds and has done, for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StandbyStats {
-    /// Standby VMMs kept per template and lifetime.
+    /// Standby VMMs the pool is filling toward, all templates together.
     pub target: usize,
     /// Ready now, all templates together.
     pub ready: usize,
+    /// What the ready ones cost the host's memory (proportional set size),
+    /// and what they may cost together, bytes.
+    pub memory: u64,
+    pub memory_budget: u64,
     /// VMs made on a ready standby, and made without one (none was ready).
     pub hits: u64,
     pub misses: u64,
     /// Standby VMMs made ready, and the time that took them in all.
     pub prepared: u64,
-    pub preparing: std::time::Duration,
+    pub preparing: Duration,
+    /// Standby VMMs stopped because demand went.
+    pub retired: u64,
+    /// Per template: its target and how many are ready.
+    pub templates: Vec<TemplateStandby>,
+}
+
+/// One template's part of the pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateStandby {
+    pub template: String,
+    pub target: usize,
+    pub ready: usize,
 }
 
 impl StandbyPool {
-    pub fn new(target: usize) -> Self {
-        Self { target, ..Self::default() }
+    pub fn new(policy: StandbyPolicy) -> Self {
+        Self {
+            policy,
+            ready: Mutex::default(),
+            demand: Mutex::default(),
+            shapes: Mutex::default(),
+            kept: Mutex::default(),
+            refilling: Mutex::default(),
+            starting_now: AtomicUsize::new(0),
+            last_cost: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            starting: Mutex::new(()),
+            epoch: Instant::now(),
+            counters: StandbyCounters::default(),
+        }
     }
 
-    pub fn target(&self) -> usize {
-        self.target
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_secs()
     }
 
-    /// A live standby for this template, if one is ready (counted as a hit
-    /// or a miss when the pool is on).
+    /// A live standby for this template, if one is ready; counted as demand,
+    /// and as a hit or a miss, when the pool is on.
     pub fn take(&self, template: &Template, lifetime: Lifetime) -> Option<Standby> {
-        let taken = self.take_ready(template, lifetime);
-        if self.target > 0 {
+        let key = (template.key.clone(), lifetime);
+        let taken = self.take_ready(&key);
+        if self.policy.is_on() {
+            let horizon = self.policy.horizon_secs;
+            self.demand.lock().expect("standby lock").entry(key).or_insert_with(|| Demand::new(horizon)).record(self.now());
             let counter = if taken.is_some() { &self.counters.hits } else { &self.counters.misses };
-            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            counter.fetch_add(1, Ordering::Relaxed);
         }
         taken
     }
 
-    fn take_ready(&self, template: &Template, lifetime: Lifetime) -> Option<Standby> {
+    fn take_ready(&self, key: &PoolKey) -> Option<Standby> {
         let mut ready = self.ready.lock().expect("standby lock");
-        let slots = ready.get_mut(&(template.key.clone(), lifetime))?;
+        let slots = ready.get_mut(key)?;
         while let Some(standby) = slots.pop() {
             if standby.exited.borrow().is_none() {
                 return Some(standby);
@@ -166,22 +279,74 @@ impl StandbyPool {
         None
     }
 
+    /// How many standby VMMs this key should have now, and how many of
+    /// those it has whatever the budget (its floor).
+    fn target(&self, key: &PoolKey) -> (usize, usize) {
+        let policy = &self.policy;
+        if !policy.follow_demand {
+            return (policy.floor, policy.floor);
+        }
+        let peak = self.demand.lock().expect("standby lock").get_mut(key).map_or(0, |demand| demand.peak(self.now()));
+        let in_use = peak > 0 || self.kept.lock().expect("standby lock").contains(key);
+        let floor = if in_use { policy.floor } else { 0 };
+        (peak.max(floor), floor)
+    }
+
+    /// Whether this key should get one more standby: below its target, and
+    /// below its floor or within the memory budget (counting those being
+    /// started at the last one's cost).
+    fn wants_more(&self, key: &PoolKey) -> bool {
+        let (target, floor) = self.target(key);
+        let (count, ready_cost): (usize, u64) = {
+            let ready = self.ready.lock().expect("standby lock");
+            (ready.get(key).map_or(0, Vec::len), ready.values().flatten().map(|s| s.cost).sum())
+        };
+        if count >= target {
+            return false;
+        }
+        let each = self.last_cost.load(Ordering::Relaxed);
+        let starting = self.starting_now.load(Ordering::Relaxed) as u64;
+        count < floor || ready_cost.saturating_add((starting + 1).saturating_mul(each)) <= self.policy.memory_budget
+    }
+
     pub fn stats(&self) -> StandbyStats {
-        use std::sync::atomic::Ordering::Relaxed;
-        let ready = self.ready.lock().expect("standby lock").values().map(Vec::len).sum();
+        let keys: HashSet<PoolKey> = {
+            let ready = self.ready.lock().expect("standby lock");
+            let demand = self.demand.lock().expect("standby lock");
+            let kept = self.kept.lock().expect("standby lock");
+            ready.keys().chain(demand.keys()).chain(kept.iter()).cloned().collect()
+        };
+        let mut templates: Vec<TemplateStandby> = Vec::new();
+        for key in &keys {
+            let (target, ready) = (self.target(key).0, self.count(key));
+            match templates.iter_mut().find(|t| t.template == key.0) {
+                Some(t) => {
+                    t.target += target;
+                    t.ready += ready;
+                }
+                None => templates.push(TemplateStandby { template: key.0.clone(), target, ready }),
+            }
+        }
+        templates.retain(|t| t.target + t.ready > 0);
+        templates.sort_by(|a, b| a.template.cmp(&b.template));
+        let memory = self.ready.lock().expect("standby lock").values().flatten().map(|s| s.cost).sum();
         let counters = &self.counters;
         StandbyStats {
-            target: self.target,
-            ready,
-            hits: counters.hits.load(Relaxed),
-            misses: counters.misses.load(Relaxed),
-            prepared: counters.prepared.load(Relaxed),
-            preparing: std::time::Duration::from_micros(counters.preparing_us.load(Relaxed)),
+            target: templates.iter().map(|t| t.target).sum(),
+            ready: templates.iter().map(|t| t.ready).sum(),
+            memory,
+            memory_budget: self.policy.memory_budget,
+            hits: counters.hits.load(Ordering::Relaxed),
+            misses: counters.misses.load(Ordering::Relaxed),
+            prepared: counters.prepared.load(Ordering::Relaxed),
+            preparing: Duration::from_micros(counters.preparing_us.load(Ordering::Relaxed)),
+            retired: counters.retired.load(Ordering::Relaxed),
+            templates,
         }
     }
 
     fn generation(&self) -> u64 {
-        self.generation.load(std::sync::atomic::Ordering::SeqCst)
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// Parks a standby started in `generation`; one that a drain overtook is stopped.
@@ -207,9 +372,43 @@ impl StandbyPool {
             let keys: Vec<PoolKey> = ready.keys().filter(|(template, _)| templates.contains(template)).cloned().collect();
             keys.iter().filter_map(|key| ready.remove(key)).flatten().collect()
         };
+        self.shapes.lock().expect("standby lock").retain(|(template, _), _| !templates.contains(template));
         for standby in retired {
             record::stop_leftover(&standby.dir);
         }
+    }
+
+    /// Stops the ready standbys beyond each key's target, the oldest first,
+    /// and forgets keys nobody asked for within the horizon; returns the
+    /// keys below their target, with what to start their standbys from.
+    fn shrink(&self) -> Vec<(Template, VmSpec)> {
+        let keys: Vec<PoolKey> = self.shapes.lock().expect("standby lock").keys().cloned().collect();
+        let mut below = Vec::new();
+        let mut stopped = Vec::new();
+        for key in keys {
+            let target = self.target(&key).0;
+            {
+                let mut ready = self.ready.lock().expect("standby lock");
+                if let Some(slots) = ready.get_mut(&key) {
+                    let excess = slots.len().saturating_sub(target);
+                    stopped.extend(slots.drain(..excess));
+                }
+            }
+            let idle = self.demand.lock().expect("standby lock").get_mut(&key).is_none_or(|d| d.is_empty(self.now()));
+            if target == 0 && idle {
+                self.demand.lock().expect("standby lock").remove(&key);
+                self.shapes.lock().expect("standby lock").remove(&key);
+            } else if self.count(&key) < target {
+                if let Some(shape) = self.shapes.lock().expect("standby lock").get(&key) {
+                    below.push(shape.clone());
+                }
+            }
+        }
+        self.counters.retired.fetch_add(stopped.len() as u64, Ordering::Relaxed);
+        for standby in stopped {
+            record::stop_leftover(&standby.dir);
+        }
+        below
     }
 
     /// Empties the pool and raises the generation; the caller stops the
@@ -217,47 +416,77 @@ impl StandbyPool {
     fn drain(&self) {
         let _starting = self.starting.lock().expect("standby lock");
         let mut ready = self.ready.lock().expect("standby lock");
-        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.generation.fetch_add(1, Ordering::SeqCst);
         ready.clear();
     }
 }
 
 impl VmRuntime {
     /// Starts standby VMMs for this shape in the background until the pool
-    /// holds its target; returns at once. Does nothing when the pool is off.
+    /// holds its target for it (or the memory budget is spent); returns at
+    /// once. Does nothing when the pool is off.
     pub(super) fn refill_standby(&self, template: &Template, spec: &VmSpec) {
+        let pool = &self.standby;
         let key = (template.key.clone(), spec.lifetime);
-        if self.standby.target() == 0 || !self.standby.refilling.lock().expect("standby lock").insert(key.clone()) {
+        if !pool.policy.is_on() {
+            return;
+        }
+        pool.shapes.lock().expect("standby lock").insert(key.clone(), (template.clone(), spec.clone()));
+        if !pool.refilling.lock().expect("standby lock").insert(key.clone()) {
             return;
         }
         let (runtime, template, spec) = (self.clone(), template.clone(), spec.clone());
         tokio::spawn(async move {
-            let generation = runtime.standby.generation();
-            while runtime.standby.count(&key) < runtime.standby.target() && generation == runtime.standby.generation() {
-                match runtime.start_standby(&template, &spec, generation).await {
-                    Ok(Some(standby)) => runtime.standby.park(&key, standby, generation),
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!("could not start a standby VMM: {e}");
-                        break;
-                    }
-                }
+            if let Err(e) = runtime.fill(&key, &template, &spec).await {
+                tracing::warn!("could not start a standby VMM: {e}");
             }
             runtime.standby.refilling.lock().expect("standby lock").remove(&key);
         });
     }
 
-    /// Fills the standby pool for this shape (baking its template if needed)
-    /// and waits until it is full: for a server at start-up, and benchmarks.
-    pub async fn prestart(&self, spec: &VmSpec) -> Result<(), VmError> {
-        let (template, _) = self.template(spec).await?;
-        let key = (template.key.clone(), spec.lifetime);
-        let generation = self.standby.generation();
-        while self.standby.count(&key) < self.standby.target() && generation == self.standby.generation() {
-            let Some(standby) = self.start_standby(&template, spec, generation).await? else { break };
-            self.standby.park(&key, standby, generation);
+    /// Starts standby VMMs for `key` one after another while it wants more;
+    /// the caller holds the key's refill.
+    async fn fill(&self, key: &PoolKey, template: &Template, spec: &VmSpec) -> Result<(), VmError> {
+        let pool = &self.standby;
+        let generation = pool.generation();
+        while pool.wants_more(key) && generation == pool.generation() {
+            pool.starting_now.fetch_add(1, Ordering::Relaxed);
+            let started = self.start_standby(template, spec, generation).await;
+            pool.starting_now.fetch_sub(1, Ordering::Relaxed);
+            match started? {
+                Some(standby) => pool.park(key, standby, generation),
+                None => break,
+            }
         }
         Ok(())
+    }
+
+    /// Fills the standby pool for this shape (baking its template if needed)
+    /// up to the floor, and waits until it has: for a server at start-up,
+    /// and benchmarks. The shape keeps its floor whatever the demand.
+    pub async fn prestart(&self, spec: &VmSpec) -> Result<(), VmError> {
+        let (template, _) = self.template(spec).await?;
+        let pool = &self.standby;
+        let key = (template.key.clone(), spec.lifetime);
+        pool.kept.lock().expect("standby lock").insert(key.clone());
+        pool.shapes.lock().expect("standby lock").insert(key.clone(), (template.clone(), spec.clone()));
+        // One filler per key: after a refill under way, this one.
+        while !pool.refilling.lock().expect("standby lock").insert(key.clone()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let filled = self.fill(&key, &template, spec).await;
+        pool.refilling.lock().expect("standby lock").remove(&key);
+        filled
+    }
+
+    /// Brings the pool to what demand asks now: stops the standbys of a
+    /// demand that has passed, and starts those of one still there that no
+    /// create started (a budget that freed, a failed start). Long-running
+    /// managers call it every few seconds; it returns at once.
+    pub fn tend_standby(&self) {
+        for (template, spec) in self.standby.shrink() {
+            self.refill_standby(&template, &spec);
+        }
     }
 
     /// Stops the standby VMMs this runtime started.
@@ -302,6 +531,14 @@ impl VmRuntime {
                 record.save(&dir).map_err(io_err("writing the VM record"))?;
                 exited
             };
+            // Prepared on CPU time nothing else wants (its start-up, its
+            // rehearsal): the create that takes it brings it to the
+            // foreground.
+            if let Some(vmm) = record.vmm {
+                if let Err(e) = vmm.set_background(true) {
+                    tracing::debug!("could not put a standby VMM in the background: {e}");
+                }
+            }
             // A drain may stop this VMM before its QMP answers.
             let mut exit_watch = exited.clone();
             let socket = super::launch::qmp_socket(&dir);
@@ -311,11 +548,6 @@ impl VmRuntime {
                     return Err(super::restore::exited_during_boot(&dir, status.ok().and_then(|s| s.clone())));
                 }
             };
-            if let Some(vmm) = record.vmm {
-                if let Err(e) = vmm.set_niceness(STANDBY_NICENESS) {
-                    tracing::debug!("could not lower a standby VMM's priority: {e}");
-                }
-            }
             let disk = dir.join("disk.qcow2");
             std::fs::copy(template.overlay(), &disk).map_err(io_err("creating the disk layer"))?;
             make_writable(&disk)?;
@@ -332,11 +564,13 @@ impl VmRuntime {
         match started {
             Ok(Some((exited, qmp, rehearsed))) => {
                 let took = starting.elapsed();
-                let counters = &self.standby.counters;
-                counters.prepared.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                counters.preparing_us.fetch_add(took.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
-                tracing::debug!(vm = %id, rehearsed, ?took, "standby VMM ready");
-                Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed }))
+                let cost = record.vmm.and_then(|vmm| vmm.proportional_memory()).unwrap_or(0);
+                let pool = &self.standby;
+                pool.last_cost.store(cost, Ordering::Relaxed);
+                pool.counters.prepared.fetch_add(1, Ordering::Relaxed);
+                pool.counters.preparing_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+                tracing::debug!(vm = %id, rehearsed, ?took, cost_mib = cost >> 20, "standby VMM ready");
+                Ok(Some(Standby { id, dir, record, exited, qmp, rehearsed, cost }))
             }
             outcome => {
                 record::stop_leftover(&dir);
@@ -411,7 +645,7 @@ impl VmRuntime {
         disk: TakenDisk<'_>,
     ) -> Result<(), VmError> {
         if let Some(vmm) = record.vmm {
-            vmm.set_niceness(0).map_err(io_err("restoring a taken standby VMM's priority"))?;
+            vmm.set_background(false).map_err(io_err("bringing a taken standby VMM to the foreground"))?;
         }
         record.phase = Phase::Creating;
         record.tag = spec.tag.clone();

@@ -3,7 +3,7 @@
 //! user's snapshot (persistent, so it outlives this process), then its row.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clade_host::image::Progress;
 use clade_host::net::EgressPolicy;
@@ -43,6 +43,9 @@ pub struct Boot {
     pub ms: u64,
     pub mode: &'static str,
 }
+
+/// How often the standby pool is brought to what demand asks now.
+const STANDBY_TEND_INTERVAL: Duration = Duration::from_secs(2);
 
 impl SandboxService {
     /// Creates a sandbox, to the end even if the client goes away.
@@ -113,22 +116,28 @@ impl SandboxService {
     }
 
     /// Starts the standby VMMs of the default template in the background,
-    /// when its image is built (a first start builds it on the first create).
-    pub fn start_standby(&self) {
-        if self.settings().standby == 0 {
-            return;
-        }
+    /// when its image is built (a first start builds it on the first
+    /// create), then tends the pool every [`STANDBY_TEND_INTERVAL`]: it
+    /// follows demand (`VmRuntime::tend_standby`). Aborting the task stops
+    /// the tending; the caller drains the pool.
+    pub fn start_standby(&self) -> tokio::task::JoinHandle<()> {
         let service = self.clone();
         tokio::spawn(async move {
             let images = service.runtime().images().clone();
-            let image = match tokio::task::spawn_blocking(move || images.cached(DEFAULT_TEMPLATE)).await {
-                Ok(Ok(Some(image))) => image,
-                _ => return,
-            };
-            if let Err(e) = service.runtime().prestart(&service.vm_spec(image)).await {
-                tracing::warn!("starting standby VMMs: {}", chain(&e));
+            if service.settings().standby > 0 {
+                if let Ok(Ok(Some(image))) = tokio::task::spawn_blocking(move || images.cached(DEFAULT_TEMPLATE)).await {
+                    if let Err(e) = service.runtime().prestart(&service.vm_spec(image)).await {
+                        tracing::warn!("starting standby VMMs: {}", chain(&e));
+                    }
+                }
             }
-        });
+            let mut tick = tokio::time::interval(STANDBY_TEND_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                service.runtime().tend_standby();
+            }
+        })
     }
 
     /// Gives a new VM its row and its entry; without a row, no VM stays.

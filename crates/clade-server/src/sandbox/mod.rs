@@ -64,8 +64,27 @@ pub struct SandboxSettings {
     pub max_concurrent_creates: usize,
     /// …at most this long, then 503 with Retry-After.
     pub create_queue_timeout: Duration,
-    /// Standby VMMs kept for the default template (`VmRuntime::with_standby`).
+    /// Standby VMMs kept for the default template, and for any template in
+    /// use, whatever the demand (`clade_host::vm::StandbyPolicy::floor`);
+    /// 0 keeps none at all.
     pub standby: usize,
+    /// What the standby VMMs kept beyond that, for recent demand, may cost
+    /// in memory together, MiB (0: none beyond; `None`: a sixteenth of the
+    /// host's memory).
+    pub standby_memory_mb: Option<u64>,
+    /// How long a burst of creates keeps the pool grown.
+    pub standby_horizon: Duration,
+}
+
+impl SandboxSettings {
+    /// The standby pool these settings ask for.
+    pub fn standby_policy(&self) -> clade_host::vm::StandbyPolicy {
+        if self.standby == 0 {
+            return clade_host::vm::StandbyPolicy::fixed(0);
+        }
+        let budget = self.standby_memory_mb.map_or_else(clade_host::vm::StandbyPolicy::default_memory_budget, |mib| mib << 20);
+        clade_host::vm::StandbyPolicy::following_demand(self.standby, budget, self.standby_horizon.as_secs())
+    }
 }
 
 impl Default for SandboxSettings {
@@ -81,6 +100,8 @@ impl Default for SandboxSettings {
             max_concurrent_creates: 4,
             create_queue_timeout: Duration::from_secs(10),
             standby: 1,
+            standby_memory_mb: None,
+            standby_horizon: Duration::from_secs(clade_host::vm::HORIZON_SECS),
         }
     }
 }

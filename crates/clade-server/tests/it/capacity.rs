@@ -58,16 +58,10 @@ async fn the_rate_limiter_refuses_per_workspace_with_retry_after_and_metrics_cou
 
 /// Sandbox VM directories on the host (not standby or snapshot holders).
 fn sandbox_vm_dirs(data_dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(data_dir.join("vms"))
+    crate::support::vm_phases(data_dir)
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let record: Value =
-                std::fs::read(e.path().join("vm.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(Value::Null);
-            !matches!(record["phase"].as_str(), Some("standby" | "holder"))
-        })
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|(_, phase)| !matches!(phase.as_deref(), Some("standby" | "holder")))
+        .map(|(id, _)| id)
         .collect()
 }
 
@@ -137,10 +131,57 @@ async fn fifty_concurrent_creates_succeed_or_are_refused_and_nothing_is_half_mad
         let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("no {name}: {text}"));
         line[name.len() + 1..].parse().unwrap()
     };
-    assert_eq!(value("clade_standby_target"), 1, "the default pool: {text}");
+    // The default pool follows demand: the burst asked for more than its floor.
+    assert!(value("clade_standby_target") >= 1, "the default pool: {text}");
     assert_eq!(value("clade_standby_hits_total") + value("clade_standby_misses_total"), created.len() as u64, "{text}");
     // The pool made its standby (whether it was ready before the burst is the machine's timing).
     assert!(value("clade_standby_prepared_total") >= 1, "{text}");
+    server.shutdown().await;
+}
+
+/// One workspace's burst of creates does not starve another's single
+/// create: the line of creates takes turns between workspaces, so the other
+/// workspace's create is made next after the one under way, not after the
+/// whole burst (it would be last in a first-come line).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_one_workspace_waits_its_turn_behind_another_workspaces_create() {
+    let Some(env) = clade_testkit::vm_env() else { return };
+    let mut config = crate::support::config(&env.config);
+    config.sandboxes.max_concurrent_creates = 1;
+    config.sandboxes.create_queue_timeout = Duration::from_secs(120);
+    config.limits.rate_per_sec = 0;
+    let server = clade_server::Server::start(config).await.unwrap();
+    let api = Api::new(server.addr(), server.admin_key());
+    let other_ws = server.store().create_workspace("other").await.unwrap();
+    let other = api.with_key(&server.store().create_key(&other_ws.id, "k").await.unwrap().secret);
+    let data_dir = env.data_dir();
+
+    let finished = std::sync::Arc::new(std::sync::Mutex::new(Vec::<&str>::new()));
+    let create = |api: &Api, who: &'static str| {
+        let (api, finished) = (api.clone(), finished.clone());
+        tokio::spawn(async move {
+            let reply = api.post("/v1/sandboxes", json!({})).await;
+            reply.expect(201);
+            finished.lock().unwrap().push(who);
+            reply.json()["id"].as_str().unwrap().to_string()
+        })
+    };
+    let burst: Vec<_> = (0..6).map(|_| create(&api, "burst")).collect();
+    // The burst's first create holds the line's one turn; the rest wait.
+    until("the burst's first create under way", Duration::from_secs(60), || async { !sandbox_vm_dirs(data_dir).is_empty() }).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let single = create(&other, "single");
+    let mut ids = Vec::new();
+    for task in burst.into_iter().chain([single]) {
+        ids.push(task.await.unwrap());
+    }
+    let order = finished.lock().unwrap().clone();
+    let turn = order.iter().position(|who| *who == "single").unwrap();
+    assert!(turn <= 2, "the other workspace's create finished {}th of 7: {order:?}", turn + 1);
+    for (i, id) in ids.iter().enumerate() {
+        let api = if i < 6 { &api } else { &other };
+        api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    }
     server.shutdown().await;
 }
 

@@ -14,6 +14,7 @@ mod ports;
 mod postgres;
 mod sandboxes;
 mod snapshots_fork;
+mod standby;
 mod stream;
 mod support;
 mod terminal;

@@ -11,6 +11,21 @@ use serde_json::Value;
 /// The file limits of test servers: small, so that going over them is cheap.
 pub const FS_LIMIT: usize = 1 << 20;
 
+/// Every VM directory of a data directory, with the phase its record says
+/// (`None` without a readable record).
+pub fn vm_phases(data_dir: &Path) -> Vec<(String, Option<String>)> {
+    let phase = |dir: &Path| -> Option<String> {
+        let record: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("vm.json")).ok()?).ok()?;
+        record["phase"].as_str().map(str::to_string)
+    };
+    std::fs::read_dir(data_dir.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), phase(&e.path())))
+        .collect()
+}
+
 pub fn config(host: &HostConfig) -> ServerConfig {
     let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap(), host.clone());
     config.limits = Limits { fs_read_bytes: FS_LIMIT, fs_write_bytes: FS_LIMIT, ..Limits::default() };
