@@ -9,10 +9,11 @@ use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub enum ImagesCommand {
-    /// Build (or verify the cache of) an image: kernel, root filesystem, agent.
+    /// Build (or verify the cache of) images: kernel, root filesystem, agent.
     Build {
-        #[arg(long, default_value = "base")]
-        image: String,
+        /// The image to build (repeatable): base, code-interpreter, agent.
+        #[arg(long = "image", default_value = "base")]
+        images: Vec<String>,
     },
     /// List the images this build knows and whether they are built.
     Ls,
@@ -32,9 +33,12 @@ pub enum ImagesCommand {
 pub async fn run(command: ImagesCommand, config: HostConfig) -> anyhow::Result<ExitCode> {
     let store = ImageStore::new(&config.cache_dir, config.guestd.clone());
     match command {
-        ImagesCommand::Build { image } => {
-            let built = tokio::task::spawn_blocking(move || store.ensure(&image, &Progress::Stderr)).await??;
-            println!("{}\t{}\t{}", built.name, built.kernel.display(), built.rootfs.display());
+        ImagesCommand::Build { images } => {
+            for image in images {
+                let store = store.clone();
+                let built = tokio::task::spawn_blocking(move || store.ensure(&image, &Progress::Stderr)).await??;
+                println!("{}\t{}\t{}", built.name, built.kernel.display(), built.rootfs.display());
+            }
         }
         ImagesCommand::Prune { other_data_dirs, dry_run } => {
             let data_dirs: Vec<PathBuf> = std::iter::once(config.data_dir.clone()).chain(other_data_dirs).collect();

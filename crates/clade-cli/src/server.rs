@@ -68,6 +68,12 @@ pub struct MachineArgs {
     /// Env: CLADE_STANDBY_HORIZON.
     #[arg(long, env = "CLADE_STANDBY_HORIZON", default_value_t = clade_host::vm::HORIZON_SECS)]
     standby_horizon: u64,
+    /// A template name that resolves to an image (repeatable, NAME=IMAGE;
+    /// IMAGE is base, code-interpreter or agent). `ubuntu-24.04=base` is
+    /// kept unless given another image. Env: CLADE_TEMPLATE_ALIASES
+    /// (comma-separated).
+    #[arg(long = "template-alias", env = "CLADE_TEMPLATE_ALIASES", value_delimiter = ',', value_parser = parse_alias)]
+    template_aliases: Vec<(String, String)>,
     /// Run sandboxes without any network (no namespaces, no nftables rules).
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
@@ -80,6 +86,18 @@ pub struct MachineArgs {
     /// default: the first nameserver of /etc/resolv.conf. Env: CLADE_DNS_UPSTREAM.
     #[arg(long, env = "CLADE_DNS_UPSTREAM")]
     dns_upstream: Option<SocketAddr>,
+}
+
+/// `NAME=IMAGE`, IMAGE one this build knows.
+fn parse_alias(text: &str) -> Result<(String, String), String> {
+    let (name, image) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=IMAGE"))?;
+    if clade_host::ImageStore::recipe(image).is_none() {
+        return Err(format!("{image:?} is not an image; available: {}", clade_host::ImageStore::available().join(", ")));
+    }
+    if name.is_empty() || clade_host::ImageStore::recipe(name).is_some() {
+        return Err(format!("{name:?} cannot be an alias: it is empty or an image's own name"));
+    }
+    Ok((name.to_string(), image.to_string()))
 }
 
 /// The secret the servers and hosts of one database share.
@@ -111,6 +129,7 @@ impl MachineArgs {
         config.sandboxes.standby = self.standby;
         config.sandboxes.standby_memory_mb = self.standby_memory;
         config.sandboxes.standby_horizon = std::time::Duration::from_secs(self.standby_horizon);
+        config.sandboxes.template_aliases.extend(self.template_aliases.iter().cloned());
         if self.no_network {
             eprintln!("{who}: networking is off (--no-network): sandboxes have no network");
         } else if !nix::unistd::geteuid().is_root() {

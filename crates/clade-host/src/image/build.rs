@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::{io_err, script_path, ImageError, GUESTD_PATH_IN_GUEST, HOST_DEPS, KERNEL_BUILD, KERNEL_FRAGMENT, ROOTFS_BUILD};
+use super::{io_err, script_path, ImageError, GUESTD_PATH_IN_GUEST, HOST_DEPS, KERNEL_BUILD, KERNEL_FRAGMENT, ROOTFS_BUILD, ROOTFS_EXTEND};
 
 /// Where a build's output goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,21 +90,40 @@ pub(super) fn kernel(cache_dir: &Path, out_dir: &Path, progress: &Progress) -> R
     publish(&tmp, out_dir)
 }
 
-pub(super) fn rootfs_tree(cache_dir: &Path, out_dir: &Path, packages: &str, progress: &Progress) -> Result<(), ImageError> {
+/// Builds a package tree: debootstrap and `packages` (build.sh), or a copy
+/// of `parent_tree` with `packages` on top and then `setup` inside it
+/// (extend.sh).
+pub(super) fn rootfs_tree(
+    cache_dir: &Path,
+    out_dir: &Path,
+    name: &str,
+    packages: &str,
+    parent_tree: Option<&Path>,
+    setup: Option<&str>,
+    progress: &Progress,
+) -> Result<(), ImageError> {
     let _lock = lock(cache_dir, "rootfs")?;
     if out_dir.join("tree").is_dir() {
         return Ok(());
     }
-    let script = script_path(cache_dir, "rootfs-build.sh", ROOTFS_BUILD)?;
     let packages_file = script_path(cache_dir, "packages", packages)?;
     let tmp = staging(out_dir)?;
-    let log = cache_dir.join("rootfs").join("build.log");
-    run(
-        "building the root filesystem (debootstrap)",
-        &["bash".as_ref(), script.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()],
-        &log,
-        progress,
-    )?;
+    let log = cache_dir.join("rootfs").join(format!("build-{name}.log"));
+    match parent_tree {
+        None => {
+            let script = script_path(cache_dir, "rootfs-build.sh", ROOTFS_BUILD)?;
+            let argv = ["bash".as_ref(), script.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()];
+            run(&format!("building the {name} root filesystem (debootstrap)"), &argv, &log, progress)?;
+        }
+        Some(parent) => {
+            let script = script_path(cache_dir, "rootfs-extend.sh", ROOTFS_EXTEND)?;
+            let setup_file = setup.map(|body| script_path(cache_dir, &format!("{name}-setup.sh"), body)).transpose()?;
+            let mut argv: Vec<&std::ffi::OsStr> =
+                vec!["bash".as_ref(), script.as_os_str(), parent.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()];
+            argv.extend(setup_file.as_deref().map(Path::as_os_str));
+            run(&format!("building the {name} root filesystem on {}", parent.display()), &argv, &log, progress)?;
+        }
+    }
     publish(&tmp, out_dir)
 }
 

@@ -28,10 +28,67 @@ pub use prune::PrunedImage;
 const KERNEL_FRAGMENT: &str = include_str!("../../../../images/kernel/clade.config");
 const KERNEL_BUILD: &str = include_str!("../../../../images/kernel/build.sh");
 const ROOTFS_BUILD: &str = include_str!("../../../../images/rootfs/build.sh");
+const ROOTFS_EXTEND: &str = include_str!("../../../../images/rootfs/extend.sh");
 const HOST_DEPS: &str = include_str!("../../../../scripts/install-host-deps");
 
-/// Root filesystem recipes known to this build: (name, package list).
-const RECIPES: &[(&str, &str)] = &[("base", include_str!("../../../../images/rootfs/base/packages"))];
+/// A root filesystem this build knows how to make (`images/rootfs/<name>/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recipe {
+    pub name: &'static str,
+    /// Debian packages, one per line (on top of `parent`'s, if any).
+    packages: &'static str,
+    /// The recipe whose finished tree this one starts from, instead of debootstrap.
+    parent: Option<&'static str>,
+    /// Run inside the tree after the packages (npm, PyPI).
+    setup: Option<&'static str>,
+    /// What it is, in a few words (`GET /v1/templates`' `label`).
+    pub label: &'static str,
+    pub description: &'static str,
+    pub category: &'static str,
+    /// What a sandbox of it finds on PATH, beyond a shell's basics.
+    pub tools: &'static [&'static str],
+}
+
+impl Recipe {
+    /// The image this one is built on.
+    pub fn parent(&self) -> Option<&'static str> {
+        self.parent
+    }
+}
+
+/// Root filesystem recipes known to this build.
+const RECIPES: &[Recipe] = &[
+    Recipe {
+        name: "base",
+        packages: include_str!("../../../../images/rootfs/base/packages"),
+        parent: None,
+        setup: None,
+        label: "Debian 12 with Python 3",
+        description: "Debian 12 (bookworm) minbase with bash, coreutils, curl, git, jq and Python 3 with pip and venv",
+        category: "base",
+        tools: &["bash", "curl", "git", "jq", "python3", "pip"],
+    },
+    Recipe {
+        name: "code-interpreter",
+        packages: include_str!("../../../../images/rootfs/code-interpreter/packages"),
+        parent: Some("base"),
+        setup: None,
+        label: "Debian 12 with Python 3's data stack, a Jupyter kernel and Node.js",
+        description: "base plus numpy, pandas, matplotlib, scipy, requests, ipykernel and jupyter_client (Debian's), Node.js 18 and npm",
+        category: "code-interpreter",
+        tools: &["python3", "ipykernel", "numpy", "pandas", "matplotlib", "scipy", "node", "npm"],
+    },
+    Recipe {
+        name: "agent",
+        packages: include_str!("../../../../images/rootfs/agent/packages"),
+        parent: Some("base"),
+        setup: Some(include_str!("../../../../images/rootfs/agent/setup.sh")),
+        label: "Debian 12 for coding agents: Node.js 22, git, ripgrep, build tools, Claude Code and Codex",
+        description: "base plus Node.js 22 LTS and npm, gcc and make, ripgrep, fd, uv, and the Claude Code (claude) and Codex (codex) CLIs",
+        category: "agent",
+        tools: &["node", "npm", "git", "rg", "fd", "jq", "gcc", "make", "python3", "uv", "claude", "codex"],
+    },
+];
 
 /// Apparent size of a root filesystem image (sparse: only data takes space).
 const IMAGE_SIZE: &str = "4G";
@@ -95,7 +152,12 @@ impl ImageStore {
     }
 
     pub fn available() -> Vec<&'static str> {
-        RECIPES.iter().map(|(name, _)| *name).collect()
+        RECIPES.iter().map(|recipe| recipe.name).collect()
+    }
+
+    /// The recipe of an image this build knows.
+    pub fn recipe(name: &str) -> Option<&'static Recipe> {
+        RECIPES.iter().find(|recipe| recipe.name == name)
     }
 
     /// The image, if everything it needs is already built.
@@ -115,26 +177,38 @@ impl ImageStore {
         // The kernel version is only known once linux-source is installed.
         let plan = self.plan(name)?;
         build::kernel(&self.cache_dir, &plan.kernel_dir, progress)?;
-        build::rootfs_tree(&self.cache_dir, &plan.tree_dir, plan.packages, progress)?;
+        // What it starts from first (base's tree for code-interpreter's).
+        let parent_tree = match plan.recipe.parent {
+            Some(parent) => {
+                let parent = self.plan(parent)?;
+                self.tree(&parent, None, progress)?;
+                Some(parent.tree_dir.join("tree"))
+            }
+            None => None,
+        };
+        self.tree(&plan, parent_tree.as_deref(), progress)?;
         build::image(&self.cache_dir, &plan.tree_dir, &plan.guestd, &plan.image_dir, IMAGE_SIZE, progress)?;
         Ok(plan.image())
     }
 
+    /// Builds a plan's package tree unless it is there.
+    fn tree(&self, plan: &Plan, parent_tree: Option<&Path>, progress: &Progress) -> Result<(), ImageError> {
+        let recipe = plan.recipe;
+        build::rootfs_tree(&self.cache_dir, &plan.tree_dir, recipe.name, recipe.packages, parent_tree, recipe.setup, progress)
+    }
+
     fn plan(&self, name: &str) -> Result<Plan, ImageError> {
-        let packages = RECIPES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, p)| *p)
+        let recipe = Self::recipe(name)
             .ok_or_else(|| ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") })?;
         let guestd = self.guestd.clone().or_else(find_guestd).ok_or(ImageError::GuestdMissing)?;
         let guestd_digest = guestd_digest(&guestd).map_err(io_err(format!("reading {}", guestd.display())))?;
 
         let kernel_key = hash(&[b"kernel/1", KERNEL_FRAGMENT.as_bytes(), KERNEL_BUILD.as_bytes(), linux_source_version().as_bytes()]);
-        let tree_key = hash(&[b"rootfs/1", packages.as_bytes(), ROOTFS_BUILD.as_bytes(), &injected_ca_bytes()]);
+        let tree_key = self.tree_key(recipe);
         let image_key = hash(&[b"image/3", tree_key.as_bytes(), guestd_digest.as_bytes(), IMAGE_SIZE.as_bytes()]);
         Ok(Plan {
             name: name.to_string(),
-            packages,
+            recipe,
             guestd,
             kernel_dir: self.cache_dir.join("kernel").join(&kernel_key),
             tree_dir: self.cache_dir.join("rootfs").join(&tree_key),
@@ -146,12 +220,30 @@ impl ImageStore {
 
 struct Plan {
     name: String,
-    packages: &'static str,
+    recipe: &'static Recipe,
     guestd: PathBuf,
     kernel_dir: PathBuf,
     tree_dir: PathBuf,
     image_dir: PathBuf,
     id: String,
+}
+
+impl ImageStore {
+    /// What a recipe's package tree is made of: its packages and the build
+    /// script with the injected CAs; or, on a parent, the parent's tree,
+    /// its packages, its setup and the script that extends.
+    fn tree_key(&self, recipe: &Recipe) -> String {
+        match recipe.parent.and_then(Self::recipe) {
+            None => hash(&[b"rootfs/1", recipe.packages.as_bytes(), ROOTFS_BUILD.as_bytes(), &injected_ca_bytes()]),
+            Some(parent) => hash(&[
+                b"rootfs-extend/1",
+                self.tree_key(parent).as_bytes(),
+                recipe.packages.as_bytes(),
+                recipe.setup.unwrap_or_default().as_bytes(),
+                ROOTFS_EXTEND.as_bytes(),
+            ]),
+        }
+    }
 }
 
 impl Plan {
@@ -343,6 +435,21 @@ mod tests {
         assert_ne!(first.image_dir, second.image_dir, "but it does shape the image");
         assert!(store.cached("base").unwrap().is_none());
         let err = store.plan("nope").err().unwrap();
-        assert!(err.to_string().contains("available: base"), "{err}");
+        assert!(err.to_string().contains("available: base, code-interpreter, agent"), "{err}");
+    }
+
+    #[test]
+    fn images_on_base_have_trees_of_their_own_keyed_by_bases() {
+        let dir = tempfile::tempdir().unwrap();
+        let guestd = dir.path().join("guestd");
+        std::fs::write(&guestd, b"v1").unwrap();
+        let store = ImageStore::new(dir.path(), Some(guestd));
+        let (base, code, agent) = (store.plan("base").unwrap(), store.plan("code-interpreter").unwrap(), store.plan("agent").unwrap());
+        assert_eq!(code.kernel_dir, base.kernel_dir, "one kernel for all");
+        assert!(base.tree_dir != code.tree_dir && code.tree_dir != agent.tree_dir && base.image_dir != agent.image_dir);
+        assert_eq!(ImageStore::recipe("agent").unwrap().parent(), Some("base"));
+        // The same packages on no parent are another tree.
+        let alone = Recipe { parent: None, ..*ImageStore::recipe("code-interpreter").unwrap() };
+        assert_ne!(store.tree_key(&alone), code.tree_dir.file_name().unwrap().to_str().unwrap());
     }
 }

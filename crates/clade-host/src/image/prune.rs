@@ -29,7 +29,7 @@ impl ImageStore {
         // Paths are compared resolved: a cache reached through a symlink or
         // spelled differently must not make a used image look unused.
         let current: HashSet<PathBuf> =
-            RECIPES.iter().map(|(name, _)| self.plan(name).map(|plan| resolved(plan.image_dir))).collect::<Result<_, _>>()?;
+            RECIPES.iter().map(|recipe| self.plan(recipe.name).map(|plan| resolved(plan.image_dir))).collect::<Result<_, _>>()?;
         let images_dir = self.cache_dir.join("images");
         let _building = build::lock(&self.cache_dir, "image")?;
         let backing = backing_files(data_dirs)?;

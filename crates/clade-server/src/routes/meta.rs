@@ -1,16 +1,13 @@
-//! `/healthz`, `/version`, `/openapi.json`, `GET /v1/me` (§3.1), `GET /v1/templates` (§3.11).
+//! `/healthz`, `/version`, `/openapi.json`, `GET /v1/me` (§3.1).
 
-use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 use axum::Json;
-use clade_host::ImageStore;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
-use crate::error::{ApiError, ErrorBody};
-use crate::AppState;
+use crate::error::ErrorBody;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
@@ -86,47 +83,4 @@ pub async fn me(caller: Caller) -> Json<Me> {
         orgs: vec![workspace],
         key: KeyRef { id: caller.key.id, prefix: caller.key.prefix, name: caller.key.name },
     })
-}
-
-/// A guest image this host can run (§3.11).
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Template {
-    pub name: &'static str,
-    pub cpu: u32,
-    pub memory_mb: u32,
-    /// The root filesystem's size when built, else 0.
-    pub size_bytes: u64,
-    pub is_global: bool,
-    /// Built and cached on this host.
-    pub ready: bool,
-    pub label: &'static str,
-}
-
-/// The guest images this host can run, as templates: a bare array (§3.11).
-#[utoipa::path(get, operation_id = "listTemplates", path = "/v1/templates", tag = "meta",
-    responses((status = 200, description = "The templates", body = Vec<Template>)))]
-pub async fn templates(State(state): State<AppState>, _caller: Caller) -> Result<Json<Vec<Template>>, ApiError> {
-    let images = state.service.runtime().images().clone();
-    let settings = state.service.settings().clone();
-    let templates = tokio::task::spawn_blocking(move || {
-        ImageStore::available()
-            .into_iter()
-            .map(|name| {
-                let built = images.cached(name).ok().flatten();
-                let size = built.as_ref().and_then(|i| std::fs::metadata(&i.rootfs).ok()).map_or(0, |m| m.len());
-                Template {
-                    name,
-                    cpu: settings.vcpus,
-                    memory_mb: settings.memory_mb,
-                    size_bytes: size,
-                    is_global: true,
-                    ready: built.is_some(),
-                    label: "Debian 12 with Python 3",
-                }
-            })
-            .collect::<Vec<_>>()
-    })
-    .await
-    .map_err(|e| ApiError::internal("listing templates failed", e))?;
-    Ok(Json(templates))
 }

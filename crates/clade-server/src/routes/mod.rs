@@ -19,6 +19,7 @@ pub(crate) mod preview;
 pub(crate) mod proxy;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
+pub(crate) mod templates;
 pub(crate) mod terminal;
 pub(crate) mod tokens;
 
@@ -50,7 +51,8 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(meta::me))
         .routes(routes!(tokens::list, tokens::create))
         .routes(routes!(tokens::revoke))
-        .routes(routes!(meta::templates))
+        .routes(routes!(templates::list))
+        .routes(routes!(templates::get, templates::delete))
         .routes(routes!(sandboxes::list, sandboxes::create))
         .routes(routes!(sandboxes::get, sandboxes::patch, sandboxes::delete))
         .routes(routes!(sandboxes::events))

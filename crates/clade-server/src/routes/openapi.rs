@@ -26,7 +26,8 @@ const API_KEY: &str = "api_key";
     modifiers(&ApiKeyScheme),
     security(("api_key" = [])),
     tags(
-        (name = "meta", description = "Health, version, metrics, the caller, templates"),
+        (name = "meta", description = "Health, version, metrics, the caller"),
+        (name = "templates", description = "The templates sandboxes are made from: first-party images and their aliases"),
         (name = "tokens", description = "The workspace's API keys"),
         (name = "sandboxes", description = "Create, list, get, delete; the event log; limits of their commands"),
         (name = "exec", description = "Commands, to completion or streamed"),

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use clade_host::image::Progress;
 use clade_host::net::EgressPolicy;
 use clade_host::vm::BootKind;
 use clade_host::{Lifetime, VmSpec};
@@ -58,6 +57,8 @@ impl SandboxService {
         let started = Instant::now();
         let _reservation = self.reserve(&workspace.id, 1).await?;
         let mut params = params;
+        // The row names what the sandbox runs: an alias's image.
+        params.template = self.resolve_template(&params.template).to_string();
         let vm = match &params.from_snapshot {
             Some(snapshot_id) => {
                 let snapshot = self
@@ -90,15 +91,10 @@ impl SandboxService {
         self.adopt_new(workspace, params, vm, started).await
     }
 
-    /// A VM restored from the template of `template` (an image name).
+    /// A VM restored from the template of `template` (an image name, or an
+    /// alias of one); 503 while this host builds its image.
     async fn create_vm(&self, template: &str, network: Option<EgressPolicy>) -> Result<clade_host::Vm, ApiError> {
-        let images = self.runtime().images().clone();
-        let name = template.to_string();
-        // Instant when the image is built; the first use on a host builds it (minutes).
-        let image = tokio::task::spawn_blocking(move || images.ensure(&name, &Progress::Quiet))
-            .await
-            .map_err(|e| ApiError::internal("preparing the template failed", e))?
-            .map_err(|e| vm_error("preparing the template", e.into()))?;
+        let image = self.built_image(self.resolve_template(template)).await?;
         let spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), ..self.vm_spec(image) };
         self.runtime().create(spec).await.map_err(|e| vm_error("creating the sandbox", e))
     }

@@ -15,6 +15,7 @@ mod capacity;
 mod create;
 mod fork;
 pub mod host;
+mod images;
 mod lifecycle;
 mod line;
 mod moving;
@@ -22,7 +23,7 @@ mod reaper;
 mod recover;
 mod snapshot;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -74,6 +75,9 @@ pub struct SandboxSettings {
     pub standby_memory_mb: Option<u64>,
     /// How long a burst of creates keeps the pool grown.
     pub standby_horizon: Duration,
+    /// Template names that resolve to another (an alias → an image name):
+    /// the TypeScript SDK's default `ubuntu-24.04` runs `base`.
+    pub template_aliases: BTreeMap<String, String>,
 }
 
 impl SandboxSettings {
@@ -102,6 +106,7 @@ impl Default for SandboxSettings {
             standby: 1,
             standby_memory_mb: None,
             standby_horizon: Duration::from_secs(clade_host::vm::HORIZON_SECS),
+            template_aliases: BTreeMap::from([("ubuntu-24.04".to_string(), "base".to_string())]),
         }
     }
 }
@@ -128,6 +133,8 @@ struct Inner {
     live: Mutex<HashMap<String, Arc<Entry>>>,
     capacity: capacity::Capacity,
     metrics: crate::metrics::Metrics,
+    /// Images being built for creates that named them first.
+    image_builds: images::ImageBuilds,
 }
 
 #[derive(Debug)]
@@ -221,6 +228,7 @@ impl SandboxService {
             live: Mutex::default(),
             capacity,
             metrics: Default::default(),
+            image_builds: Default::default(),
         };
         Self { inner: Arc::new(inner) }
     }

@@ -125,7 +125,23 @@ async fn every_error_is_a_flat_envelope_with_a_request_id() {
 
     let templates = api.get("/v1/templates").await;
     templates.expect(200);
-    assert!(templates.json().as_array().unwrap().iter().any(|t| t["name"] == "base"), "a bare array with base");
+    let templates = templates.json();
+    let names: Vec<&str> = templates.as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["base", "code-interpreter", "agent", "ubuntu-24.04"], "a bare array: the images, then the aliases");
+    for t in templates.as_array().unwrap() {
+        assert_eq!(t["is_global"], true, "{t}");
+        assert!(t["cpu"].as_u64().unwrap() >= 1 && t["memory_mb"].as_u64().unwrap() >= 128, "{t}");
+        assert!(!t["label"].as_str().unwrap().is_empty() && !t["description"].as_str().unwrap().is_empty(), "{t}");
+    }
+    let alias = api.get("/v1/templates/ubuntu-24.04").await.expect(200).json();
+    assert_eq!((alias["base"].as_str(), alias["meta"]["alias_of"].as_str()), (Some("base"), Some("base")), "{alias}");
+    assert!(alias["label"].as_str().unwrap().contains("alias of base"), "{alias}");
+    let agent = api.get("/v1/templates/agent").await.expect(200).json();
+    assert_eq!(agent["base"], "base");
+    assert!(agent["tools"].as_array().unwrap().iter().any(|t| t == "claude"), "{agent}");
+    assert_eq!(api.get("/v1/templates/no-such").await.expect(404).error(), "template not found");
+    assert_eq!(api.delete("/v1/templates/base").await.expect(403).error(), "global templates cannot be deleted");
+    api.delete("/v1/templates/no-such").await.expect(404);
     server.shutdown().await;
 }
 

@@ -270,3 +270,24 @@ async fn a_restarted_server_adopts_its_sandboxes() {
     assert!(left.is_empty(), "no VM is left: {left:?}");
     server.shutdown().await;
 }
+
+/// The TypeScript SDK's default template, `ubuntu-24.04`, is an alias: the
+/// sandbox runs the image it resolves to and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_alias_creates_a_sandbox_of_the_image_it_resolves_to() {
+    let Some(env) = clade_testkit::vm_env() else { return };
+    let server = start(&env.config).await;
+    let api = Api::new(server.addr(), server.admin_key());
+    let reply = api.post("/v1/sandboxes", json!({ "template": "ubuntu-24.04" })).await;
+    reply.expect(201);
+    let id = reply.json()["id"].as_str().unwrap().to_string();
+    assert_eq!(reply.json()["template"], "base");
+    assert_eq!(api.get(&format!("/v1/sandboxes/{id}")).await.expect(200).json()["template"], "base");
+    let os = api.exec(&id, ". /etc/os-release; echo $ID $VERSION_ID").await;
+    assert_eq!(os["stdout"], "debian 12\n");
+    api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
+    let refused = api.post("/v1/sandboxes", json!({ "template": "no-such" })).await;
+    refused.expect(400);
+    assert!(refused.error().contains("available: base, code-interpreter, agent"), "{}", refused.error());
+    server.shutdown().await;
+}
