@@ -13,6 +13,7 @@ mod ports;
 mod sandbox;
 mod server;
 mod shell;
+mod templates;
 mod term;
 mod vm;
 
@@ -81,6 +82,13 @@ enum Command {
         #[command(subcommand)]
         command: fs::FsCommand,
     },
+    /// Templates of a Clade server, over its API: list, get, rm.
+    Template {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: templates::TemplateCommand,
+    },
     /// Print the server's OpenAPI 3.1 document (docs/openapi.json; also served at GET /openapi.json).
     Openapi,
 }
@@ -121,6 +129,7 @@ fn main() -> ExitCode {
             Command::Host { database_url, command } => hosts::run(command, database_url, config).await,
             Command::Sandbox { api, command } => sandbox::run(command, &client(&api)?, api.json).await,
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
+            Command::Template { api, command } => templates::run(command, &client(&api)?, api.json).await,
             Command::Openapi => {
                 print!("{}", clade_server::openapi::document());
                 Ok(ExitCode::SUCCESS)

@@ -216,6 +216,7 @@ pub fn vm_error(what: &str, err: VmError) -> ApiError {
         VmError::Admission(e) => {
             ApiError::InsufficientStorage { message: "insufficient host memory/storage for sandbox".into(), reason: e.to_string() }
         }
+        VmError::Image(ImageError::Invalid(message)) => ApiError::bad_request(message),
         VmError::Image(ImageError::UnknownImage { name, available }) => {
             ApiError::bad_request(format!("unknown template {name:?}: available: {available}"))
         }

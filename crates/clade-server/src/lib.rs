@@ -26,6 +26,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod dockerfile;
 pub mod error;
 mod forward;
 mod host_api;
@@ -229,6 +230,7 @@ impl Server {
         let service =
             sandbox::SandboxService::new(host_id.clone(), config.cluster.clone(), runtime, store.clone(), config.sandboxes.clone());
         service.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
+        service.recover_builds().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         let standby = service.start_standby();
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
         let reaper = service.start_reaper();

@@ -287,6 +287,15 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
             return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
         }
     }
+    // A build's log is a file on the host that runs it.
+    if template == "/v1/templates/builds/{id}/logs" {
+        let id = outgoing.segment(4).unwrap_or_default();
+        if let Some(build) = state.store.build(&workspace_id, id).await? {
+            if let Some(host) = kept_on(&state, &build.host_id, &format!("build {id}'s log")).await? {
+                return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+            }
+        }
+    }
     send_anywhere(&state, &outgoing, Body::new(body)).await
 }
 
@@ -302,8 +311,17 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
         // An unknown snapshot: any host answers 404 as it would.
         return send_anywhere(state, outgoing, Body::from(body)).await;
     }
-    // A host that has baked the template already first.
+    // A workspace's own template is on the host that built it.
     let template = json_field(&body, "template");
+    if let Some(own) = match &template {
+        Some(name) => state.store.template(workspace_id, name).await?,
+        None => None,
+    } {
+        if let Some(host) = kept_on(state, &own.host_id, &format!("template {}", own.name)).await? {
+            return Ok(send(state, &host, outgoing, Body::from(body), None).await?);
+        }
+    }
+    // A host that has baked the template already first.
     let mut tried = Vec::new();
     while tried.len() < PLACEMENT_TRIES {
         let Some(host) = state.store.place_sandbox(&tried, template.as_deref()).await? else { break };
@@ -340,6 +358,18 @@ async fn snapshot_host(state: &ReplicaState, workspace_id: &str, snapshot_id: &s
             message: format!("snapshot {snapshot_id} is kept on host {host_id}, which is down"),
             retry_after: Some(HOST_RETRY_AFTER),
         }),
+    }
+}
+
+/// The host that keeps `what`, if it is registered; 503 while it is down.
+async fn kept_on(state: &ReplicaState, host_id: &str, what: &str) -> Result<Option<HostRow>, ApiError> {
+    match state.store.host(host_id).await? {
+        Some(host) if reachable(&host) => Ok(Some(host)),
+        Some(_) => Err(ApiError::Unavailable {
+            message: format!("{what} is kept on host {host_id}, which is down"),
+            retry_after: Some(HOST_RETRY_AFTER),
+        }),
+        None => Ok(None),
     }
 }
 

@@ -17,6 +17,7 @@ mod migrate;
 mod ports;
 mod sandboxes;
 mod snapshots;
+mod templates;
 mod workspaces;
 
 use std::path::Path;
@@ -32,6 +33,7 @@ pub use keys::{ApiKey, NewKey, KEY_PREFIX};
 pub use ports::PortLabel;
 pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
 pub use snapshots::SnapshotRow;
+pub use templates::{BuildRow, BuildStatus, TemplateRow};
 pub use workspaces::Workspace;
 
 /// Unix time in milliseconds.

@@ -50,6 +50,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0008_host_templates.sql"),
         postgres: include_str!("../migrations/postgres/0008_host_templates.sql"),
     },
+    Migration {
+        version: 9,
+        sqlite: include_str!("../migrations/sqlite/0009_templates.sql"),
+        postgres: include_str!("../migrations/postgres/0009_templates.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -402,3 +402,50 @@ fn api_errors_exit_125_with_the_servers_message() {
     assert_eq!(out.status.code(), Some(125));
     assert!(text(&out.stderr).contains("unknown template"), "{}", text(&out.stderr));
 }
+
+#[test]
+fn templates_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("data"), None);
+    let table = text(&ok(&mut server.clade(&["template", "ls"])));
+    let header = table.lines().next().unwrap();
+    assert!(header.starts_with("NAME") && header.contains("ALIAS OF") && header.contains("BUILT"), "{table}");
+    for name in ["base", "code-interpreter", "agent"] {
+        assert!(table.lines().any(|l| l.starts_with(&format!("{name} "))), "{name}: {table}");
+    }
+    assert!(table.lines().any(|l| l.starts_with("ubuntu-24.04") && l.contains("→ base")), "{table}");
+    let listed = ok_json(&mut server.clade(&["template", "ls", "--json"]));
+    assert_eq!(listed.as_array().unwrap().len(), 4);
+    assert_eq!(ok_json(&mut server.clade(&["template", "get", "agent"]))["base"], "base");
+    let out = output(&mut server.clade(&["template", "rm", "base"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("global templates cannot be deleted (HTTP 403)"), "{}", text(&out.stderr));
+    let out = output(&mut server.clade(&["template", "get", "no-such"]), None);
+    assert!(text(&out.stderr).contains("template not found (HTTP 404)"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_template_built_through_the_cli_streams_its_log_and_makes_sandboxes() {
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let context = tempfile::tempdir().unwrap();
+    std::fs::write(context.path().join("Dockerfile"), "FROM base\nCOPY note.txt /srv/note.txt\nRUN echo built-in-vm > /srv/ran\n").unwrap();
+    std::fs::write(context.path().join("note.txt"), "from the context\n").unwrap();
+    let context_dir = context.path().to_str().unwrap();
+    let out = output(&mut server.clade(&["template", "build", "--name", "cli-built", context_dir]), None);
+    assert!(out.status.success(), "{}\n{}", text(&out.stdout), text(&out.stderr));
+    let log = text(&out.stdout);
+    assert!(log.contains("step 2/2: RUN echo built-in-vm > /srv/ran") && log.contains("done in"), "{log}");
+    let builds = ok_json(&mut server.clade(&["template", "builds", "--json"]));
+    assert_eq!(builds[0]["status"], "done", "{builds}");
+    let sandbox = ok_json(&mut server.clade(&["sandbox", "create", "--template", "cli-built", "--json"]));
+    let id = sandbox["id"].as_str().unwrap();
+    assert_eq!(text(&ok(&mut server.clade(&["sandbox", "exec", id, "cat /srv/note.txt /srv/ran"]))), "from the context\nbuilt-in-vm\n");
+    ok(&mut server.clade(&["sandbox", "rm", id]));
+    // A failing RUN: exit 1, the build's error on stderr.
+    std::fs::write(context.path().join("Dockerfile"), "FROM base\nRUN exit 7\n").unwrap();
+    let out = output(&mut server.clade(&["template", "build", "--name", "cli-broken", context_dir]), None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("exited 7"), "{}", text(&out.stderr));
+    ok(&mut server.clade(&["template", "rm", "cli-built"]));
+}

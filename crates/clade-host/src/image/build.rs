@@ -26,7 +26,7 @@ pub(super) fn lock(cache_dir: &Path, kind: &str) -> Result<Flock<File>, ImageErr
 }
 
 /// Runs `argv`, teeing its output into `log` (and our stderr when asked).
-fn run(what: &str, argv: &[&std::ffi::OsStr], log: &Path, progress: &Progress) -> Result<(), ImageError> {
+pub(super) fn run(what: &str, argv: &[&std::ffi::OsStr], log: &Path, progress: &Progress) -> Result<(), ImageError> {
     if *progress == Progress::Stderr {
         eprintln!("clade: {what} (log: {})", log.display());
     }
@@ -157,6 +157,15 @@ pub(super) fn image(
     std::fs::copy(guestd, &target).map_err(io_err(format!("copying {} into the image", guestd.display())))?;
     set_mode(&target, 0o755)?;
     let image_tmp = tmp.join("rootfs.ext4");
+    mkfs_ext4(&staged_tree, &image_tmp, size, &log, progress)?;
+    std::fs::remove_dir_all(&staged_tree).map_err(io_err("removing the staged tree"))?;
+    // The base image is never written once built: every VM gets a qcow2 overlay.
+    set_mode(&image_tmp, 0o444)?;
+    publish(&tmp, out_dir)
+}
+
+/// Makes the ext4 file `image` of `size` (`4G`, `900M`) holding `tree`.
+pub(super) fn mkfs_ext4(tree: &Path, image: &Path, size: &str, log: &Path, progress: &Progress) -> Result<(), ImageError> {
     run(
         "assembling the ext4 image",
         &[
@@ -172,17 +181,13 @@ pub(super) fn image(
             "-E".as_ref(),
             "lazy_itable_init=0,lazy_journal_init=0".as_ref(),
             "-d".as_ref(),
-            staged_tree.as_os_str(),
-            image_tmp.as_os_str(),
+            tree.as_os_str(),
+            image.as_os_str(),
             size.as_ref(),
         ],
-        &log,
+        log,
         progress,
-    )?;
-    std::fs::remove_dir_all(&staged_tree).map_err(io_err("removing the staged tree"))?;
-    // The base image is never written once built: every VM gets a qcow2 overlay.
-    set_mode(&image_tmp, 0o444)?;
-    publish(&tmp, out_dir)
+    )
 }
 
 fn resolve_in_tree(tree: &Path, path: &Path) -> PathBuf {
@@ -200,7 +205,7 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), ImageError> {
 }
 
 /// A fresh temporary directory beside `out_dir`.
-fn staging(out_dir: &Path) -> Result<PathBuf, ImageError> {
+pub(super) fn staging(out_dir: &Path) -> Result<PathBuf, ImageError> {
     let tmp = out_dir.with_extension(format!("tmp-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(format!("clearing {}", tmp.display())))?;
@@ -209,6 +214,6 @@ fn staging(out_dir: &Path) -> Result<PathBuf, ImageError> {
     Ok(tmp)
 }
 
-fn publish(tmp: &Path, out_dir: &Path) -> Result<(), ImageError> {
+pub(super) fn publish(tmp: &Path, out_dir: &Path) -> Result<(), ImageError> {
     std::fs::rename(tmp, out_dir).map_err(io_err(format!("publishing {}", out_dir.display())))
 }

@@ -15,6 +15,7 @@
 //! interrupted build never leaves a half-made artifact behind.
 
 mod build;
+mod custom;
 mod prune;
 
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ use std::sync::Mutex;
 use sha2::{Digest, Sha256};
 
 pub use build::Progress;
+pub use custom::{CUSTOM_PREFIX, MAX_SIZE_MB, MIN_SIZE_MB};
 pub use prune::PrunedImage;
 
 const KERNEL_FRAGMENT: &str = include_str!("../../../../images/kernel/clade.config");
@@ -100,6 +102,9 @@ pub const GUESTD_PATH_IN_GUEST: &str = "/sbin/clade-guestd";
 pub enum ImageError {
     #[error("unknown image {name:?}; available: {available}")]
     UnknownImage { name: String, available: String },
+    /// What a user gave to build from cannot be made into an image.
+    #[error("{0}")]
+    Invalid(String),
     #[error("clade-guestd was not found (set CLADE_GUESTD, or build it with scripts/build)")]
     GuestdMissing,
     #[error("{what} failed (exit {code:?}); its output is in {log}")]
@@ -160,8 +165,12 @@ impl ImageStore {
         RECIPES.iter().find(|recipe| recipe.name == name)
     }
 
-    /// The image, if everything it needs is already built.
+    /// The image, if everything it needs is already built: a recipe's by
+    /// name, or a custom image by its key.
     pub fn cached(&self, name: &str) -> Result<Option<GuestImage>, ImageError> {
+        if Self::is_custom(name) {
+            return self.custom(name);
+        }
         let plan = self.plan(name)?;
         Ok(plan.is_built().then(|| plan.image()))
     }
@@ -169,6 +178,12 @@ impl ImageStore {
     /// The image, building whatever is missing (minutes the first time).
     /// Blocking: call it from a blocking context.
     pub fn ensure(&self, name: &str, progress: &Progress) -> Result<GuestImage, ImageError> {
+        if Self::is_custom(name) {
+            // Built by its template build, never here.
+            return self
+                .custom(name)?
+                .ok_or_else(|| ImageError::UnknownImage { name: name.to_string(), available: Self::available().join(", ") });
+        }
         let plan = self.plan(name)?;
         if plan.is_built() {
             return Ok(plan.image());

@@ -50,7 +50,9 @@ impl ImageStore {
                 }
                 continue;
             }
-            if !dir.is_dir() || current.contains(&resolved(dir.clone())) || backing.contains(&resolved(dir.join("rootfs.ext4"))) {
+            // A custom image stays while its template keeps it marked.
+            let kept = dir.join(super::custom::KEEP_MARKER).exists();
+            if !dir.is_dir() || kept || current.contains(&resolved(dir.clone())) || backing.contains(&resolved(dir.join("rootfs.ext4"))) {
                 continue;
             }
             let bytes = crate::space::allocated_bytes(&dir);

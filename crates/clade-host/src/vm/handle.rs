@@ -116,6 +116,11 @@ impl Vm {
         self.inner.record.lock().expect("record lock").id.clone()
     }
 
+    /// A copy of its record as it is now.
+    pub(super) fn record(&self) -> VmRecord {
+        self.inner.record.lock().expect("record lock").clone()
+    }
+
     pub fn dir(&self) -> &Path {
         &self.inner.dir
     }

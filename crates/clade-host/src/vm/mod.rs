@@ -16,7 +16,7 @@
 //! the post-restore hook), `hibernate`, `snapshot` (snapshots and forks),
 //! `capture` (what a guest wrote), `import` (templates, snapshots and
 //! hibernated VMs served to and brought from other hosts), `monitor`,
-//! `spec`, `error`; below them `transfer` (a bundle of files moved between
+//! `spec`, `error`, `export` (a VM's disk as a root filesystem image); below them `transfer` (a bundle of files moved between
 //! hosts, checksummed and resumable),
 //! `launch` (QEMU's command line and confinement), `record` (`vm.json` and
 //! the sweep), `template`, `standby` (and `demand`, what it follows), `admission`, `migrate`, `idle`.
@@ -25,6 +25,7 @@ mod admission;
 mod capture;
 mod demand;
 mod error;
+mod export;
 mod handle;
 mod hibernate;
 mod idle;

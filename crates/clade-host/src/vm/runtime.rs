@@ -208,6 +208,11 @@ impl VmRuntime {
         &self.images
     }
 
+    /// The data directory this runtime keeps its VMs, templates and snapshots in.
+    pub fn data_dir(&self) -> &Path {
+        &self.config.data_dir
+    }
+
     pub fn vms_dir(&self) -> &Path {
         &self.vms_dir
     }

@@ -476,8 +476,14 @@ fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     use clade_proto::{Command, ExecRequest};
     vec![
         ExecRequest::new(Command::Argv(vec!["true".into()])),
-        ExecRequest::new(Command::Shell("python3 -c 'import json, os, uuid, subprocess' && git --version >/dev/null".into())),
-        ExecRequest::new(Command::Argv(vec!["sync".into()])),
+        // What the image has of Python and git (a root filesystem a user
+        // built may have neither, or no `sync`: the agent's quiesce syncs).
+        ExecRequest::new(Command::Shell(
+            "if command -v python3 >/dev/null; then python3 -c 'import json, os, uuid, subprocess'; fi; \
+             if command -v git >/dev/null; then git --version >/dev/null; fi; \
+             if command -v sync >/dev/null; then sync; fi"
+                .into(),
+        )),
     ]
 }
 

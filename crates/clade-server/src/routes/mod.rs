@@ -2,6 +2,7 @@
 //! the PandaStack wire contract (`docs/pandastack-compat.md`), whose
 //! section each handler names.
 
+pub(crate) mod builds;
 pub(crate) mod exec;
 pub(crate) mod exec_stream;
 pub(crate) mod files;
@@ -52,6 +53,10 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(tokens::list, tokens::create))
         .routes(routes!(tokens::revoke))
         .routes(routes!(templates::list))
+        .routes(routes!(builds::build))
+        .routes(routes!(builds::list))
+        .routes(routes!(builds::get))
+        .routes(routes!(builds::logs))
         .routes(routes!(templates::get, templates::delete))
         .routes(routes!(sandboxes::list, sandboxes::create))
         .routes(routes!(sandboxes::get, sandboxes::patch, sandboxes::delete))

@@ -11,6 +11,7 @@
 //!
 //! It owns sandbox state and the VM handles; HTTP shapes belong to `routes`.
 
+pub mod builds;
 mod capacity;
 mod create;
 mod fork;
@@ -135,6 +136,8 @@ struct Inner {
     metrics: crate::metrics::Metrics,
     /// Images being built for creates that named them first.
     image_builds: images::ImageBuilds,
+    /// Template builds under way at once on this host (`builds`).
+    build_turns: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Debug)]
@@ -229,6 +232,7 @@ impl SandboxService {
             capacity,
             metrics: Default::default(),
             image_builds: Default::default(),
+            build_turns: builds::build_turns(),
         };
         Self { inner: Arc::new(inner) }
     }

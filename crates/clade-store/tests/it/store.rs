@@ -46,6 +46,8 @@ async fn keys_are_stored_hashed_authenticate_and_revoke() {
         // Revocation is scoped to the workspace, by id or prefix.
         let other = store.create_workspace("other").await.unwrap();
         assert!(matches!(store.revoke_key(Some(&other.id), &new.key.id).await, Err(StoreError::NotFound(_))));
+        // Listed by creation time: a later millisecond than the first.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         let second = store.create_key(&ws.id, "ci").await.unwrap();
         let revoked = store.revoke_key(Some(&ws.id), &second.key.prefix).await.unwrap();
         assert!(revoked.is_revoked());
@@ -409,6 +411,75 @@ async fn placement_takes_the_least_loaded_host_then_one_holding_the_template_and
         assert!(store.set_sandbox_replica("s1", "b", "a").await.unwrap());
         store.set_sandbox_state("s1", SandboxState::Running, None).await.unwrap();
         assert_eq!(store.sandbox_by_id("s1").await.unwrap().unwrap().replica_host_id, None);
+        store.close().await;
+    }
+}
+
+#[tokio::test]
+async fn builds_and_templates_are_kept_per_workspace_and_unfinished_builds_fail() {
+    use clade_store::{BuildRow, BuildStatus, TemplateRow};
+    for db in TestDb::all() {
+        let store = db.open().await;
+        let a = store.create_workspace("a").await.unwrap();
+        let b = store.create_workspace("b").await.unwrap();
+        let build = |id: &str, at: i64| BuildRow {
+            id: id.into(),
+            workspace_id: a.id.clone(),
+            name: "py".into(),
+            mode: "dockerfile".into(),
+            status: BuildStatus::Queued,
+            error: None,
+            host_id: "h1".into(),
+            size_mb: 2048,
+            cpu: 2,
+            memory_mb: 1024,
+            image_ref: None,
+            replace: false,
+            bytes: None,
+            started_at: at,
+            ended_at: None,
+        };
+        store.insert_build(&build("bld1", 1000)).await.unwrap();
+        store.insert_build(&build("bld2", 2000)).await.unwrap();
+        let listed = store.list_builds(&a.id).await.unwrap();
+        assert_eq!(listed.iter().map(|b| b.id.as_str()).collect::<Vec<_>>(), ["bld2", "bld1"], "newest first");
+        assert_eq!(listed[1], build("bld1", 1000), "{}", db.name());
+        assert_eq!(store.build(&b.id, "bld1").await.unwrap(), None, "another workspace's is not found");
+        assert!(store.list_builds(&b.id).await.unwrap().is_empty());
+
+        store.set_build_status("bld1", BuildStatus::Running, None, None).await.unwrap();
+        store.set_build_status("bld1", BuildStatus::Done, None, Some(5 << 30)).await.unwrap();
+        let done = store.build(&a.id, "bld1").await.unwrap().unwrap();
+        assert_eq!((done.status, done.bytes), (BuildStatus::Done, Some(5 << 30)));
+        assert!(done.ended_at.is_some());
+        // A restart ends what was under way on its host, and only that.
+        assert_eq!(store.fail_unfinished_builds("h1", "the server restarted").await.unwrap(), ["bld2"]);
+        let failed = store.build(&a.id, "bld2").await.unwrap().unwrap();
+        assert_eq!((failed.status, failed.error.as_deref()), (BuildStatus::Failed, Some("the server restarted")));
+        assert!(store.fail_unfinished_builds("h1", "again").await.unwrap().is_empty());
+
+        let template = TemplateRow {
+            workspace_id: a.id.clone(),
+            name: "py".into(),
+            build_id: "bld1".into(),
+            host_id: "h1".into(),
+            image_key: "custom-abc".into(),
+            size_mb: 2048,
+            cpu: 2,
+            memory_mb: 1024,
+            config: "{}".into(),
+            created_at: 3000,
+        };
+        store.put_template(&template).await.unwrap();
+        let replaced = TemplateRow { build_id: "bld3".into(), image_key: "custom-def".into(), ..template.clone() };
+        store.put_template(&replaced).await.unwrap();
+        assert_eq!(store.template(&a.id, "py").await.unwrap(), Some(replaced.clone()), "{}", db.name());
+        assert_eq!(store.list_templates(&a.id).await.unwrap(), [replaced]);
+        assert_eq!(store.template(&b.id, "py").await.unwrap(), None);
+        assert_eq!(store.template_images_on("h1").await.unwrap(), ["custom-def"]);
+        assert!(!store.delete_template(&b.id, "py").await.unwrap());
+        assert!(store.delete_template(&a.id, "py").await.unwrap());
+        assert!(store.list_templates(&a.id).await.unwrap().is_empty());
         store.close().await;
     }
 }
