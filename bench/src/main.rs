@@ -5,6 +5,7 @@
 //!   cargo run --release -p clade-bench -- snapshot [--creates 50]
 //!   cargo run --release -p clade-bench -- api [--creates 20] [--json]
 //!   cargo run --release -p clade-bench -- burst [--concurrent 50] [--fork-tree 16] [--idle-secs 60]
+//!   cargo run --release -p clade-bench -- templates [--creates 10]
 //!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
 //!   cargo run --release -p clade-bench -- proxy [--requests 200]
 //!   cargo run --release -p clade-bench -- cluster [--forks 10] [--wakes 5]
@@ -15,6 +16,7 @@ mod cluster;
 mod host;
 mod net;
 mod proxy;
+mod templates;
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +42,9 @@ enum Bench {
     /// an idle minute) and concurrent creates, a fork-tree; the standby
     /// pool's size and memory with each.
     Burst(burst::BurstArgs),
+    /// Template builds: a Dockerfile cold and with its cache, and create →
+    /// first exec from the built template against base.
+    Templates(templates::TemplatesArgs),
     /// Forks and wakes onto another host against the same on one host
     /// (two `clade host` processes and a replica on PostgreSQL).
     Cluster(cluster::ClusterArgs),
@@ -81,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         match cli.bench {
             Bench::Api(args) => api::run(args).await,
             Bench::Burst(args) => burst::run(args).await,
+            Bench::Templates(args) => templates::run(args).await,
             Bench::Cluster(args) => cluster::run(args).await,
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,
