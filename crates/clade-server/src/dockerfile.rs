@@ -205,12 +205,9 @@ fn json_array(text: &str) -> Option<Vec<String>> {
 
 /// `K=V K2="v 2"`, or the old `K V…` form (one pair).
 fn key_values(rest: &str, vars: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, String> {
-    let Some((first, _)) = rest.split_once('=') else {
+    // The old form: no `=` before the first space.
+    if rest.split_once('=').is_none_or(|(first, _)| first.contains(char::is_whitespace)) {
         let (key, value) = rest.split_once(char::is_whitespace).ok_or_else(|| format!("{rest:?} is not KEY=VALUE"))?;
-        return Ok(vec![(key.to_string(), substitute(value.trim(), vars))]);
-    };
-    if first.contains(char::is_whitespace) {
-        let (key, value) = rest.split_once(char::is_whitespace).expect("has whitespace");
         return Ok(vec![(key.to_string(), substitute(value.trim(), vars))]);
     }
     let mut pairs = Vec::new();

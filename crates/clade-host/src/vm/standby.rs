@@ -431,7 +431,8 @@ impl VmRuntime {
         if !pool.policy.is_on() {
             return;
         }
-        pool.shapes.lock().expect("standby lock").insert(key.clone(), (template.clone(), spec.clone()));
+        // Recorded once per key: every create of it passes here.
+        pool.shapes.lock().expect("standby lock").entry(key.clone()).or_insert_with(|| (template.clone(), spec.clone()));
         if !pool.refilling.lock().expect("standby lock").insert(key.clone()) {
             return;
         }

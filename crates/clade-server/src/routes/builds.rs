@@ -109,16 +109,12 @@ pub async fn build(State(state): State<AppState>, caller: Caller, request: Reque
         let fields: Fields = serde_urlencoded::from_bytes(&body).map_err(|e| ApiError::bad_request(format!("the form: {e}")))?;
         (fields, BTreeMap::new(), None)
     };
-    let cleanup = |rootfs: &Option<(std::path::PathBuf, std::path::PathBuf)>| {
-        if let Some((_, scratch)) = rootfs {
-            let _ = std::fs::remove_dir_all(scratch);
-        }
-    };
-    let parsed = parse_request(fields, context, rootfs.clone());
-    let request = match parsed {
+    let request = match parse_request(fields, context, rootfs.clone(), state.service.settings()) {
         Ok(request) => request,
         Err(e) => {
-            cleanup(&rootfs);
+            if let Some((_, scratch)) = rootfs {
+                let _ = std::fs::remove_dir_all(scratch);
+            }
             return Err(e);
         }
     };
@@ -126,10 +122,13 @@ pub async fn build(State(state): State<AppState>, caller: Caller, request: Reque
     Ok((StatusCode::ACCEPTED, Json(build.into())))
 }
 
+/// The build a request asks for; vCPUs and memory it names none of are
+/// the server's sandbox defaults.
 fn parse_request(
     fields: Fields,
     context: BTreeMap<String, Vec<u8>>,
     rootfs: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    settings: &crate::sandbox::SandboxSettings,
 ) -> Result<BuildRequest, ApiError> {
     let number = |what: &str, value: Option<String>, default: u32| -> Result<u32, ApiError> {
         match value.filter(|v| !v.trim().is_empty()) {
@@ -154,7 +153,6 @@ fn parse_request(
         }
         (None, None, None) => return Err(ApiError::bad_request("one of rootfs (a file), image_ref or dockerfile is required")),
     };
-    let settings = crate::sandbox::SandboxSettings::default();
     Ok(BuildRequest {
         name,
         source,

@@ -41,6 +41,13 @@ pub enum BuildSource {
 }
 
 impl BuildSource {
+    /// Removes what the request saved for it (an uploaded tarball).
+    fn discard(&self) {
+        if let Self::Rootfs { scratch, .. } = self {
+            let _ = std::fs::remove_dir_all(scratch);
+        }
+    }
+
     fn mode(&self) -> &'static str {
         match self {
             Self::Rootfs { .. } => "rootfs",
@@ -148,17 +155,10 @@ impl SandboxService {
     /// Records a build and starts it in the background (it waits for a
     /// build turn first): the record, `queued`.
     pub async fn start_build(&self, workspace: &Workspace, request: BuildRequest) -> Result<BuildRow, ApiError> {
-        let scratch = match &request.source {
-            BuildSource::Rootfs { scratch, .. } => Some(scratch.clone()),
-            BuildSource::Dockerfile { .. } => None,
-        };
-        let recorded = self.record_build(workspace, &request).await;
-        let build = match recorded {
+        let build = match self.record_build(workspace, &request).await {
             Ok(build) => build,
             Err(e) => {
-                if let Some(scratch) = scratch {
-                    let _ = std::fs::remove_dir_all(scratch);
-                }
+                request.source.discard();
                 return Err(e);
             }
         };
@@ -216,17 +216,11 @@ impl SandboxService {
             tracing::warn!(build = %build.id, "recording a build as running: {}", chain(&e));
         }
         let started = std::time::Instant::now();
-        let scratch = match &request.source {
-            BuildSource::Rootfs { scratch, .. } => Some(scratch.clone()),
-            BuildSource::Dockerfile { .. } => None,
+        let outcome = match &request.source {
+            BuildSource::Rootfs { tarball, scratch } => self.build_rootfs(&build, tarball, scratch, &log).await,
+            BuildSource::Dockerfile { text, context } => self.build_dockerfile(&workspace, &build, text, context, &log).await,
         };
-        let outcome = match request.source {
-            BuildSource::Rootfs { tarball, scratch } => self.build_rootfs(&build, &tarball, &scratch, &log).await,
-            BuildSource::Dockerfile { text, context } => self.build_dockerfile(&workspace, &build, &text, &context, &log).await,
-        };
-        if let Some(scratch) = scratch {
-            let _ = std::fs::remove_dir_all(scratch);
-        }
+        request.source.discard();
         let finished = match outcome {
             Ok((image, config)) => self.publish_template(&build, &image, &config).await.map(|bytes| (bytes, image)),
             Err(e) => Err(e),
@@ -301,8 +295,8 @@ impl SandboxService {
         log: &BuildLog,
     ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
         let parsed = dockerfile::parse(text)?;
-        let base =
-            self.template_image(&workspace.id, &parsed.from).await.map_err(|e| BuildFailure(format!("FROM {}: {}", parsed.from, e)))?;
+        let from = |e: ApiError| BuildFailure(format!("FROM {}: {e}", parsed.from));
+        let base = self.image_of(&self.choose_template(&workspace.id, &parsed.from).await.map_err(from)?).await.map_err(from)?;
         let keys = step_keys(&base.name, &parsed, context);
         let cache = self.step_cache(&workspace.id, &build.name);
         let runtime = self.runtime();
@@ -483,25 +477,6 @@ impl SandboxService {
                 Err(BuildFailure(format!("RUN {shown} {how}; its output ended:\n{}", Vec::from(tail).join("\n"))))
             }
         }
-    }
-
-    /// The image of a template a workspace can use: its own build, or a
-    /// first-party image (or alias); built on this host.
-    pub(super) async fn template_image(&self, workspace_id: &str, name: &str) -> Result<GuestImage, ApiError> {
-        if let Some(template) = self.store().template(workspace_id, name).await? {
-            let images = self.runtime().images().clone();
-            let key = template.image_key.clone();
-            return tokio::task::spawn_blocking(move || images.cached(&key))
-                .await
-                .map_err(|e| ApiError::internal("looking up the template failed", e))?
-                .map_err(|e| crate::error::vm_error("looking up the template", e.into()))?
-                .ok_or_else(|| ApiError::Unavailable {
-                    message: format!("template {name}'s image is not on this host"),
-                    retry_after: Some(5),
-                });
-        }
-        let image = self.resolve_template(name).to_string();
-        self.built_image(&image).await
     }
 }
 

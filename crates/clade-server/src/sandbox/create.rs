@@ -57,11 +57,6 @@ impl SandboxService {
         let started = Instant::now();
         let _reservation = self.reserve(&workspace.id, 1).await?;
         let mut params = params;
-        // The row names what the sandbox runs: an alias's image (a
-        // workspace's own template keeps its name).
-        if self.store().template(&workspace.id, &params.template).await?.is_none() {
-            params.template = self.resolve_template(&params.template).to_string();
-        }
         let vm = match &params.from_snapshot {
             Some(snapshot_id) => {
                 let snapshot = self
@@ -80,7 +75,13 @@ impl SandboxService {
                     Err(e) => return Err(vm_error("creating the sandbox from the snapshot", e)),
                 }
             }
-            None => self.create_vm(&workspace.id, &params.template, params.network.clone()).await?,
+            None => {
+                let choice = self.choose_template(&workspace.id, &params.template).await?;
+                // The row names what the sandbox runs: an alias's image (a
+                // workspace's own template keeps its name).
+                params.template = choice.name().to_string();
+                self.create_vm(&choice, params.network.clone()).await?
+            }
         };
         if let Some(limits) = params.limits {
             // One more round trip, only for a create that asks for its own limits.
@@ -94,13 +95,12 @@ impl SandboxService {
         self.adopt_new(workspace, params, vm, started).await
     }
 
-    /// A VM restored from the template of `template`: the workspace's own
-    /// (with its vCPUs and memory), or an image name or alias (503 while
-    /// this host builds its image).
-    async fn create_vm(&self, workspace_id: &str, template: &str, network: Option<EgressPolicy>) -> Result<clade_host::Vm, ApiError> {
-        let image = self.template_image(workspace_id, template).await?;
+    /// A VM restored from a template: the workspace's own (with its vCPUs
+    /// and memory), or an image (503 while this host builds it).
+    async fn create_vm(&self, choice: &super::images::TemplateChoice, network: Option<EgressPolicy>) -> Result<clade_host::Vm, ApiError> {
+        let image = self.image_of(choice).await?;
         let mut spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), ..self.vm_spec(image) };
-        if let Some(own) = self.store().template(workspace_id, template).await? {
+        if let super::images::TemplateChoice::Own(own) = choice {
             (spec.vcpus, spec.memory_mb) = (own.cpu, own.memory_mb);
         }
         self.runtime().create(spec).await.map_err(|e| vm_error("creating the sandbox", e))

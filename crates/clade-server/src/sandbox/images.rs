@@ -1,7 +1,8 @@
-//! The image a create's template names: an alias resolved
+//! The image a create's template names: the workspace's own template
+//! (`builds`), or an image name with an alias resolved
 //! (`SandboxSettings::template_aliases`), and, when this host has not built
-//! it yet, built in the background while creates are answered 503 with
-//! Retry-After (a first-party image takes minutes to build; no request
+//! that image yet, built in the background while creates are answered 503
+//! with Retry-After (a first-party image takes minutes to build; no request
 //! should hang that long).
 
 use std::collections::HashMap;
@@ -9,6 +10,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use clade_host::image::{GuestImage, Progress};
+use clade_store::TemplateRow;
 
 use super::SandboxService;
 use crate::error::{chain, vm_error, ApiError};
@@ -31,14 +33,60 @@ enum Build {
     Failed(String),
 }
 
+/// What a template name stands for in a workspace.
+#[derive(Debug)]
+pub(super) enum TemplateChoice {
+    /// The workspace's own template (built by `builds`).
+    Own(TemplateRow),
+    /// An image this build makes, an alias resolved.
+    Image(String),
+}
+
+impl TemplateChoice {
+    /// The name a sandbox of it records: its own template's, or the image's.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Own(row) => &row.name,
+            Self::Image(image) => image,
+        }
+    }
+}
+
 impl SandboxService {
     /// The image name a template name resolves to.
     pub(super) fn resolve_template<'a>(&'a self, template: &'a str) -> &'a str {
         self.settings().template_aliases.get(template).map_or(template, String::as_str)
     }
 
+    /// What `name` stands for in the workspace: one lookup of its own templates.
+    pub(super) async fn choose_template(&self, workspace_id: &str, name: &str) -> Result<TemplateChoice, ApiError> {
+        Ok(match self.store().template(workspace_id, name).await? {
+            Some(row) => TemplateChoice::Own(row),
+            None => TemplateChoice::Image(self.resolve_template(name).to_string()),
+        })
+    }
+
+    /// The built image of a template on this host (503 while a first-party
+    /// image builds, or when the host lacks the workspace's template).
+    pub(super) async fn image_of(&self, choice: &TemplateChoice) -> Result<GuestImage, ApiError> {
+        let own = match choice {
+            TemplateChoice::Image(image) => return self.built_image(image).await,
+            TemplateChoice::Own(own) => own,
+        };
+        let images = self.runtime().images().clone();
+        let key = own.image_key.clone();
+        tokio::task::spawn_blocking(move || images.cached(&key))
+            .await
+            .map_err(|e| ApiError::internal("looking up the template failed", e))?
+            .map_err(|e| vm_error("looking up the template", e.into()))?
+            .ok_or_else(|| ApiError::Unavailable {
+                message: format!("template {}'s image is not on this host", own.name),
+                retry_after: Some(5),
+            })
+    }
+
     /// The built image of `name` (an image name), or 503 while it builds.
-    pub(super) async fn built_image(&self, name: &str) -> Result<GuestImage, ApiError> {
+    async fn built_image(&self, name: &str) -> Result<GuestImage, ApiError> {
         let images = self.runtime().images().clone();
         let lookup = name.to_string();
         let cached = tokio::task::spawn_blocking(move || images.cached(&lookup))
