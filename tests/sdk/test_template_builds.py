@@ -80,6 +80,8 @@ def test_a_dockerfile_build_runs_in_a_vm_streams_its_log_and_caches_its_steps(se
         assert run(sb, "cat /app/data/numbers.csv") == "a,b\n1,2\n"
         assert run(sb, "cat /app/six.txt") == "1.16.0\n"
         assert run(sb, "python3 -c 'import six; print(six.PY3)'") == "True\n"
+        # The Dockerfile's ENV and WORKDIR are every command's defaults.
+        assert run(sb, "echo $APP_HOME; pwd; cat hello.txt") == "/app\n/app\ncopied from the context\n"
     finally:
         sb.kill()
 

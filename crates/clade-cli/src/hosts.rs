@@ -19,7 +19,7 @@ use crate::server::{stop_signal, ClusterArgs, MachineArgs};
 pub enum HostCommand {
     /// Run this machine's VMs for the servers of the database (`clade server
     /// --no-vms`), behind the internal API; until SIGINT/SIGTERM.
-    Run(HostRunArgs),
+    Run(Box<HostRunArgs>),
     /// Take no new sandboxes on a host, forks of its sandboxes included (they
     /// land on other hosts); its persistent and hibernated sandboxes move to
     /// other hosts (hibernated first); the others end there. Kept across its restarts.
@@ -66,7 +66,7 @@ pub async fn run(command: HostCommand, database_url: Option<String>, host: HostC
     let url = database_url.clone().unwrap_or_else(|| Store::default_url(&host.data_dir));
     let open = || Store::open(&url);
     match command {
-        HostCommand::Run(args) => return run_host(args, database_url, host).await,
+        HostCommand::Run(args) => return run_host(*args, database_url, host).await,
         HostCommand::Drain { id } => set_state(open().await?, &id, HostState::Draining, "drained by its operator").await?,
         HostCommand::Undrain { id } => set_state(open().await?, &id, HostState::Up, "").await?,
         HostCommand::Ls { json } => list(open().await?, json).await?,

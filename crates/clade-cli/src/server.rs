@@ -74,6 +74,16 @@ pub struct MachineArgs {
     /// (comma-separated).
     #[arg(long = "template-alias", env = "CLADE_TEMPLATE_ALIASES", value_delimiter = ',', value_parser = parse_alias)]
     template_aliases: Vec<(String, String)>,
+    /// A registry (HOST or HOST:PORT) template builds pull from over plain
+    /// HTTP (repeatable); those on loopback always are. Env:
+    /// CLADE_INSECURE_REGISTRIES (comma-separated).
+    #[arg(long = "insecure-registry", env = "CLADE_INSECURE_REGISTRIES", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
+    /// A Docker config.json whose `auths` are the credentials template
+    /// builds pull private images with (read at each pull); without it,
+    /// pulls are anonymous. Env: CLADE_REGISTRY_AUTH.
+    #[arg(long, env = "CLADE_REGISTRY_AUTH")]
+    registry_auth: Option<PathBuf>,
     /// Run sandboxes without any network (no namespaces, no nftables rules).
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
@@ -130,6 +140,8 @@ impl MachineArgs {
         config.sandboxes.standby_memory_mb = self.standby_memory;
         config.sandboxes.standby_horizon = std::time::Duration::from_secs(self.standby_horizon);
         config.sandboxes.template_aliases.extend(self.template_aliases.iter().cloned());
+        config.sandboxes.registries =
+            clade_server::registry::RegistrySettings { insecure: self.insecure_registries.clone(), auth_file: self.registry_auth.clone() };
         if self.no_network {
             eprintln!("{who}: networking is off (--no-network): sandboxes have no network");
         } else if !nix::unistd::geteuid().is_root() {

@@ -24,8 +24,10 @@ pub enum TemplateCommand {
     #[command(alias = "delete")]
     Rm { name: String },
     /// Build a template from a Dockerfile (RUN runs in a Clade VM) and its
-    /// context directory, or from a root filesystem tarball (--rootfs);
-    /// prints the log as it goes and exits 1 when the build fails.
+    /// context directory, from a root filesystem tarball or an image
+    /// archive (--rootfs: `docker save`'s or an OCI layout's), or from an
+    /// image in an OCI registry (--image); prints the log as it goes and
+    /// exits 1 when the build fails.
     Build {
         /// The template's name.
         #[arg(long)]
@@ -33,9 +35,13 @@ pub enum TemplateCommand {
         /// The Dockerfile (default: CONTEXT/Dockerfile).
         #[arg(short = 'f', long = "file")]
         dockerfile: Option<PathBuf>,
-        /// A root filesystem tarball instead of a Dockerfile.
+        /// A root filesystem tarball, or an image archive, instead of a Dockerfile.
         #[arg(long, conflicts_with = "dockerfile")]
         rootfs: Option<PathBuf>,
+        /// An image in an OCI registry (`python:3.12-slim`,
+        /// `ghcr.io/org/app:v1`) instead of a Dockerfile; the server pulls it.
+        #[arg(long, conflicts_with_all = ["dockerfile", "rootfs"])]
+        image: Option<String>,
         /// The template's disk, MiB (at least what it holds).
         #[arg(long, default_value_t = 1024)]
         size_mb: u32,
@@ -93,7 +99,7 @@ pub async fn run(command: TemplateCommand, client: &Client, json_out: bool) -> a
         TemplateCommand::Rm { name } => {
             client.send(client.request(Method::DELETE, &["templates", &name])).await?;
         }
-        TemplateCommand::Build { name, dockerfile, rootfs, size_mb, cpu, memory_mb, replace, no_wait, context } => {
+        TemplateCommand::Build { name, dockerfile, rootfs, image, size_mb, cpu, memory_mb, replace, no_wait, context } => {
             let mut form = reqwest::multipart::Form::new().text("name", name).text("size_mb", size_mb.to_string());
             if let Some(cpu) = cpu {
                 form = form.text("cpu", cpu.to_string());
@@ -104,13 +110,14 @@ pub async fn run(command: TemplateCommand, client: &Client, json_out: bool) -> a
             if replace {
                 form = form.text("replace", "true");
             }
-            form = match rootfs {
-                Some(tarball) => {
+            form = match (rootfs, image) {
+                (_, Some(reference)) => form.text("image_ref", reference),
+                (Some(tarball), None) => {
                     let file = tokio::fs::File::open(&tarball).await.with_context(|| format!("opening {}", tarball.display()))?;
                     let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
                     form.part("rootfs", reqwest::multipart::Part::stream(body).file_name("rootfs.tar"))
                 }
-                None => {
+                (None, None) => {
                     let path = dockerfile.unwrap_or_else(|| context.join("Dockerfile"));
                     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
                     let mut form = form.text("dockerfile", text);

@@ -32,6 +32,9 @@ pub struct AgentConfig {
     pub limit_user_commands: bool,
     /// The agent's own files (long commands' scripts): a tmpfs in the guest.
     pub run_dir: PathBuf,
+    /// The image's defaults for every command (`clade_proto::image_defaults`),
+    /// read once at start; none when absent.
+    pub image_defaults: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -42,6 +45,7 @@ impl AgentConfig {
             cgroup_root: Some("/sys/fs/cgroup".into()),
             limit_user_commands: true,
             run_dir: "/run/clade".into(),
+            image_defaults: Some(clade_proto::IMAGE_DEFAULTS_PATH.into()),
         }
     }
 
@@ -52,6 +56,7 @@ impl AgentConfig {
             cgroup_root: Some("/sys/fs/cgroup".into()),
             limit_user_commands: false,
             run_dir: std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())),
+            image_defaults: None,
         }
     }
 }
@@ -64,6 +69,9 @@ pub struct Agent {
     run_dir: PathBuf,
     /// Environment set by the post-restore hook, under each command's own.
     default_env: std::sync::Mutex<Vec<(String, String)>>,
+    /// The image's environment, working directory and user, under the
+    /// hook's and each command's own.
+    image_defaults: clade_proto::ImageDefaults,
 }
 
 impl Agent {
@@ -82,12 +90,24 @@ impl Agent {
             },
             Some(_) => {}
         }
+        let image_defaults = match &config.image_defaults {
+            Some(path) => match std::fs::read_to_string(path) {
+                Ok(text) => clade_proto::ImageDefaults::parse(&text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => clade_proto::ImageDefaults::default(),
+                Err(e) => {
+                    tracing::warn!("reading the image's defaults {}: {e}", path.display());
+                    clade_proto::ImageDefaults::default()
+                }
+            },
+            None => clade_proto::ImageDefaults::default(),
+        };
         Ok(Arc::new(Self {
             version: crate::VERSION.to_string(),
             reaper: Reaper::start(config.reap_scope)?,
             cgroups,
             run_dir: config.run_dir,
             default_env: std::sync::Mutex::default(),
+            image_defaults,
         }))
     }
 
@@ -107,8 +127,16 @@ impl Agent {
         &self.run_dir
     }
 
+    /// Every command's environment under its own: the image's, then the
+    /// post-restore hook's.
     pub(crate) fn default_env(&self) -> Vec<(String, String)> {
-        self.default_env.lock().expect("env lock").clone()
+        let mut env = self.image_defaults.env.clone();
+        env.extend(self.default_env.lock().expect("env lock").iter().cloned());
+        env
+    }
+
+    pub(crate) fn image_defaults(&self) -> &clade_proto::ImageDefaults {
+        &self.image_defaults
     }
 
     pub(crate) fn set_default_env(&self, env: Vec<(String, String)>) {

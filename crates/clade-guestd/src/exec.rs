@@ -89,7 +89,7 @@ impl ExecError {
     pub fn to_guest_error(&self) -> GuestError {
         let kind = match self {
             Self::EmptyCommand | Self::RelativeCwd(_) | Self::BadEnv(_) | Self::NulByte => ErrorKind::InvalidInput,
-            Self::User(UsersError::Unknown(_)) => ErrorKind::InvalidInput,
+            Self::User(UsersError::Unknown(_) | UsersError::UnknownGroup(_)) => ErrorKind::InvalidInput,
             Self::CwdNotADirectory(_) => ErrorKind::NotADirectory,
             Self::Cwd { path, source } => return GuestError::from_io(source, path),
             Self::Spawn { source, .. } if source.raw_os_error() == Some(libc::E2BIG) => {
@@ -191,7 +191,8 @@ enum ChildIo {
 }
 
 async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> {
-    let user = users::lookup(req.user.as_deref())?;
+    let image = agent.image_defaults();
+    let user = users::lookup(req.user.as_deref().or(image.user.as_deref()))?;
     let mut script_file = None;
     let (program, args): (String, Vec<String>) = match &req.command {
         Command::Argv(argv) => match argv.split_first() {
@@ -212,7 +213,7 @@ async fn launch(agent: &Agent, req: &ExecRequest) -> Result<Running, ExecError> 
     if program.contains('\0') || args.iter().any(|a| a.contains('\0')) {
         return Err(ExecError::NulByte);
     }
-    let cwd = working_dir(req.cwd.as_deref(), &user)?;
+    let cwd = working_dir(req.cwd.as_deref().or(image.workdir.as_deref()), &user)?;
     let mut extra = agent.default_env();
     extra.extend(req.env.iter().cloned());
     let env = environment(&user, req.pty.is_some(), &extra)?;
@@ -999,6 +1000,26 @@ mod tests {
         req.env = vec![("FOO".into(), "bar".into())];
         req.cwd = Some("/tmp".into());
         assert_eq!(h.exec(req).await.stdout_text(), "bar C.UTF-8\n/tmp\n");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn the_images_defaults_apply_under_a_commands_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("image-defaults");
+        let defaults = clade_proto::ImageDefaults {
+            env: vec![("FROM_IMAGE".into(), "1".into()), ("FOO".into(), "image".into())],
+            workdir: Some("/tmp".into()),
+            user: None,
+        };
+        std::fs::write(&file, defaults.to_text()).unwrap();
+        let config = crate::agent::AgentConfig { image_defaults: Some(file), ..crate::agent::AgentConfig::unprivileged() };
+        let h = Harness::with_config(crate::agent::AgentConfig { cgroup_root: crate::testing::host_cgroup_root(), ..config }).await;
+        assert_eq!(h.exec(shell("echo $FROM_IMAGE $FOO; pwd")).await.stdout_text(), "1 image\n/tmp\n");
+        let mut own = shell("echo $FROM_IMAGE $FOO; pwd");
+        own.env = vec![("FOO".into(), "mine".into())];
+        own.cwd = Some("/".into());
+        assert_eq!(h.exec(own).await.stdout_text(), "1 mine\n/\n", "the command's own win");
         h.shutdown().await;
     }
 

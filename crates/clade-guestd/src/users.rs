@@ -22,6 +22,11 @@ impl User {
     fn root() -> Self {
         Self { name: "root".into(), uid: 0, gid: 0, home: "/root".into(), shell: "/bin/sh".into(), groups: vec![0] }
     }
+
+    /// A uid no passwd entry names: its own group, home `/`.
+    fn numeric(uid: u32) -> Self {
+        Self { name: uid.to_string(), uid, gid: uid, home: "/".into(), shell: "/bin/sh".into(), groups: vec![uid] }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -34,9 +39,13 @@ pub enum UsersError {
     },
     #[error("no user {0:?} in /etc/passwd")]
     Unknown(String),
+    #[error("no group {0:?} in /etc/group")]
+    UnknownGroup(String),
 }
 
-/// Looks a user up by name; `None` means root.
+/// Looks a user up as a Dockerfile's `USER` names one: a name or a uid,
+/// optionally `:group` (a name or a gid); `None` means root. A uid the
+/// passwd file lacks is still a user (home `/`), as in Docker; so is root.
 pub fn lookup(name: Option<&str>) -> Result<User, UsersError> {
     lookup_in(Path::new("/etc"), name)
 }
@@ -47,9 +56,23 @@ pub fn lookup_in(etc: &Path, name: Option<&str>) -> Result<User, UsersError> {
     let mut user = match name {
         // Root works even on an image whose passwd lacks it (or has none).
         None => parse_passwd(&passwd, |e| e.uid == 0).unwrap_or_else(User::root),
-        Some(name) => parse_passwd(&passwd, |e| e.name == name).ok_or_else(|| UsersError::Unknown(name.to_string()))?,
+        Some(spec) => {
+            let name = spec.split_once(':').map_or(spec, |(name, _)| name);
+            let numeric = name.parse::<u32>().ok();
+            parse_passwd(&passwd, |e| e.name == name || Some(e.uid) == numeric)
+                .or_else(|| numeric.map(User::numeric))
+                .or_else(|| (name == "root").then(User::root))
+                .ok_or_else(|| UsersError::Unknown(name.to_string()))?
+        }
     };
     let group = read_optional(&etc.join("group"))?;
+    if let Some((_, group_spec)) = name.and_then(|spec| spec.split_once(':')) {
+        user.gid = group_spec
+            .parse::<u32>()
+            .ok()
+            .or_else(|| gid_in(&group, group_spec))
+            .ok_or_else(|| UsersError::UnknownGroup(group_spec.to_string()))?;
+    }
     user.groups = supplementary_groups(&group, &user.name, user.gid);
     Ok(user)
 }
@@ -103,7 +126,11 @@ fn supplementary_groups(group_text: &str, name: &str, primary: u32) -> Vec<u32> 
 
 /// The gid of a group by name, for the owner of terminals (`tty`).
 pub fn group_id(name: &str) -> Option<u32> {
-    let text = read_optional(Path::new("/etc/group")).ok()?;
+    gid_in(&read_optional(Path::new("/etc/group")).ok()?, name)
+}
+
+/// The gid of group `name` in a group file's text.
+fn gid_in(text: &str, name: &str) -> Option<u32> {
     text.lines().find_map(|line| {
         let mut fields = line.split(':');
         (fields.next()? == name).then_some(())?;
@@ -146,5 +173,18 @@ mod tests {
         assert!(matches!(lookup_in(dir.path(), Some("mallory")), Err(UsersError::Unknown(_))));
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(lookup_in(empty.path(), None).unwrap(), User::root());
+    }
+
+    #[test]
+    fn users_are_named_as_a_dockerfile_names_them() {
+        let dir = etc();
+        assert_eq!(lookup_in(dir.path(), Some("1000")).unwrap().name, "alice", "a uid in passwd");
+        let stranger = lookup_in(dir.path(), Some("4242")).unwrap();
+        assert_eq!((stranger.uid, stranger.gid, stranger.home.as_str()), (4242, 4242, "/"));
+        assert_eq!(lookup_in(dir.path(), Some("alice:docker")).unwrap().gid, 999);
+        assert_eq!(lookup_in(dir.path(), Some("alice:5")).unwrap().gid, 5);
+        assert!(matches!(lookup_in(dir.path(), Some("alice:nogroup")), Err(UsersError::UnknownGroup(_))));
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(lookup_in(empty.path(), Some("root")).unwrap(), User::root(), "root without a passwd entry");
     }
 }

@@ -12,10 +12,12 @@
 pub mod frame;
 pub mod guest_net;
 pub mod handshake;
+pub mod image_defaults;
 pub mod messages;
 pub mod mux;
 
 pub use frame::{read_frame, write_frame, FrameError};
+pub use image_defaults::{ImageDefaults, IMAGE_DEFAULTS_PATH};
 pub use messages::*;
 
 /// Bumped on any change a peer of the previous version could misread.

@@ -14,6 +14,7 @@
 //!   quotas, snapshots, forks, the idle reaper).
 //! - [`idempotency`]: `Idempotency-Key` on the operations that make things.
 //! - [`rate_limit`]: the per-workspace request rate limiter.
+//! - [`registry`]: pulling images from OCI registries (template builds).
 //! - [`metrics`]: `/metrics` (Prometheus text).
 //! - [`sse`]: server-sent event framing for the streaming endpoints.
 //! - `forward`: forwarding into a sandbox's port (proxy, preview hosts,
@@ -36,6 +37,7 @@ pub mod metrics;
 pub mod peer;
 pub mod preview;
 pub mod rate_limit;
+pub mod registry;
 pub mod replica;
 mod routes;
 pub use routes::openapi;

@@ -447,5 +447,16 @@ fn a_template_built_through_the_cli_streams_its_log_and_makes_sandboxes() {
     let out = output(&mut server.clade(&["template", "build", "--name", "cli-broken", context_dir]), None);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("exited 7"), "{}", text(&out.stderr));
+    // --image sends the reference for the server to pull: nothing listens
+    // on this loopback port, so the build fails naming it.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let reference = format!("127.0.0.1:{closed}/team/app:v1");
+    let out = output(&mut server.clade(&["template", "build", "--name", "cli-pulled", "--image", &reference]), None);
+    assert_eq!(out.status.code(), Some(1));
+    let (log, error) = (text(&out.stdout), text(&out.stderr));
+    assert!(log.contains(&format!("resolving {reference}")), "{log}");
+    assert!(error.contains(&reference) && error.contains("could not be reached"), "{error}");
+    let out = output(&mut server.clade(&["template", "build", "--name", "cli-pulled", "--image", "Not A Reference"]), None);
+    assert!(text(&out.stderr).contains("is not an image reference") && text(&out.stderr).contains("(HTTP 400)"), "{}", text(&out.stderr));
     ok(&mut server.clade(&["template", "rm", "cli-built"]));
 }

@@ -14,6 +14,8 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
+use clade_proto::ImageDefaults;
+
 use super::{build, hash, io_err, GuestImage, ImageError, ImageStore, GUESTD_PATH_IN_GUEST, ROOTFS_FILE};
 
 /// What starts a custom image's key.
@@ -96,16 +98,12 @@ impl ImageStore {
         }
     }
 
-    /// Makes the ext4 image `out` of at least `size_mb` MiB from a root
-    /// filesystem tarball (plain, gzip, xz or zstd: tar tells them apart):
-    /// unpacked under `scratch`, the agent, the default user and
-    /// `/workspace` added. Blocking.
-    pub fn ext4_from_tarball(&self, tarball: &Path, scratch: &Path, out: &Path, size_mb: u32) -> Result<(), ImageError> {
-        let tree = scratch.join("tree");
-        std::fs::create_dir_all(&tree).map_err(io_err(format!("creating {}", tree.display())))?;
-        let log = scratch.join("unpack.log");
+    /// Unpacks a tarball the user gave (plain, gzip, xz or zstd: tar tells
+    /// them apart) into `into`, a new directory. Blocking.
+    pub fn unpack_upload(&self, tarball: &Path, into: &Path, log: &Path) -> Result<(), ImageError> {
+        std::fs::create_dir_all(into).map_err(io_err(format!("creating {}", into.display())))?;
         build::run(
-            "unpacking the root filesystem",
+            "unpacking the upload",
             &[
                 "tar".as_ref(),
                 "--extract".as_ref(),
@@ -113,21 +111,39 @@ impl ImageStore {
                 "--file".as_ref(),
                 tarball.as_os_str(),
                 "--directory".as_ref(),
-                tree.as_os_str(),
+                into.as_os_str(),
             ],
-            &log,
+            log,
             &super::Progress::Quiet,
-        )?;
-        if !has_shell(&tree) {
+        )
+    }
+
+    /// Makes the ext4 image `out` of at least `size_mb` MiB from a root
+    /// filesystem `tree` (the user's, unpacked): the agent, the default
+    /// user, `/workspace` and the image's `defaults` added. Blocking.
+    pub fn ext4_from_tree(&self, tree: &Path, defaults: &ImageDefaults, out: &Path, size_mb: u32, log: &Path) -> Result<(), ImageError> {
+        if !has_shell(tree) {
             return Err(ImageError::Invalid("the root filesystem has no /bin/sh".into()));
         }
         let guestd = self.guestd.clone().or_else(super::find_guestd).ok_or(ImageError::GuestdMissing)?;
-        make_bootable(&tree, &guestd)?;
-        let used_mb = (crate::space::allocated_bytes(&tree) >> 20) as u32;
+        make_bootable(tree, &guestd)?;
+        write_defaults(tree, defaults)?;
+        let used_mb = (crate::space::allocated_bytes(tree) >> 20) as u32;
         // Room for the metadata and some for the sandbox to write.
         let size_mb = size_mb.max(used_mb + used_mb / 4 + 256);
-        build::mkfs_ext4(&tree, out, &format!("{size_mb}M"), &log, &super::Progress::Quiet)
+        build::mkfs_ext4(tree, out, &format!("{size_mb}M"), log, &super::Progress::Quiet)
     }
+}
+
+/// Writes (or replaces) the image's defaults file when there are any.
+fn write_defaults(tree: &Path, defaults: &ImageDefaults) -> Result<(), ImageError> {
+    if defaults.is_empty() {
+        return Ok(());
+    }
+    let relative = Path::new(clade_proto::IMAGE_DEFAULTS_PATH.trim_start_matches('/'));
+    let file = writable_in_tree(tree, relative)?;
+    let _ = std::fs::remove_file(&file);
+    write_new(&file, defaults.to_text().as_bytes(), 0o644)
 }
 
 /// Whether `/bin/sh` exists in the tree (through its own links, resolved

@@ -16,6 +16,7 @@
 
 mod build;
 mod custom;
+pub mod oci;
 mod prune;
 
 use std::path::{Path, PathBuf};

@@ -43,7 +43,7 @@ pub mod template;
 mod transfer;
 
 pub use crate::process::ProcessId;
-pub use admission::{Admission, AdmissionError};
+pub use admission::{Admission, AdmissionError, Admitted};
 pub use idle::translation_cache_kib;
 pub use import::Imported;
 pub use launch::{kernel_cmdline, qemu_args, LaunchSpec, VMM_UID_BASE};

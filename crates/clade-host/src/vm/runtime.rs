@@ -253,6 +253,13 @@ impl VmRuntime {
         Ok(self.admission.admit(&self.promises, count, memory_mb, disk_bytes, &self.config.data_dir, claims)?)
     }
 
+    /// Admits a template build whose image and scratch take `disk_bytes`
+    /// of this host's disk (its VM, if it runs one, is admitted as any VM);
+    /// the promise lasts as long as the returned value.
+    pub fn admit_build(&self, disk_bytes: u64) -> Result<admission::Admitted, VmError> {
+        self.admit(1, 0, disk_bytes)
+    }
+
     /// The VMs of this data directory as disk admission counts them: those
     /// made, running or not (being made ones are promised, standby ones
     /// hold an empty layer that a create takes over).

@@ -143,9 +143,7 @@ fn parse_request(
     let source = match (rootfs, fields.image_ref.filter(|r| !r.is_empty()), fields.dockerfile.filter(|d| !d.trim().is_empty())) {
         (Some((tarball, scratch)), _, _) => BuildSource::Rootfs { tarball, scratch },
         (None, Some(reference), _) => {
-            return Err(ApiError::bad_request(format!(
-                "image_ref {reference}: pulling OCI images is not supported by this server yet; build from a root filesystem tarball or a Dockerfile FROM a Clade template"
-            )))
+            BuildSource::Image { reference: crate::registry::Reference::parse(reference.trim()).map_err(ApiError::bad_request)? }
         }
         (None, None, Some(text)) => {
             crate::dockerfile::parse(&text).map_err(|e| ApiError::bad_request(e.to_string()))?;

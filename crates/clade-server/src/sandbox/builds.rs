@@ -4,7 +4,13 @@
 //! the build goes (`GET …/builds/{id}/logs` tails it).
 //!
 //! - A **root filesystem tarball** is unpacked and made bootable on the
-//!   host (`ImageStore::ext4_from_tarball`; nothing of it runs here).
+//!   host (`ImageStore::ext4_from_tree`; nothing of it runs here). An
+//!   upload that is an image archive (`docker save`'s, an OCI layout's) has
+//!   its layers applied instead (`clade_host::image::oci`).
+//! - An **OCI image reference** is pulled from its registry (`registry`),
+//!   its layers applied the same way; its config's `Env`, `WorkingDir` and
+//!   `User` become the defaults of its sandboxes' commands
+//!   (`clade_proto::ImageDefaults`, in the image).
 //! - A **Dockerfile** runs in a Clade VM of its `FROM` template: `RUN` is a
 //!   command in the guest (never on the host), with the sandbox network
 //!   policy; `COPY`/`ADD` write the context's files through the agent; the
@@ -12,7 +18,11 @@
 //!   changes the guest the VM is snapshotted, keyed by the hash of the
 //!   template, the steps so far and the files they copied: a rebuild starts
 //!   from the last step it already has. At the end the VM's disk becomes
-//!   the image (`VmRuntime::export_disk`).
+//!   the image (`VmRuntime::export_disk`). `FROM` may name a template or an
+//!   OCI image (pulled once per digest and kept as the build's base).
+//!
+//! A build is admitted against the host's disk like a create (507 when the
+//! image and its scratch would not fit) and holds that promise until it ends.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -20,16 +30,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use clade_host::image::GuestImage;
+use clade_host::image::{oci, GuestImage};
 use clade_host::{ImageStore, Lifetime, VmSpec};
 use clade_proto::{Command, ExecRequest};
 use clade_store::{BuildRow, BuildStatus, TemplateRow, Workspace};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use super::images::TemplateChoice;
 use super::SandboxService;
 use crate::dockerfile::{self, Instruction};
-use crate::error::{chain, ApiError};
+use crate::error::{chain, vm_error, ApiError};
+use crate::registry::Reference;
 
 /// What a build makes its template from.
 #[derive(Debug)]
@@ -38,6 +50,8 @@ pub enum BuildSource {
     Rootfs { tarball: PathBuf, scratch: PathBuf },
     /// A Dockerfile and its context's files (relative paths).
     Dockerfile { text: String, context: BTreeMap<String, Vec<u8>> },
+    /// An image in an OCI registry.
+    Image { reference: Reference },
 }
 
 impl BuildSource {
@@ -52,6 +66,7 @@ impl BuildSource {
         match self {
             Self::Rootfs { .. } => "rootfs",
             Self::Dockerfile { .. } => "dockerfile",
+            Self::Image { .. } => "image",
         }
     }
 }
@@ -90,6 +105,30 @@ pub struct TemplateConfig {
     /// `ENTRYPOINT` then `CMD`: the template's default start command.
     pub start_command: Vec<String>,
     pub labels: BTreeMap<String, String>,
+}
+
+impl TemplateConfig {
+    /// An OCI image's config as a template's.
+    fn from_image(config: &clade_host::image::oci::ImageConfig) -> Self {
+        Self {
+            base: None,
+            env: config.env.iter().cloned().collect(),
+            workdir: config.working_dir.clone(),
+            user: config.user.clone(),
+            ports: config.exposed_ports.clone(),
+            start_command: config.entrypoint.iter().chain(&config.cmd).cloned().collect(),
+            labels: config.labels.clone(),
+        }
+    }
+
+    /// What the image tells every command of its sandboxes.
+    fn defaults(&self) -> clade_proto::ImageDefaults {
+        clade_proto::ImageDefaults {
+            env: self.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            workdir: self.workdir.clone(),
+            user: self.user.clone(),
+        }
+    }
 }
 
 /// Why a build failed, as its record says it.
@@ -155,8 +194,8 @@ impl SandboxService {
     /// Records a build and starts it in the background (it waits for a
     /// build turn first): the record, `queued`.
     pub async fn start_build(&self, workspace: &Workspace, request: BuildRequest) -> Result<BuildRow, ApiError> {
-        let build = match self.record_build(workspace, &request).await {
-            Ok(build) => build,
+        let (build, admitted) = match self.record_build(workspace, &request).await {
+            Ok(recorded) => recorded,
             Err(e) => {
                 request.source.discard();
                 return Err(e);
@@ -164,11 +203,15 @@ impl SandboxService {
         };
         let service = self.clone();
         let (workspace, row) = (workspace.clone(), build.clone());
-        tokio::spawn(async move { service.run_build(workspace, row, request).await });
+        tokio::spawn(async move {
+            service.run_build(workspace, row, request).await;
+            drop(admitted);
+        });
         Ok(build)
     }
 
-    async fn record_build(&self, workspace: &Workspace, request: &BuildRequest) -> Result<BuildRow, ApiError> {
+    /// Checks a request, admits it against the host's disk and records it.
+    async fn record_build(&self, workspace: &Workspace, request: &BuildRequest) -> Result<(BuildRow, clade_host::vm::Admitted), ApiError> {
         validate_name(&request.name)?;
         if ImageStore::recipe(&request.name).is_some() || self.settings().template_aliases.contains_key(&request.name) {
             return Err(ApiError::conflict(format!("template {} is a global template", request.name)));
@@ -184,6 +227,10 @@ impl SandboxService {
                 return Err(ApiError::bad_request(format!("{what} must be between {} and {}", range.start(), range.end())));
             }
         }
+        // The image and the scratch it is made in (an unpacked tree, a VM's
+        // disk), on this host's disk until the build ends.
+        let disk_bytes = 2 * (u64::from(request.size_mb) << 20);
+        let admitted = self.runtime().admit_build(disk_bytes).map_err(|e| vm_error("admitting the build", e))?;
         let build = BuildRow {
             id: format!("bld_{}", hex::encode(rand::random::<[u8; 8]>())),
             workspace_id: workspace.id.clone(),
@@ -195,7 +242,10 @@ impl SandboxService {
             size_mb: request.size_mb,
             cpu: request.cpu,
             memory_mb: request.memory_mb,
-            image_ref: None,
+            image_ref: match &request.source {
+                BuildSource::Image { reference } => Some(reference.to_string()),
+                _ => None,
+            },
             replace: request.replace,
             bytes: None,
             started_at: clade_store::now_ms(),
@@ -204,7 +254,7 @@ impl SandboxService {
         let dir = self.runtime().data_dir().join("builds");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::internal("creating the builds directory failed", e))?;
         self.store().insert_build(&build).await?;
-        Ok(build)
+        Ok((build, admitted))
     }
 
     async fn run_build(&self, workspace: Workspace, build: BuildRow, request: BuildRequest) {
@@ -219,6 +269,7 @@ impl SandboxService {
         let outcome = match &request.source {
             BuildSource::Rootfs { tarball, scratch } => self.build_rootfs(&build, tarball, scratch, &log).await,
             BuildSource::Dockerfile { text, context } => self.build_dockerfile(&workspace, &build, text, context, &log).await,
+            BuildSource::Image { reference } => self.build_image(&build, reference, &log).await,
         };
         request.source.discard();
         let finished = match outcome {
@@ -273,17 +324,127 @@ impl SandboxService {
         scratch: &Path,
         log: &BuildLog,
     ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
-        log.line("unpacking the root filesystem and adding Clade's agent");
+        log.line("unpacking the upload");
         let images = self.runtime().images().clone();
         let (tarball, scratch, size_mb) = (tarball.to_path_buf(), scratch.to_path_buf(), build.size_mb);
-        let image = tokio::task::spawn_blocking(move || {
+        let said = log.clone();
+        let (image, config) = tokio::task::spawn_blocking(move || {
+            let (upload, unpack_log) = (scratch.join("upload"), scratch.join("unpack.log"));
+            images.unpack_upload(&tarball, &upload, &unpack_log)?;
+            let _ = std::fs::remove_file(&tarball);
+            let (tree, config) = if oci::is_image_archive(&upload) {
+                let layout = oci::read_archive(&upload)?;
+                said.line(&format!("an image archive: applying its {} layer(s)", layout.layers.len()));
+                let tree = scratch.join("tree");
+                oci::apply_layers(&tree, &layout.layers)?;
+                (tree, TemplateConfig::from_image(&layout.config))
+            } else {
+                said.line("a root filesystem: adding Clade's agent");
+                (upload, TemplateConfig::default())
+            };
             let ext4 = scratch.join("rootfs.ext4");
-            images.ext4_from_tarball(&tarball, &scratch, &ext4, size_mb)?;
-            images.publish_custom(&ImageStore::new_custom_key(), &ext4)
+            images.ext4_from_tree(&tree, &config.defaults(), &ext4, size_mb, &unpack_log)?;
+            let image = images.publish_custom(&ImageStore::new_custom_key(), &ext4)?;
+            Ok::<_, clade_host::image::ImageError>((image, config))
         })
         .await??;
         log.line(&format!("image {} assembled", image.name));
-        Ok((image, TemplateConfig::default()))
+        Ok((image, config))
+    }
+
+    /// Pulls `reference` and makes its image (a new one: templates never
+    /// share an image, so deleting one never takes another's).
+    async fn build_image(
+        &self,
+        build: &BuildRow,
+        reference: &Reference,
+        log: &BuildLog,
+    ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
+        let (image, config) = self.pull_image(reference, ImageStore::new_custom_key(), build.size_mb, log).await?;
+        Ok((image, TemplateConfig::from_image(&config)))
+    }
+
+    /// Resolves `reference`, fetches its layers and applies them into the
+    /// custom image `key` (reused when it is there already).
+    async fn pull_image(
+        &self,
+        reference: &Reference,
+        key: String,
+        size_mb: u32,
+        log: &BuildLog,
+    ) -> Result<(GuestImage, clade_host::image::oci::ImageConfig), BuildFailure> {
+        log.line(&format!("resolving {reference}"));
+        let registry = &self.inner.registry;
+        let resolved = registry.resolve(reference).await?;
+        log.line(&format!("{reference} is {} ({} layer(s))", resolved.digest, resolved.layers.len()));
+        let key = if key.is_empty() { pulled_base_key(&resolved.digest, size_mb) } else { key };
+        let images = self.runtime().images().clone();
+        let cached = {
+            let (images, key) = (images.clone(), key.clone());
+            tokio::task::spawn_blocking(move || images.cached(&key)).await??
+        };
+        if let Some(image) = cached {
+            log.line(&format!("image {} already made from {}", image.name, resolved.digest));
+            return Ok((image, resolved.config));
+        }
+        let scratch = images.scratch_dir("pull")?;
+        let made = async {
+            let said = log.clone();
+            let layers = registry.fetch_layers(reference, &resolved, &scratch, |line| said.line(&line)).await?;
+            log.line("applying the layers and adding Clade's agent");
+            let (scratch, defaults) = (scratch.clone(), TemplateConfig::from_image(&resolved.config).defaults());
+            let image = tokio::task::spawn_blocking(move || {
+                let tree = scratch.join("tree");
+                oci::apply_layers(&tree, &layers)?;
+                let ext4 = scratch.join("rootfs.ext4");
+                images.ext4_from_tree(&tree, &defaults, &ext4, size_mb, &scratch.join("mkfs.log"))?;
+                images.publish_custom(&key, &ext4)
+            })
+            .await??;
+            Ok::<_, BuildFailure>(image)
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&scratch);
+        let image = made?;
+        log.line(&format!("image {} assembled", image.name));
+        Ok((image, resolved.config))
+    }
+
+    /// The image a Dockerfile's `FROM` names and the configuration its
+    /// steps start from: the workspace's template, a first-party image, or
+    /// else an OCI image (pulled once per digest).
+    async fn build_base(
+        &self,
+        workspace: &Workspace,
+        from: &str,
+        size_mb: u32,
+        log: &BuildLog,
+    ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
+        let unknown = |e: ApiError| BuildFailure(format!("FROM {from}: {e}"));
+        match self.choose_template(&workspace.id, from).await.map_err(unknown)? {
+            TemplateChoice::Own(row) => {
+                let config = serde_json::from_str(&row.config).unwrap_or_default();
+                let image = self.image_of(&TemplateChoice::Own(row)).await.map_err(unknown)?;
+                Ok((image, config))
+            }
+            TemplateChoice::Image(name) if ImageStore::recipe(&name).is_some() => {
+                // A build waits for its base to be made on this host (a
+                // create would be answered 503 meanwhile).
+                let images = self.runtime().images().clone();
+                let lookup = name.clone();
+                if tokio::task::spawn_blocking(move || images.cached(&lookup)).await??.is_none() {
+                    log.line(&format!("making image {name} on this host first (its first use: minutes)"));
+                }
+                let images = self.runtime().images().clone();
+                let image = tokio::task::spawn_blocking(move || images.ensure(&name, &clade_host::image::Progress::Quiet)).await??;
+                Ok((image, TemplateConfig::default()))
+            }
+            TemplateChoice::Image(_) => {
+                let reference = Reference::parse(from).map_err(|e| BuildFailure(format!("FROM {from}: not a template, and {e}")))?;
+                let (image, config) = self.pull_image(&reference, String::new(), size_mb, log).await?;
+                Ok((image, TemplateConfig::from_image(&config)))
+            }
+        }
     }
 
     async fn build_dockerfile(
@@ -295,8 +456,7 @@ impl SandboxService {
         log: &BuildLog,
     ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
         let parsed = dockerfile::parse(text)?;
-        let from = |e: ApiError| BuildFailure(format!("FROM {}: {e}", parsed.from));
-        let base = self.image_of(&self.choose_template(&workspace.id, &parsed.from).await.map_err(from)?).await.map_err(from)?;
+        let (base, inherited) = self.build_base(workspace, &parsed.from, build.size_mb, log).await?;
         let keys = step_keys(&base.name, &parsed, context);
         let cache = self.step_cache(&workspace.id, &build.name);
         let runtime = self.runtime();
@@ -320,11 +480,19 @@ impl SandboxService {
                 runtime.create(spec).await?
             }
         };
-        let ran = self.run_steps(&vm, &parsed, &keys, context, resume.as_ref().map(|(i, _)| *i), &cache, log).await;
+        let ran = self.run_steps(&vm, &parsed, inherited, &keys, context, resume.as_ref().map(|(i, _)| *i), &cache, log).await;
         let finished = match ran {
             Ok(config) => {
                 log.line("writing the image");
                 async {
+                    let defaults = config.defaults();
+                    if !defaults.is_empty() {
+                        let path = clade_proto::IMAGE_DEFAULTS_PATH;
+                        vm.agent()
+                            .write_file(path, defaults.to_text().as_bytes())
+                            .await
+                            .map_err(|e| BuildFailure(format!("writing {path}: {e}")))?;
+                    }
                     let _ = vm.agent().run(ExecRequest::new(Command::Argv(vec!["sync".into()]))).await;
                     vm.pause().await?;
                     let images = runtime.images();
@@ -356,15 +524,20 @@ impl SandboxService {
         &self,
         vm: &clade_host::Vm,
         parsed: &dockerfile::Dockerfile,
+        inherited: TemplateConfig,
         keys: &[String],
         context: &BTreeMap<String, Vec<u8>>,
         done: Option<usize>,
         cache: &StepCache,
         log: &BuildLog,
     ) -> Result<TemplateConfig, BuildFailure> {
-        let mut config = TemplateConfig::default();
+        // What the base says, as Docker inherits it: its environment,
+        // working directory, user, ports and start command.
+        // An ENTRYPOINT of its own drops the inherited command, as in Docker.
+        let mut config = TemplateConfig { base: None, ..inherited };
         let mut args: BTreeMap<String, String> = BTreeMap::new();
-        let (mut entrypoint, mut cmd) = (Vec::new(), Vec::new());
+        let (mut entrypoint, mut cmd) = (Vec::new(), std::mem::take(&mut config.start_command));
+        let mut cmd_inherited = true;
         let total = parsed.steps.len();
         for (i, (text, instruction)) in parsed.steps.iter().enumerate() {
             let cached = done.is_some_and(|d| i <= d);
@@ -380,8 +553,16 @@ impl SandboxService {
                 Instruction::Label(pairs) => config.labels.extend(pairs.iter().cloned()),
                 Instruction::User(user) => config.user = Some(user.clone()),
                 Instruction::Expose(ports) => config.ports.extend(ports),
-                Instruction::Entrypoint(form) => entrypoint = form.argv(),
-                Instruction::Cmd(form) => cmd = form.argv(),
+                Instruction::Entrypoint(form) => {
+                    entrypoint = form.argv();
+                    if cmd_inherited {
+                        cmd.clear();
+                    }
+                }
+                Instruction::Cmd(form) => {
+                    cmd = form.argv();
+                    cmd_inherited = false;
+                }
                 Instruction::Workdir(dir) => {
                     let dir = absolute(config.workdir.as_deref(), dir);
                     if !cached {
@@ -437,7 +618,8 @@ impl SandboxService {
         let mut request = ExecRequest::new(Command::Argv(argv.to_vec()));
         request.env = args.iter().chain(&config.env).map(|(k, v)| (k.clone(), v.clone())).collect();
         request.cwd = Some(cwd.map(str::to_string).or_else(|| config.workdir.clone()).unwrap_or_else(|| "/".into()));
-        request.user = if as_root { None } else { config.user.clone() };
+        // Named, not left to the image's default user.
+        request.user = if as_root { Some("root".into()) } else { config.user.clone() };
         request.timeout_ms = Some(STEP_TIMEOUT.as_millis() as u64);
         let mut session = vm.agent().exec(request).await?;
         let mut tail: std::collections::VecDeque<String> = std::collections::VecDeque::new();
@@ -478,6 +660,12 @@ impl SandboxService {
             }
         }
     }
+}
+
+/// The image key of a `FROM`'s pulled image: one per digest and size.
+fn pulled_base_key(digest: &str, size_mb: u32) -> String {
+    let hash = Sha256::digest(format!("oci-base/1\0{digest}\0{size_mb}"));
+    format!("{}{}", clade_host::image::CUSTOM_PREFIX, hex::encode(&hash[..16]))
 }
 
 /// Names of templates users build: like an image reference's last part

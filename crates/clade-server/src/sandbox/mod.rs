@@ -79,6 +79,8 @@ pub struct SandboxSettings {
     /// Template names that resolve to another (an alias → an image name):
     /// the TypeScript SDK's default `ubuntu-24.04` runs `base`.
     pub template_aliases: BTreeMap<String, String>,
+    /// How template builds reach OCI registries (plain-HTTP ones, credentials).
+    pub registries: crate::registry::RegistrySettings,
 }
 
 impl SandboxSettings {
@@ -108,6 +110,7 @@ impl Default for SandboxSettings {
             standby_memory_mb: None,
             standby_horizon: Duration::from_secs(clade_host::vm::HORIZON_SECS),
             template_aliases: BTreeMap::from([("ubuntu-24.04".to_string(), "base".to_string())]),
+            registries: Default::default(),
         }
     }
 }
@@ -138,6 +141,8 @@ struct Inner {
     image_builds: images::ImageBuilds,
     /// Template builds under way at once on this host (`builds`).
     build_turns: Arc<tokio::sync::Semaphore>,
+    /// Pulls the OCI images builds name.
+    registry: crate::registry::Registry,
 }
 
 #[derive(Debug)]
@@ -220,6 +225,7 @@ impl SandboxService {
         settings: SandboxSettings,
     ) -> Self {
         let capacity = capacity::Capacity::new(&settings);
+        let registry = crate::registry::Registry::new(settings.registries.clone());
         let inner = Inner {
             host_id,
             cluster,
@@ -233,6 +239,7 @@ impl SandboxService {
             metrics: Default::default(),
             image_builds: Default::default(),
             build_turns: builds::build_turns(),
+            registry,
         };
         Self { inner: Arc::new(inner) }
     }

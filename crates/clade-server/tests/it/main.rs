@@ -3,6 +3,7 @@
 //! images; failed instead under `CI`).
 
 mod basics;
+mod builds;
 mod capacity;
 mod cluster;
 mod hostile;
