@@ -13,7 +13,9 @@
 mod api;
 mod burst;
 mod cluster;
+mod contexts;
 mod host;
+mod images;
 mod net;
 mod proxy;
 mod templates;
@@ -45,6 +47,11 @@ enum Bench {
     /// Template builds: a Dockerfile cold and with its cache, and create →
     /// first exec from the built template against base.
     Templates(templates::TemplatesArgs),
+    /// Each first-party image built from a warm package cache.
+    Images(images::ImagesArgs),
+    /// Code contexts: create → first result against create → first exec,
+    /// and a chart cell.
+    Contexts(contexts::ContextsArgs),
     /// Forks and wakes onto another host against the same on one host
     /// (two `clade host` processes and a replica on PostgreSQL).
     Cluster(cluster::ClusterArgs),
@@ -87,6 +94,8 @@ fn main() -> anyhow::Result<()> {
             Bench::Api(args) => api::run(args).await,
             Bench::Burst(args) => burst::run(args).await,
             Bench::Templates(args) => templates::run(args).await,
+            Bench::Images(args) => images::run(args).await,
+            Bench::Contexts(args) => contexts::run(args).await,
             Bench::Cluster(args) => cluster::run(args).await,
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,

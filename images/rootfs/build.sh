@@ -8,8 +8,12 @@
 #      CLADE_INJECT_HOST_CA (default 1): trust the host's locally added CAs
 #      (/usr/local/share/ca-certificates/*.crt) inside the guest, so a guest
 #      behind the same TLS-intercepting proxy as the host can reach registries.
+#      CLADE_PACKAGE_CACHE: a directory whose apt/ keeps the downloaded .debs
+#      between builds (debootstrap's and apt's), so a rebuild downloads only
+#      what changed; none without it.
 set -euo pipefail
 packages_file=$1 out=$2
+package_cache=${CLADE_PACKAGE_CACHE:-}
 mirror=${CLADE_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${CLADE_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 inject_ca=${CLADE_INJECT_HOST_CA:-1}
@@ -19,14 +23,24 @@ tree="$out/tree"
 rm -rf "$tree"
 mkdir -p "$tree"
 
-mounts=()
+mounts=() cache_mounts=()
+release_caches() {
+  for m in "${cache_mounts[@]}"; do umount -l "$m" 2>/dev/null || true; done
+  cache_mounts=()
+}
 cleanup() {
+  release_caches
   for ((i=${#mounts[@]}-1; i>=0; i--)); do umount -l "${mounts[$i]}" 2>/dev/null || true; done
 }
 trap cleanup EXIT
 
+cache_args=()
+if [ -n "$package_cache" ]; then
+  mkdir -p "$package_cache/apt"
+  cache_args=(--cache-dir="$(realpath "$package_cache/apt")")
+fi
 echo "==> debootstrap bookworm (minbase)"
-debootstrap --variant=minbase bookworm "$tree" "$mirror" >"$out/debootstrap.log" 2>&1 \
+debootstrap --variant=minbase "${cache_args[@]}" bookworm "$tree" "$mirror" >"$out/debootstrap.log" 2>&1 \
   || { tail -20 "$out/debootstrap.log" >&2; exit 1; }
 
 cat > "$tree/etc/apt/sources.list" <<SRC
@@ -57,6 +71,11 @@ for m in proc sys dev dev/pts; do
   mounts+=("$tree/$m")
 done
 cp /etc/resolv.conf "$tree/etc/resolv.conf"
+if [ -n "$package_cache" ]; then
+  # apt downloads into the cache, and finds there what an earlier build fetched.
+  mount --bind "$package_cache/apt" "$tree/var/cache/apt/archives"
+  cache_mounts+=("$tree/var/cache/apt/archives")
+fi
 
 if [ "$inject_ca" = 1 ] && ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
   echo "==> trusting the host's local CAs inside the guest"
@@ -87,6 +106,8 @@ HOSTS
 # PandaStack runs commands in /workspace; keep it, writable by the default user too.
 mkdir -p "$tree/workspace" && chmod 1777 "$tree/workspace"
 
+# The cache is let go first: cleaning must not empty it.
+release_caches
 chroot "$tree" apt-get clean
 rm -rf "$tree"/var/lib/apt/lists/* "$tree"/var/cache/apt/*.bin "$tree"/var/log/* "$tree"/tmp/*
 cleanup

@@ -6,8 +6,11 @@
 # Produces OUT_DIR/tree, without clade-guestd (added when the ext4 image is
 # assembled), as build.sh does. Needs root (chroot). Uses no loop device.
 # The tree keeps the parent's apt sources, user and configuration.
+# Env: CLADE_PACKAGE_CACHE: a directory keeping downloads between builds
+# (apt/ for .debs, npm/ and pip/ for the setup's), as build.sh does.
 set -euo pipefail
 parent=$1 packages_file=$2 out=$3 setup=${4:-}
+package_cache=${CLADE_PACKAGE_CACHE:-}
 
 [ "$(id -u)" = 0 ] || { echo "rootfs build needs root (chroot)" >&2; exit 1; }
 [ -d "$parent/etc" ] || { echo "no parent tree at $parent" >&2; exit 1; }
@@ -15,8 +18,13 @@ tree="$out/tree"
 rm -rf "$tree"
 mkdir -p "$out"
 
-mounts=()
+mounts=() cache_mounts=()
+release_caches() {
+  for m in "${cache_mounts[@]}"; do umount -l "$m" 2>/dev/null || true; done
+  cache_mounts=()
+}
 cleanup() {
+  release_caches
   for ((i=${#mounts[@]}-1; i>=0; i--)); do umount -l "${mounts[$i]}" 2>/dev/null || true; done
 }
 trap cleanup EXIT
@@ -32,6 +40,13 @@ for m in proc sys dev dev/pts; do
   mounts+=("$tree/$m")
 done
 cp /etc/resolv.conf "$tree/etc/resolv.conf"
+if [ -n "$package_cache" ]; then
+  for pair in apt:var/cache/apt/archives npm:root/.npm pip:root/.cache/pip; do
+    mkdir -p "$package_cache/${pair%%:*}" "$tree/${pair#*:}"
+    mount --bind "$package_cache/${pair%%:*}" "$tree/${pair#*:}"
+    cache_mounts+=("$tree/${pair#*:}")
+  done
+fi
 
 mapfile -t pkgs < <(grep -vE '^\s*(#|$)' "$packages_file")
 echo "==> apt-get install ${pkgs[*]}"
@@ -47,6 +62,8 @@ if [ -n "$setup" ]; then
   tail -5 "$out/setup.log"
 fi
 
+# The caches are let go first: cleaning must not empty them.
+release_caches
 chroot "$tree" apt-get clean
 rm -rf "$tree"/var/lib/apt/lists/* "$tree"/var/cache/apt/*.bin "$tree"/var/log/* "$tree"/tmp/* \
   "$tree"/root/.npm "$tree"/root/.cache

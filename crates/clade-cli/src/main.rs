@@ -3,6 +3,7 @@
 //! is in the library crates.
 
 mod client;
+mod code;
 mod config;
 mod fs;
 mod hosts;

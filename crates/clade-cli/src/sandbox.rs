@@ -55,6 +55,9 @@ pub enum SandboxCommand {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
+    /// Run a cell of code in a code context (Python, JavaScript, TypeScript
+    /// or bash): output streamed, text results printed, images saved to files.
+    RunCode(crate::code::RunCodeArgs),
     /// An interactive terminal (a login shell, or COMMAND) over a WebSocket.
     Shell {
         id: String,
@@ -218,6 +221,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
         }
         SandboxCommand::Exec { id, timeout, command } => return exec(client, &id, timeout, &command, json_out).await,
+        SandboxCommand::RunCode(args) => return crate::code::run(client, args, json_out).await,
         SandboxCommand::Shell { id, command } => return crate::shell::run(client, &id, &command).await,
         SandboxCommand::Logs { id, follow, stream } => logs(client, &id, follow, &stream, json_out).await?,
         SandboxCommand::Events { id, follow, tail } => events(client, &id, follow, tail, json_out).await?,

@@ -5,12 +5,15 @@
 //!   lifetime (ephemeral VMs die with their owner; persistent ones outlive it).
 //! - [`agent`]: the client of `clade-guestd`, the agent inside every guest.
 //! - [`accel`]: KVM where the host has hardware virtualization, TCG otherwise.
+//! - [`contexts`]: the code-context daemon a guest runs (its source, its
+//!   start, its readied kernel in a template's bake).
 //!
 //! It owns no HTTP and no database: the server drives it through this API.
 
 pub mod accel;
 pub mod agent;
 pub mod config;
+pub mod contexts;
 pub mod durable;
 pub mod image;
 mod memory;

@@ -15,6 +15,6 @@ claude --version
 codex --version
 # uv, from PyPI, for Python projects (Debian's pip refuses system installs
 # without the flag; this image is the system's to shape).
-python3 -m pip install --no-cache-dir --break-system-packages uv
+python3 -m pip install --break-system-packages uv
 uv --version
-npm cache clean --force
+# npm's and pip's caches are the build's (extend.sh keeps them out of the image).

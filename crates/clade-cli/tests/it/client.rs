@@ -136,6 +136,20 @@ fn a_sandbox_through_the_cli() {
     assert_eq!(out.status.code(), Some(125), "a timeout is clade's failure, not the command's");
     assert!(text(&out.stderr).contains("timeout"), "{}", text(&out.stderr));
 
+    // Code contexts: a bash context for the run (base has no Python
+    // kernel: the refusal names the template that has one), then a kept one.
+    let out = ok(&mut clade(&["sandbox", "run-code", &id, "--language", "bash", "cd /tmp; echo $((6 * 7)); pwd"]));
+    assert_eq!(text(&out), "42\n/tmp\n");
+    let out = output(&mut clade(&["sandbox", "run-code", &id, "--language", "bash", "--keep", "X=5; false"]), None);
+    assert_eq!(out.status.code(), Some(1), "the cell's status: {}", text(&out.stderr));
+    let context = text(&out.stderr).lines().find_map(|l| l.strip_prefix("context ").map(str::to_string)).expect("the kept context's id");
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "run-code", &id, "--context", &context, "echo $X"]))), "5\n", "state kept");
+    let answer = ok_json(&mut clade(&["sandbox", "run-code", "--json", &id, "--context", &context, "echo json"]));
+    assert_eq!((answer["exit_code"].as_i64(), answer["stdout"].as_str()), (Some(0), Some("json\n")));
+    let out = output(&mut clade(&["sandbox", "run-code", &id, "1 + 1"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("code-interpreter has it"), "{}", text(&out.stderr));
+
     // Files: binary-safe through stdin/stdout, parents created.
     let data: Vec<u8> = (0..=255u8).cycle().take(200_000).chain(*b"\r\n\0end").collect();
     let out = output(&mut clade(&["fs", "write", &id, "/root/d/bin.dat"]), Some(&data));

@@ -109,17 +109,31 @@ pub(super) fn rootfs_tree(
     let packages_file = script_path(cache_dir, "packages", packages)?;
     let tmp = staging(out_dir)?;
     let log = cache_dir.join("rootfs").join(format!("build-{name}.log"));
+    // Downloaded packages (Debian's, npm's, PyPI's) are kept for the next
+    // build: a rebuild pays for what changed, not for the network.
+    let package_cache = std::env::var_os("CLADE_PACKAGE_CACHE").map_or_else(|| cache_dir.join("packages"), PathBuf::from);
+    std::fs::create_dir_all(&package_cache).map_err(io_err(format!("creating {}", package_cache.display())))?;
+    let mut cache_env = std::ffi::OsString::from("CLADE_PACKAGE_CACHE=");
+    cache_env.push(&package_cache);
     match parent_tree {
         None => {
             let script = script_path(cache_dir, "rootfs-build.sh", ROOTFS_BUILD)?;
-            let argv = ["bash".as_ref(), script.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()];
+            let argv =
+                ["env".as_ref(), cache_env.as_os_str(), "bash".as_ref(), script.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()];
             run(&format!("building the {name} root filesystem (debootstrap)"), &argv, &log, progress)?;
         }
         Some(parent) => {
             let script = script_path(cache_dir, "rootfs-extend.sh", ROOTFS_EXTEND)?;
             let setup_file = setup.map(|body| script_path(cache_dir, &format!("{name}-setup.sh"), body)).transpose()?;
-            let mut argv: Vec<&std::ffi::OsStr> =
-                vec!["bash".as_ref(), script.as_os_str(), parent.as_os_str(), packages_file.as_os_str(), tmp.as_os_str()];
+            let mut argv: Vec<&std::ffi::OsStr> = vec![
+                "env".as_ref(),
+                cache_env.as_os_str(),
+                "bash".as_ref(),
+                script.as_os_str(),
+                parent.as_os_str(),
+                packages_file.as_os_str(),
+                tmp.as_os_str(),
+            ];
             argv.extend(setup_file.as_deref().map(Path::as_os_str));
             run(&format!("building the {name} root filesystem on {}", parent.display()), &argv, &log, progress)?;
         }

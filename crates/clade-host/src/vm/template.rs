@@ -193,8 +193,9 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
     let mut h = Sha256::new();
     let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
-        "template/4",
+        "template/5",
         &root_mount,
+        &crate::contexts::daemon_digest(),
         &image.id,
         &memory_mb.to_string(),
         &vcpus.to_string(),
@@ -306,6 +307,11 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
                     return Err(VmError::Vmm(format!("template warm-up failed: {}", out.stderr_str())));
                 }
             }
+            // The code-context daemon, with a ready Python kernel where the
+            // image has one: the first context of each sandbox is taken, not
+            // started (seconds under TCG).
+            agent.write_file(crate::contexts::DAEMON_PATH, crate::contexts::DAEMON_SOURCE.as_bytes()).await?;
+            agent.run(crate::contexts::bake_command()).await?;
             agent.quiesce().await?;
             Ok::<_, VmError>(())
         };

@@ -50,7 +50,8 @@ pub struct TemplateBuild {
     pub bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_ref: Option<String>,
-    /// `rootfs` or `dockerfile`.
+    /// `rootfs` (a root filesystem or an image archive), `image` (an OCI
+    /// reference pulled) or `dockerfile`.
     pub mode: String,
     pub owner_workspace: String,
 }
@@ -89,14 +90,17 @@ struct Fields {
 }
 
 /// Starts a template build: multipart/form-data (`name`, `size_mb`, `cpu`,
-/// `memory_mb`, `replace`, and a `rootfs` file, or `dockerfile` with one
-/// file part per context file) or x-www-form-urlencoded (no files).
+/// `memory_mb`, `replace`, and a `rootfs` file — a root filesystem, or a
+/// `docker save` / OCI layout archive — or `image_ref`, an OCI image to
+/// pull, or `dockerfile` with one file part per context file) or
+/// x-www-form-urlencoded (no files).
 #[utoipa::path(post, operation_id = "buildTemplate", path = "/v1/templates/build", tag = "templates",
-    request_body(content_type = "multipart/form-data", description = "name, size_mb, cpu, memory_mb, replace; a `rootfs` tarball, or `dockerfile` text and its context's files (≤ 50 MiB)"),
+    request_body(content_type = "multipart/form-data", description = "name, size_mb, cpu, memory_mb, replace; a `rootfs` tarball (a root filesystem, or a `docker save` / OCI layout archive), or `image_ref` (an OCI image reference the server pulls), or `dockerfile` text (`FROM` a template or an OCI reference) and its context's files (≤ 50 MiB)"),
     responses((status = 202, description = "The build, queued", body = TemplateBuild),
-        (status = 400, description = "A missing or invalid field, a Dockerfile that does not parse", body = ErrorBody),
+        (status = 400, description = "A missing or invalid field, an image_ref that is not a reference, a Dockerfile that does not parse", body = ErrorBody),
         (status = 409, description = "The name is taken (replace=true replaces the workspace's own)", body = ErrorBody),
-        (status = 413, description = "The context or tarball is too large", body = ErrorBody)))]
+        (status = 413, description = "The context or tarball is too large", body = ErrorBody),
+        (status = 507, description = "The host's disk has no room for the image and its scratch (retry later or elsewhere)", body = ErrorBody)))]
 pub async fn build(State(state): State<AppState>, caller: Caller, request: Request) -> Result<(StatusCode, Json<TemplateBuild>), ApiError> {
     let content_type = request.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
     let images = state.service.runtime().images().clone();

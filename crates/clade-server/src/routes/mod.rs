@@ -3,6 +3,7 @@
 //! section each handler names.
 
 pub(crate) mod builds;
+pub(crate) mod contexts;
 pub(crate) mod exec;
 pub(crate) mod exec_stream;
 pub(crate) mod files;
@@ -63,6 +64,9 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(sandboxes::events))
         .routes(routes!(exec::exec))
         .routes(routes!(exec_stream::exec_stream))
+        .routes(routes!(contexts::list, contexts::create))
+        .routes(routes!(contexts::delete))
+        .routes(routes!(contexts::run))
         .routes(routes!(logs::logs))
         .routes(routes!(files::read, files::write, files::remove))
         .routes(routes!(files::list))

@@ -31,6 +31,7 @@ const API_KEY: &str = "api_key";
         (name = "tokens", description = "The workspace's API keys"),
         (name = "sandboxes", description = "Create, list, get, delete; the event log; limits of their commands"),
         (name = "exec", description = "Commands, to completion or streamed"),
+        (name = "code contexts", description = "Persistent Python (Jupyter), JavaScript, TypeScript and bash contexts with rich results"),
         (name = "logs", description = "The machine's output: its serial console and the VMM's errors"),
         (name = "files", description = "The sandbox's filesystem"),
         (name = "lifecycle", description = "Pause, resume, hibernate, wake; idle settings"),

@@ -13,6 +13,7 @@
 
 pub mod builds;
 mod capacity;
+pub mod contexts;
 mod create;
 mod fork;
 pub mod host;

@@ -36,10 +36,17 @@ fn the_document_covers_the_api() {
     assert_eq!(document["openapi"], "3.1.0");
     let paths = document["paths"].as_object().unwrap();
     // The router and the document come from one route list; a few of each kind.
-    for path in ["/healthz", "/openapi.json", "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/stop", "/v1/sandboxes/{id}/proxy/{port}/{path}"] {
+    for path in [
+        "/healthz",
+        "/openapi.json",
+        "/v1/sandboxes/{id}",
+        "/v1/sandboxes/{id}/stop",
+        "/v1/sandboxes/{id}/proxy/{port}/{path}",
+        "/v1/sandboxes/{id}/repl/sessions/{sid}/run",
+    ] {
         assert!(paths.contains_key(path), "{path} is not in the document");
     }
-    assert_eq!(paths.len(), 45, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 48, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
     let operations: Vec<&str> =
         paths.values().flat_map(|item| item.as_object().unwrap().values()).filter_map(|op| op["operationId"].as_str()).collect();
     let unique: std::collections::BTreeSet<&str> = operations.iter().copied().collect();
