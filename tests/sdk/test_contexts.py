@@ -10,6 +10,7 @@ on every route."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 from typing import Iterator
@@ -147,5 +148,63 @@ def test_a_template_without_a_kernel_names_the_one_that_has_it(client):
         assert "code-interpreter" in str(refused.value)
         sh = sb.create_code_context("bash")
         assert sh.run_code("echo $((6 * 7))").stdout == "42\n"
+    finally:
+        sb.kill()
+
+
+@pytest.mark.timeout(IMAGE_BUILD_TIMEOUT + 600)
+def test_contexts_survive_pause_and_come_back_in_a_sandbox_made_from_a_snapshot(client, notebook):
+    ctx = notebook.create_code_context()
+    ctx.run_code("from_before = 'kept'")
+    notebook.pause()
+    notebook.resume()
+    assert ctx.run_code("from_before").text == "'kept'"
+    snap = notebook.snapshot()
+    restored = client.sandboxes.create(from_snapshot=snap)
+    try:
+        again = CodeContext(restored, ctx.id, "python")
+        assert again.run_code("from_before + '!'").text == "'kept!'"
+    finally:
+        restored.kill()
+        client.snapshots.delete(snap)
+    ctx.close()
+
+
+def test_a_cell_streams_its_output_as_events_and_a_dead_kernel_says_so(server, notebook):
+    headers = {"Authorization": f"Bearer {server.admin_key}", "Accept": "text/event-stream"}
+    ctx = notebook.create_code_context()
+    code = "import time\nprint('first', flush=True)\ntime.sleep(2)\nprint('second')\n6 * 7"
+    started = time.monotonic()
+    events = []
+    with requests.post(f"{server.url}/v1/sandboxes/{notebook.id}/repl/sessions/{ctx.id}/run", headers=headers,
+                       json={"code": code}, stream=True, timeout=120) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in reply.iter_lines(decode_unicode=True):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((time.monotonic() - started, name, json.loads(line[len("data: "):])))
+    names = [name for _, name, _ in events]
+    assert names[0] == "stdout" and names[-1] == "execution" and "result" in names, names
+    first = next(at for at, name, data in events if name == "stdout" and "first" in data["text"])
+    assert events[-1][0] - first > 1.5, "the first line came while the cell still ran"
+    assert events[-1][2]["results"][0]["text/plain"] == "42"
+
+    died = ctx.run_code("import os\nos._exit(3)")
+    assert died.exit_code != 0 and "KernelDied" in (died.error or ""), died
+    with pytest.raises(pandastack.BadRequestError) as refused:
+        ctx.run_code("1")
+    assert "create a new context" in str(refused.value)
+
+
+@pytest.mark.timeout(IMAGE_BUILD_TIMEOUT + 600)
+def test_typescript_runs_in_the_agent_template(server, client):
+    built(server, "agent")
+    sb = client.sandboxes.create(template="agent")
+    try:
+        ts = sb.create_code_context("ts")
+        assert ts.run_code("const x: number = 41;\nx + 1").text == "42"
+        assert ts.run_code("function twice(n: number): number { return 2 * n }\ntwice(x)").text == "82"
     finally:
         sb.kill()

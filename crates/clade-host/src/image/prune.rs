@@ -81,7 +81,9 @@ fn backing_files(data_dirs: &[PathBuf]) -> Result<HashSet<PathBuf>, ImageError> 
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(io_err(format!("reading {}", parent.display()))(e)),
             };
-            for entry in entries.flatten() {
+            // Directories only: a kind's directory also holds lock files
+            // (`templates/.KEY.lock`), which have no layer.
+            for entry in entries.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
                 let layer = entry.path().join("disk.qcow2");
                 match crate::qcow2::read_header(&layer) {
                     Ok(header) => backing.extend(header.backing_file.map(resolved)),
@@ -145,6 +147,8 @@ mod tests {
             return;
         }
         let both = [ours.clone(), other.clone()];
+        // A template's bake lock beside the templates is not one of them.
+        std::fs::write(ours.join("templates").join(".t2.lock"), b"").unwrap();
 
         let listed = store.prune(&both, true).unwrap();
         assert_eq!(listed, [PrunedImage { dir: unused.clone(), bytes: 8192 }]);
