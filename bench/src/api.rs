@@ -79,10 +79,7 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
     let store = runtime.images().clone();
     let image = tokio::task::spawn_blocking(move || store.ensure("base", &Progress::Stderr)).await??;
     let spec = VmSpec { lifetime: Lifetime::Ephemeral, ..VmSpec::new(image) };
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
     let server = ServerProcess::start(&clade, &root.join("server")).await?;
     let measured = measure(&args, &runtime, &spec, &server.api).await;
     let cleanup = server.stop().await;
@@ -292,7 +289,23 @@ pub(crate) struct ServerProcess {
     pub(crate) api: Api,
 }
 
+/// The `clade` binary a benchmark runs as its server: the one given, else
+/// the one beside the benchmark.
+pub(crate) fn clade_binary(given: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
+    match given {
+        Some(path) => Ok(path.clone()),
+        None => Ok(std::env::current_exe()?.with_file_name("clade")),
+    }
+}
+
 impl ServerProcess {
+    /// A server with networking off and no rate limit: what is measured is
+    /// the sandboxes' work, not the policy's.
+    pub(crate) async fn quiet(clade: &Path, dir: &Path) -> anyhow::Result<Self> {
+        let args = ["server", "--no-network", "--data-dir", "{dir}", "--listen", "127.0.0.1:{port}", "--rate-per-sec", "0"];
+        Self::launch(clade, dir, &args, &[], "listening on", true).await
+    }
+
     pub(crate) async fn start(clade: &Path, data_dir: &Path) -> anyhow::Result<Self> {
         // Networking has its own benchmark (`net`); here the API's overhead alone.
         let args = ["server", "--no-network", "--data-dir", "{dir}", "--listen", "127.0.0.1:{port}"];

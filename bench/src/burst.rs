@@ -73,10 +73,7 @@ pub async fn run(args: BurstArgs) -> anyhow::Result<()> {
     let images = engine.images().clone();
     let image = tokio::task::spawn_blocking(move || images.ensure("base", &Progress::Stderr)).await??;
     let spec = VmSpec { lifetime: Lifetime::Ephemeral, ..VmSpec::new(image) };
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
     // The rate limit would answer a crowd of 50 creates and their execs
     // with 429s (it is the workspace's, 50 a burst), and this machine's
     // free disk admits ~22 sandboxes at the default disk overcommit (each

@@ -37,10 +37,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&root)?;
     let secret_file = root.join("cluster.secret");
     std::fs::write(&secret_file, SECRET)?;
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
     let url = pg.url();
     let secret = secret_file.display().to_string();
     let env = [("CLADE_CLUSTER_SECRET_FILE", secret.as_str())];

@@ -30,12 +30,8 @@ pub struct ContextsArgs {
 
 pub async fn run(args: ContextsArgs) -> anyhow::Result<()> {
     let root = std::env::temp_dir().join(format!("clade-bench-contexts-{}", std::process::id()));
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
-    let server_args = ["server", "--no-network", "--data-dir", "{dir}", "--listen", "127.0.0.1:{port}", "--rate-per-sec", "0"];
-    let server = ServerProcess::launch(&clade, &root.join("server"), &server_args, &[], "listening on", true).await?;
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
+    let server = ServerProcess::quiet(&clade, &root.join("server")).await?;
     let measured = measure(&args, &server.api).await;
     let cleanup = server.stop().await;
     let (context, exec, charts) = measured?;

@@ -25,10 +25,7 @@ pub struct ProxyArgs {
 
 pub async fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let root = std::env::temp_dir().join(format!("clade-bench-proxy-{}", std::process::id()));
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
     let server = ServerProcess::start(&clade, &root.join("server")).await?;
     let measured = measure(&args, &server).await;
     let cleanup = server.stop().await;

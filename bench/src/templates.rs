@@ -32,12 +32,8 @@ const DOCKERFILE: &str = "FROM base\n\
 
 pub async fn run(args: TemplatesArgs) -> anyhow::Result<()> {
     let root = std::env::temp_dir().join(format!("clade-bench-templates-{}", std::process::id()));
-    let clade = match &args.clade {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("clade"),
-    };
-    let server_args = ["server", "--no-network", "--data-dir", "{dir}", "--listen", "127.0.0.1:{port}", "--rate-per-sec", "0"];
-    let server = ServerProcess::launch(&clade, &root.join("server"), &server_args, &[], "listening on", true).await?;
+    let clade = crate::api::clade_binary(args.clade.as_ref())?;
+    let server = ServerProcess::quiet(&clade, &root.join("server")).await?;
     let measured = measure(&args, &server.api).await;
     let cleanup = server.stop().await;
     let (cold, cached, built, base) = measured?;

@@ -143,6 +143,18 @@ def cap(text: str, limit: int) -> str:
     return text[:limit] + f"\n[{len(text) - limit} more characters cut]"
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group a child leads (a kernel, a runner, a
+    shell: what it started goes too), or to the child alone without one."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        try:
+            proc.kill()
+        except OSError:
+            pass
+
+
 def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
@@ -740,13 +752,7 @@ class PythonKernel:
                 pass
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except OSError:
-            try:
-                self.popen.kill()
-            except OSError:
-                pass
+        kill_group(self.popen)
 
     def close(self) -> None:
         """Stops the kernel (if still running), reaps it, frees its files."""
@@ -1019,15 +1025,8 @@ class ChildContext(Context):
         return describe_exit(code)
 
     def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            try:
-                self.proc.kill()
-            except OSError:
-                pass
+        if self.proc is not None:
+            kill_group(self.proc)
 
     def release(self) -> None:
         if self._released:
