@@ -9,6 +9,7 @@
 //!   cargo run --release -p clade-bench -- net [--slots 50] [--creates 20] [--mib 64]
 //!   cargo run --release -p clade-bench -- proxy [--requests 200]
 //!   cargo run --release -p clade-bench -- cluster [--forks 10] [--wakes 5]
+//!   cargo run --release -p clade-bench -- volumes [--rounds 15] [--dd-passes 3]
 
 mod api;
 mod burst;
@@ -19,6 +20,7 @@ mod images;
 mod net;
 mod proxy;
 mod templates;
+mod volumes;
 
 use std::time::{Duration, Instant};
 
@@ -80,6 +82,9 @@ enum Bench {
         #[arg(long, default_value_t = 50)]
         file_mib: usize,
     },
+    /// Volumes: create → first exec with none, one, three and one mounted,
+    /// interleaved; `dd` throughput on a mounted volume against the root disk.
+    Volumes(volumes::VolumesArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -99,6 +104,7 @@ fn main() -> anyhow::Result<()> {
             Bench::Cluster(args) => cluster::run(args).await,
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,
+            Bench::Volumes(args) => volumes::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
             Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }

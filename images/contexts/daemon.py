@@ -571,7 +571,17 @@ def python3_kernel_specs():
                     return self.kernel_spec_class.from_resource_dir(resource_dir)
             return self.kernel_spec_class(
                 resource_dir="",
-                argv=[sys.executable or "python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                argv=[
+                    sys.executable or "python3",
+                    "-m",
+                    "ipykernel_launcher",
+                    "-f",
+                    "{connection_file}",
+                    # Each context's history in its own memory: the default
+                    # SQLite file in ~/.ipython is written (and synced) after
+                    # every cell, and is shared, and locked, by every kernel.
+                    "--HistoryManager.hist_file=:memory:",
+                ],
                 display_name="Python 3 (ipykernel)",
                 language="python",
                 interrupt_mode="signal",

@@ -1,6 +1,6 @@
 //! `clade`: the command line. Argument parsing and terminal handling live
-//! here, and the HTTP client of `clade sandbox`/`clade fs`; everything else
-//! is in the library crates.
+//! here, and the HTTP client of `clade sandbox`, `fs`, `template` and
+//! `volume`; everything else is in the library crates.
 
 mod client;
 mod code;
@@ -17,6 +17,7 @@ mod shell;
 mod templates;
 mod term;
 mod vm;
+mod volumes;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -90,6 +91,14 @@ enum Command {
         #[command(subcommand)]
         command: templates::TemplateCommand,
     },
+    /// Durable volumes of a Clade server, over its API: create, ls, get,
+    /// resize, rm; `clade sandbox create --volume NAME[:PATH][:ro]` attaches one.
+    Volume {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: volumes::VolumeCommand,
+    },
     /// Print the server's OpenAPI 3.1 document (docs/openapi.json; also served at GET /openapi.json).
     Openapi,
 }
@@ -131,6 +140,7 @@ fn main() -> ExitCode {
             Command::Sandbox { api, command } => sandbox::run(command, &client(&api)?, api.json).await,
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
             Command::Template { api, command } => templates::run(command, &client(&api)?, api.json).await,
+            Command::Volume { api, command } => volumes::run(command, &client(&api)?, api.json).await,
             Command::Openapi => {
                 print!("{}", clade_server::openapi::document());
                 Ok(ExitCode::SUCCESS)

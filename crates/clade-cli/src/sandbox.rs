@@ -9,6 +9,7 @@ use serde_json::{json, Map, Value};
 
 use crate::client::{Client, ClientError, SseReader};
 use crate::output::{self, Progress};
+use crate::volumes::VolumeMount;
 
 #[derive(Subcommand)]
 pub enum SandboxCommand {
@@ -39,6 +40,11 @@ pub enum SandboxCommand {
         /// (within 24 h) prints the first answer instead of acting again.
         #[arg(long, value_name = "KEY")]
         idempotency_key: Option<String>,
+        /// Attach a volume (`clade volume create`), repeatable: NAME, NAME:PATH
+        /// (mounted there; absolute), NAME:PATH:ro or NAME:ro (read-only). The
+        /// guest sees them in this order as /dev/vdb, /dev/vdc, …
+        #[arg(long = "volume", short = 'v', value_name = "NAME[:PATH][:ro]", value_parser = crate::volumes::parse_mount)]
+        volumes: Vec<VolumeMount>,
     },
     /// List the sandboxes of your workspace.
     #[command(alias = "list")]
@@ -151,7 +157,17 @@ fn keyed(request: reqwest::RequestBuilder, key: &Option<String>) -> reqwest::Req
 
 pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> anyhow::Result<ExitCode> {
     match command {
-        SandboxCommand::Create { template, ttl, persistent, metadata, from_snapshot, memory_limit, max_processes, idempotency_key } => {
+        SandboxCommand::Create {
+            template,
+            ttl,
+            persistent,
+            metadata,
+            from_snapshot,
+            memory_limit,
+            max_processes,
+            idempotency_key,
+            volumes,
+        } => {
             let mut body = Map::new();
             if let Some(template) = template {
                 body.insert("template".into(), json!(template));
@@ -170,6 +186,9 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             if memory_limit.is_some() || max_processes.is_some() {
                 body.insert("limits".into(), json!({ "memory_mb": memory_limit, "max_processes": max_processes }));
+            }
+            if !volumes.is_empty() {
+                body.insert("volumes".into(), json!(volumes));
             }
             let sandbox = {
                 let _progress = Progress::start("creating sandbox");

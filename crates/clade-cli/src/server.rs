@@ -84,6 +84,12 @@ pub struct MachineArgs {
     /// pulls are anonymous. Env: CLADE_REGISTRY_AUTH.
     #[arg(long, env = "CLADE_REGISTRY_AUTH")]
     registry_auth: Option<PathBuf>,
+    /// Volumes a workspace may have (429 beyond). Env: CLADE_MAX_VOLUMES.
+    #[arg(long, env = "CLADE_MAX_VOLUMES", default_value_t = clade_server::sandbox::VolumeSettings::default().max_per_workspace)]
+    max_volumes: u32,
+    /// MiB the volumes of a workspace may add up to (429 beyond). Env: CLADE_MAX_VOLUME_MB.
+    #[arg(long, env = "CLADE_MAX_VOLUME_MB", default_value_t = clade_server::sandbox::VolumeSettings::default().max_total_mb)]
+    max_volume_mb: u64,
     /// Run sandboxes without any network (no namespaces, no nftables rules).
     /// Without root, networking is off whatever this says. Env: CLADE_NO_NETWORK.
     #[arg(long, env = "CLADE_NO_NETWORK")]
@@ -142,6 +148,8 @@ impl MachineArgs {
         config.sandboxes.template_aliases.extend(self.template_aliases.iter().cloned());
         config.sandboxes.registries =
             clade_server::registry::RegistrySettings { insecure: self.insecure_registries.clone(), auth_file: self.registry_auth.clone() };
+        config.sandboxes.volumes =
+            clade_server::sandbox::VolumeSettings { max_per_workspace: self.max_volumes, max_total_mb: self.max_volume_mb };
         if self.no_network {
             eprintln!("{who}: networking is off (--no-network): sandboxes have no network");
         } else if !nix::unistd::geteuid().is_root() {

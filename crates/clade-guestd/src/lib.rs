@@ -23,6 +23,7 @@ pub mod server;
 mod spawn;
 pub mod tcp_ports;
 pub mod users;
+pub mod volumes;
 
 #[cfg(test)]
 mod testing;

@@ -23,6 +23,7 @@ pub mod qcow2;
 pub mod qmp;
 pub mod space;
 pub mod vm;
+pub mod volume;
 
 pub use accel::{Accel, AccelChoice};
 pub use agent::{AgentClient, AgentError, ExecEvent, ExecOutput, ExecSession};

@@ -47,6 +47,27 @@ pub enum Request {
     /// Changes the limits of user commands (the fields that are set) and
     /// answers [`Reply::Limits`] with those in force; all unset only asks.
     SetLimits(UserLimits),
+    /// Readies a volume's disk, found by its serial (`AttachVolume`);
+    /// answered with [`Reply::Done`] once done. Appended last: postcard
+    /// numbers variants by position.
+    AttachVolume(AttachVolume),
+}
+
+/// A volume the host has just attached to one of the guest's disk slots
+/// (issue 29). The guest learns the disk's size from a configuration
+/// change the host sends after attaching it: the agent waits for it, then
+/// mounts the filesystem at `mount_path` when one is given, and makes the
+/// disk read-only in the kernel when `read_only` (after the mount, so that
+/// a journal left by a crash is replayed: into a layer the host throws
+/// away, as every write of a read-only attachment goes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachVolume {
+    /// The disk's serial (`/sys/block/vdX/serial`).
+    pub serial: String,
+    pub mount_path: Option<String>,
+    pub read_only: bool,
+    /// How long to wait for the disk's size, milliseconds.
+    pub wait_ms: u32,
 }
 
 /// Limits on the processes of user commands, all of them together (every

@@ -36,6 +36,12 @@ pub struct ErrorBody {
     /// The workspace whose sandbox quota a 429 refers to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace: Option<String>,
+    /// Why a 507 was refused (what the host lacks), as PandaStack's body has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// What may help after a 507.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -168,7 +174,14 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         let request_id = request_id();
-        let body = |error: &str| ErrorBody { error: error.to_string(), request_id: request_id.clone(), detail: None, workspace: None };
+        let body = |error: &str| ErrorBody {
+            error: error.to_string(),
+            request_id: request_id.clone(),
+            detail: None,
+            workspace: None,
+            reason: None,
+            hint: None,
+        };
         let body = match &self {
             Self::Unauthorized(detail) => ErrorBody { detail: Some(detail.clone()), ..body("unauthorized") },
             Self::TooManyRequests { message, workspace: Some(workspace), .. } => {
@@ -176,7 +189,14 @@ impl IntoResponse for ApiError {
             }
             Self::InsufficientStorage { message, reason } => {
                 tracing::warn!(request_id = %request_id, status = status.as_u16(), "{message}: {reason}");
-                ErrorBody { detail: Some(reason.clone()), ..body(message) }
+                ErrorBody {
+                    detail: Some(reason.clone()),
+                    reason: Some(reason.clone()),
+                    hint: Some(
+                        "free disk space or memory on the host (delete sandboxes, snapshots or volumes), or try a smaller size".into(),
+                    ),
+                    ..body(message)
+                }
             }
             Self::Internal { public, cause } => {
                 tracing::error!(request_id = %request_id, "{public}: {}", chain(cause.as_ref()));

@@ -18,6 +18,7 @@ mod ports;
 mod sandboxes;
 mod snapshots;
 mod templates;
+mod volumes;
 mod workspaces;
 
 use std::path::Path;
@@ -34,6 +35,7 @@ pub use ports::PortLabel;
 pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
 pub use snapshots::SnapshotRow;
 pub use templates::{BuildRow, BuildStatus, TemplateRow};
+pub use volumes::{AttachmentMode, AttachmentRow, VolumeRow};
 pub use workspaces::Workspace;
 
 /// Unix time in milliseconds.

@@ -55,6 +55,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0009_templates.sql"),
         postgres: include_str!("../migrations/postgres/0009_templates.sql"),
     },
+    Migration {
+        version: 10,
+        sqlite: include_str!("../migrations/sqlite/0010_volumes.sql"),
+        postgres: include_str!("../migrations/postgres/0010_volumes.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -1,7 +1,8 @@
-//! `clade sandbox …` and `clade fs …` as a user runs them: the real binary
-//! against `clade server` (the real binary too), over HTTP. The sandbox test
-//! boots real VMs and skips without root/QEMU/images (fails instead under
-//! `CI`); the configuration and error tests need no VM.
+//! `clade sandbox …`, `clade fs …`, `clade template …` and `clade volume …`
+//! as a user runs them: the real binary against `clade server` (the real
+//! binary too), over HTTP. The tests that boot real VMs skip without
+//! root/QEMU/images (fail instead under `CI`); the configuration and error
+//! tests need no VM.
 
 use std::io::Write;
 use std::net::TcpListener;
@@ -473,4 +474,60 @@ fn a_template_built_through_the_cli_streams_its_log_and_makes_sandboxes() {
     let out = output(&mut server.clade(&["template", "build", "--name", "cli-pulled", "--image", "Not A Reference"]), None);
     assert!(text(&out.stderr).contains("is not an image reference") && text(&out.stderr).contains("(HTTP 400)"), "{}", text(&out.stderr));
     ok(&mut server.clade(&["template", "rm", "cli-built"]));
+}
+
+#[test]
+fn a_volume_keeps_its_files_from_one_sandbox_to_the_next_through_the_cli() {
+    let Some(env) = vm_env() else { return };
+    let server = ServerProcess::start(env.data_dir(), Some(&env.config.cache_dir));
+    let clade = |args: &[&str]| server.clade(args);
+
+    // Create: --json is the server's volume; the table lists it, attached nowhere.
+    let volume = ok_json(&mut clade(&["volume", "create", "--json", "cli-vol", "--size-mb", "64"]));
+    assert_eq!((volume["name"].as_str(), volume["size_mb"].as_u64()), (Some("cli-vol"), Some(64)), "{volume}");
+    assert_eq!(volume["attachments"], serde_json::json!([]), "{volume}");
+    let table = text(&ok(&mut clade(&["volume", "ls"])));
+    let header = table.lines().next().unwrap_or_default();
+    assert!(header.starts_with("NAME") && header.contains("ATTACHED TO") && header.contains("CREATED"), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("cli-vol ") && l.contains("64.0 MiB")), "{table}");
+
+    // A sandbox writes a file on it, mounted where --volume says.
+    let first = ok_json(&mut clade(&["sandbox", "create", "--json", "--volume", "cli-vol:/mnt/v"]));
+    let first = first["id"].as_str().unwrap_or_else(|| panic!("{first}")).to_string();
+    ok(&mut clade(&["sandbox", "exec", &first, "echo kept-across-sandboxes > /mnt/v/note && sync"]));
+    let attached = ok_json(&mut clade(&["volume", "get", "--json", "cli-vol"]));
+    let attachment = &attached["attachments"][0];
+    assert_eq!(
+        (attachment["sandbox_id"].as_str(), attachment["mode"].as_str(), attachment["mount_path"].as_str()),
+        (Some(first.as_str()), Some("rw"), Some("/mnt/v")),
+        "{attached}"
+    );
+    let table = text(&ok(&mut clade(&["volume", "get", "cli-vol"])));
+    assert!(table.lines().any(|l| l.starts_with("cli-vol ") && l.contains(&first)), "{table}");
+    ok(&mut clade(&["sandbox", "rm", &first]));
+
+    // The next sandbox reads it back.
+    let second = ok_json(&mut clade(&["sandbox", "create", "--json", "--volume", "cli-vol:/mnt/v"]));
+    let second = second["id"].as_str().unwrap_or_else(|| panic!("{second}")).to_string();
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &second, "cat /mnt/v/note"]))), "kept-across-sandboxes\n");
+
+    // Attached, it can be neither deleted nor resized: exit 125 with the server's 409.
+    for args in [&["volume", "rm", "cli-vol"][..], &["volume", "resize", "cli-vol", "--size-mb", "128"]] {
+        let out = output(&mut clade(args), None);
+        assert_eq!(out.status.code(), Some(125), "{args:?}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("(HTTP 409)"), "{args:?}: {}", text(&out.stderr));
+        assert!(out.stdout.is_empty(), "{args:?}: nothing on stdout");
+    }
+    ok(&mut clade(&["sandbox", "rm", &second]));
+
+    // Detached: it grows (never shrinks), then goes.
+    assert_eq!(ok_json(&mut clade(&["volume", "resize", "--json", "cli-vol", "--size-mb", "128"]))["size_mb"], 128);
+    let out = output(&mut clade(&["volume", "resize", "cli-vol", "--size-mb", "64"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("(HTTP 400)"), "{}", text(&out.stderr));
+    assert_eq!(text(&ok(&mut clade(&["volume", "rm", "cli-vol"]))), "deleted cli-vol\n");
+    let out = output(&mut clade(&["volume", "get", "cli-vol"]), None);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(text(&out.stderr).contains("(HTTP 404)"), "{}", text(&out.stderr));
+    assert_eq!(ok_json(&mut clade(&["volume", "ls", "--json"])), serde_json::json!([]));
 }

@@ -112,6 +112,11 @@ impl Vm {
         self.inner.record.lock().expect("record lock").network.clone()
     }
 
+    /// Its volumes, by slot.
+    pub fn volumes(&self) -> Vec<super::volumes::AttachedVolume> {
+        self.inner.record.lock().expect("record lock").volumes.clone()
+    }
+
     pub fn id(&self) -> String {
         self.inner.record.lock().expect("record lock").id.clone()
     }

@@ -87,6 +87,7 @@ impl VmRuntime {
         };
         let woken = async {
             let (qmp, ignore_shared) = attach_deferred_disk(&dir, &layers, memory, &exit_rx, self.boot_timeout()).await?;
+            super::volumes::attach(&qmp, &record.volumes).await?;
             let (qmp, agent) =
                 restore_into(&dir, &exit_rx, Some(qmp), &state, ignore_shared, Translations::Flush, self.boot_timeout()).await?;
             run_restore_hook(&agent, restore_request(id, false), self.boot_timeout()).await?;

@@ -72,6 +72,10 @@ impl VmRuntime {
             BundleKind::Snapshot => {
                 let dir = self.snapshots_dir().join(id);
                 match SnapshotRecord::load(&dir) {
+                    // Volumes are this host's files (issue 29): they do not travel.
+                    Some(snapshot) if !snapshot.volumes.is_empty() => {
+                        Err(VmError::Unsupported(format!("snapshot {id} has volumes, which stay on the host they are on")))
+                    }
                     Some(_) => Ok((dir, &SNAPSHOT_FILES)),
                     None => Err(VmError::SnapshotNotFound(id.to_string())),
                 }
@@ -79,6 +83,9 @@ impl VmRuntime {
             BundleKind::Vm => {
                 let (dir, record) = self.load_record(id)?;
                 match (record.phase, record.vmm) {
+                    _ if !record.volumes.is_empty() => {
+                        Err(VmError::Unsupported(format!("VM {id} has volumes, which stay on the host they are on")))
+                    }
                     (Phase::Hibernated, None) => Ok((dir, &VM_FILES)),
                     _ => Err(VmError::WrongState { id: id.to_string(), state: "not hibernated", hint: "only a hibernated VM moves" }),
                 }

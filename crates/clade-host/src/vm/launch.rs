@@ -248,6 +248,9 @@ pub fn qemu_args(spec: &LaunchSpec, fds: &Fds) -> Vec<OsString> {
         },
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
+    ]);
+    args.extend(super::volumes::slot_args());
+    args.extend([
         "-object".into(),
         "rng-random,id=rng,filename=/dev/urandom".into(),
         "-device".into(),

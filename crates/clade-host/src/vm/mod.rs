@@ -19,7 +19,7 @@
 //! `spec`, `error`, `export` (a VM's disk as a root filesystem image); below them `transfer` (a bundle of files moved between
 //! hosts, checksummed and resumable),
 //! `launch` (QEMU's command line and confinement), `record` (`vm.json` and
-//! the sweep), `template`, `standby` (and `demand`, what it follows), `admission`, `migrate`, `idle`.
+//! the sweep), `template`, `standby` (and `demand`, what it follows), `admission`, `migrate`, `idle`; `volumes` (volumes behind a VM's disk slots, frozen for snapshots and forks).
 
 mod admission;
 mod capture;
@@ -41,6 +41,7 @@ mod spec;
 mod standby;
 pub mod template;
 mod transfer;
+mod volumes;
 
 pub use crate::process::ProcessId;
 pub use admission::{Admission, AdmissionError, Admitted};
@@ -59,3 +60,4 @@ pub use handle::Vm;
 pub use runtime::{DiskUsage, VmRuntime};
 pub use spec::{BootKind, VmSpec, Watchdog};
 pub use standby::{StandbyPolicy, StandbyStats, TemplateStandby};
+pub use volumes::{AttachedVolume, VolumeRequest};

@@ -78,6 +78,9 @@ pub struct VmRecord {
     /// Its egress policy when it has a network (see `crate::net`).
     #[serde(default)]
     pub network: Option<EgressPolicy>,
+    /// Its volumes, by slot (see `vm::volumes`).
+    #[serde(default)]
+    pub volumes: Vec<super::volumes::AttachedVolume>,
 }
 
 const RECORD: &str = "vm.json";
@@ -242,6 +245,7 @@ mod tests {
             backing_snapshot: None,
             tag: None,
             network: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -55,6 +55,7 @@ pub struct VmRuntime {
     pub(super) promises: Arc<admission::Promises>,
     pub(super) standby: standby::SharedPool,
     pub(super) network: Option<NetPool>,
+    pub(super) volumes: crate::volume::Volumes,
 }
 
 impl VmRuntime {
@@ -82,6 +83,8 @@ impl VmRuntime {
             .unwrap_or_default();
         tracing::debug!(qemu = %qemu.display(), version = %qemu_version, "VMM");
         let images = ImageStore::new(&config.cache_dir, config.guestd.clone());
+        let volumes = crate::volume::Volumes::new(&config.data_dir)
+            .map_err(io_err(format!("creating {} (mode 0700)", config.data_dir.join("volumes").display())))?;
         let runtime = Self {
             accel,
             tsc_khz: accel::host_tsc_khz(),
@@ -94,6 +97,7 @@ impl VmRuntime {
             promises: Arc::default(),
             standby: Default::default(),
             network: None,
+            volumes,
             config,
         };
         runtime.collect_layers();
@@ -107,6 +111,7 @@ impl VmRuntime {
     /// long as its parent's and children's VMs are.
     pub fn collect_layers(&self) {
         self.collect_snapshot_layers();
+        self.collect_volume_layers();
         self.collect_templates();
     }
 
@@ -326,6 +331,7 @@ impl VmRuntime {
             backing_snapshot: None,
             tag: spec.tag.clone(),
             network: spec.network.clone(),
+            volumes: Vec::new(),
         };
         let saved = match template {
             Some(template) => template::record_use(&self.templates_dir, template, || record.save(&dir)).await,
@@ -428,13 +434,26 @@ impl VmRuntime {
                     (exit_rx, None)
                 }
             };
+            record.volumes = self.volumes_for(&spec.volumes).await?;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            let qmp = match (qmp, record.volumes.is_empty()) {
+                (qmp, true) => qmp,
+                (qmp, false) => {
+                    let qmp = match qmp {
+                        Some(qmp) => qmp,
+                        None => connect_qmp(&launch::qmp_socket(&dir), self.boot_timeout()).await?,
+                    };
+                    super::volumes::attach(&qmp, &record.volumes).await?;
+                    Some(qmp)
+                }
+            };
             // Everything before the state loads is the host's own work.
             let prepared = create_started.elapsed();
             let started = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, translations, self.boot_timeout()).await?;
             let restored = started.elapsed();
             run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
+            super::volumes::ready_in_guest(&qmp, &agent, &record.volumes, self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?prepared, ?restored, total = ?create_started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;

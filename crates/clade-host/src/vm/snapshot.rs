@@ -51,6 +51,7 @@ use super::restore::{restore_into, restore_request, spawn_qemu, RestoredMemory};
 use super::runtime::{hex_id, VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
+use super::volumes::AttachedVolume;
 use super::{migrate, ProcessId};
 use crate::memory;
 
@@ -113,6 +114,10 @@ pub struct SnapshotRecord {
     /// The source VM's egress policy, the default of the VMs made from it.
     #[serde(default)]
     pub network: Option<EgressPolicy>,
+    /// The source VM's volumes as of the snapshot, their chains frozen;
+    /// each VM made from it gets a private layer over each.
+    #[serde(default)]
+    pub volumes: Vec<super::volumes::AttachedVolume>,
 }
 
 impl SnapshotRecord {
@@ -232,6 +237,13 @@ impl VmRuntime {
         }
         let (id, dir, mut record) = self.new_or_standby(standby.as_ref(), &spec, &template).await?;
         record.backing_snapshot = Some(snapshot_id.to_string());
+        record.volumes = match self.volumes_from_snapshot(&snap.volumes).await {
+            Ok(volumes) => volumes,
+            Err(e) => {
+                record::stop_leftover(&dir);
+                return Err(e);
+            }
+        };
         let restored_memory = |vmm: ProcessId| match (snap.memory_delta, snap.own_memory) {
             (true, _) => RestoredMemory::Delta { file: memory.map_or_else(|| snap_dir.join(MEMORY), Path::to_path_buf), vmm },
             (false, true) => RestoredMemory::Shared,
@@ -280,6 +292,9 @@ impl VmRuntime {
                 }
             };
             record.save(&dir).map_err(io_err("writing the VM record"))?;
+            if let Some(qmp) = &qmp {
+                super::volumes::attach(qmp, &record.volumes).await?;
+            }
             let prepared = preparing.elapsed();
             let state = snap_dir.join("state");
             let restoring = std::time::Instant::now();
@@ -371,8 +386,9 @@ impl Vm {
         let (saved, _) = tokio::join!(self.save_stopped(&dir), self.prepare_child_layer(&dir));
         let resumed = self.resume_after_snapshot().await;
         let outcome = async {
-            let (paused, capture) = saved?;
+            let (paused, capture, volumes) = saved?;
             resumed?;
+            record.volumes = volumes;
             let memory = dir.join(MEMORY);
             super::restore::memory_task(move || capture.save(&memory)).await?;
             record.source_paused_ms = paused.as_millis() as u64;
@@ -420,6 +436,7 @@ impl Vm {
                 memory_delta: true,
                 tag: r.tag.clone(),
                 network: r.network.clone(),
+                volumes: Vec::new(),
             }
         };
         let dir = runtime.snapshots_dir().join(&snapshot.id);
@@ -439,18 +456,19 @@ impl Vm {
     /// the VM, reads the pages its guest wrote and its device state, copies
     /// its disk layer and runs it again. Returns how long its vCPUs were
     /// stopped; [`Self::resume_after_snapshot`] follows in any case.
-    async fn save_stopped(&self, dir: &Path) -> Result<(Duration, memory::Capture), VmError> {
+    async fn save_stopped(&self, dir: &Path) -> Result<(Duration, memory::Capture, Vec<AttachedVolume>), VmError> {
         let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture());
         quiesced?;
         let (stopped_at, capture, tracking) = self.stop_and_capture(&dir.join("state"), prep?).await?;
         let captured = stopped_at.elapsed();
         // Stopped and flushed: the disk layer matches the memory now.
         copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
+        let volumes = self.freeze_volumes().await?;
         self.inner.qmp.execute("cont", None).await?;
         let paused = stopped_at.elapsed();
         tracking.end_in_background();
         tracing::debug!(?captured, ?paused, bytes = capture.bytes(), "snapshot taken");
-        Ok((paused, capture))
+        Ok((paused, capture, volumes))
     }
 
     /// Makes the snapshot's [`CHILD_LAYER`] while the VM is being quiesced
@@ -526,7 +544,8 @@ impl Vm {
         snapshot.deleted = true;
         let saved = async {
             let (saved, _) = tokio::join!(self.save_stopped(&dir), self.prepare_child_layer(&dir));
-            let (paused, capture) = saved?;
+            let (paused, capture, volumes) = saved?;
+            snapshot.volumes = volumes;
             snapshot.source_paused_ms = paused.as_millis() as u64;
             snapshot.save(&dir).map_err(io_err("writing the snapshot record"))?;
             Ok::<_, VmError>(capture)

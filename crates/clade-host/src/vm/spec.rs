@@ -38,6 +38,8 @@ pub struct VmSpec {
     /// A network with this egress policy (when the runtime has a
     /// [`NetPool`]); none: the VM has no network at all.
     pub network: Option<EgressPolicy>,
+    /// Volumes behind its disk slots, in order (`/dev/vdb`, …).
+    pub volumes: Vec<super::volumes::VolumeRequest>,
 }
 
 impl VmSpec {
@@ -51,6 +53,7 @@ impl VmSpec {
             watchdog: Some(Watchdog::default()),
             tag: None,
             network: None,
+            volumes: Vec::new(),
         }
     }
 }

@@ -193,7 +193,7 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
     let mut h = Sha256::new();
     let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
-        "template/5",
+        "template/6",
         &root_mount,
         &crate::contexts::daemon_digest(),
         &image.id,

@@ -10,3 +10,4 @@ mod network;
 mod ports;
 mod snapshot;
 mod support;
+mod volumes;

@@ -24,6 +24,7 @@ pub(crate) mod snapshots;
 pub(crate) mod templates;
 pub(crate) mod terminal;
 pub(crate) mod tokens;
+pub(crate) mod volumes;
 
 use std::sync::Arc;
 
@@ -83,6 +84,8 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(snapshots::create))
         .routes(routes!(snapshots::list))
         .routes(routes!(snapshots::get, snapshots::delete))
+        .routes(routes!(volumes::create, volumes::list))
+        .routes(routes!(volumes::get, volumes::patch, volumes::delete))
         .routes(routes!(fork::fork))
         .routes(routes!(fork::fork_tree))
         .routes(routes!(fork::promote))

@@ -119,9 +119,9 @@ pub struct CreateBody {
     from_snapshot: Option<String>,
     /// The egress policy (default: the internet, nothing private); see `PUT /v1/sandboxes/{id}/network`.
     network: Option<super::network::NetworkPolicy>,
-    /// Not supported yet: only an empty list is accepted.
-    #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
-    volumes: Option<Vec<Value>>,
+    /// Volumes (`POST /v1/volumes`) behind its disks, in order: `/dev/vdb`,
+    /// `/dev/vdc`, … (at most 4).
+    volumes: Option<Vec<super::volumes::VolumeAttachment>>,
     /// Preview hosts need a signed token (default: public, as in PandaStack).
     preview_auth: Option<bool>,
     /// Limits of its commands (default: its memory less what its agent
@@ -132,9 +132,12 @@ pub struct CreateBody {
 
 impl CreateBody {
     fn validate(self) -> Result<CreateParams, ApiError> {
-        if self.volumes.is_some_and(|v| !v.is_empty()) {
-            return Err(ApiError::bad_request("volumes are not supported by this server yet"));
-        }
+        let volumes = self
+            .volumes
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| crate::sandbox::SandboxService::volume_spec(v.name, v.read_only.unwrap_or(false), v.mount_path))
+            .collect::<Result<Vec<_>, _>>()?;
         let template = self.template.filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TEMPLATE.to_string());
         let ttl_seconds = match self.ttl_seconds {
             Some(t) if t < 0 => return Err(ApiError::bad_request("ttl_seconds must be non-negative")),
@@ -161,6 +164,7 @@ impl CreateBody {
             network,
             limits: self.limits.map(super::limits::Limits::to_user_limits).filter(|l| *l != Default::default()),
             idempotency_key: None,
+            volumes,
         })
     }
 }

@@ -31,6 +31,8 @@ pub struct CreateParams {
     pub limits: Option<clade_proto::UserLimits>,
     /// The Idempotency-Key of the request, kept on its row.
     pub idempotency_key: Option<String>,
+    /// Volumes behind its disk slots, in order (`/dev/vdb`, …).
+    pub volumes: Vec<super::VolumeSpec>,
 }
 
 /// The template of a create that names none.
@@ -57,7 +59,13 @@ impl SandboxService {
         let started = Instant::now();
         let _reservation = self.reserve(&workspace.id, 1).await?;
         let mut params = params;
+        let (volumes, _claim) = self.claim_volumes(&workspace.id, &params.volumes).await?;
         let vm = match &params.from_snapshot {
+            Some(_) if !volumes.is_empty() => {
+                return Err(ApiError::bad_request(
+                    "volumes cannot be given with from_snapshot: a sandbox made from a snapshot has the snapshot's volumes, as of the snapshot",
+                ));
+            }
             Some(snapshot_id) => {
                 let snapshot = self
                     .store()
@@ -80,7 +88,7 @@ impl SandboxService {
                 // The row names what the sandbox runs: an alias's image (a
                 // workspace's own template keeps its name).
                 params.template = choice.name().to_string();
-                self.create_vm(&choice, params.network.clone()).await?
+                self.create_vm(&choice, params.network.clone(), volumes).await?
             }
         };
         if let Some(limits) = params.limits {
@@ -97,9 +105,14 @@ impl SandboxService {
 
     /// A VM restored from a template: the workspace's own (with its vCPUs
     /// and memory), or an image (503 while this host builds it).
-    async fn create_vm(&self, choice: &super::images::TemplateChoice, network: Option<EgressPolicy>) -> Result<clade_host::Vm, ApiError> {
+    async fn create_vm(
+        &self,
+        choice: &super::images::TemplateChoice,
+        network: Option<EgressPolicy>,
+        volumes: Vec<clade_host::vm::VolumeRequest>,
+    ) -> Result<clade_host::Vm, ApiError> {
         let image = self.image_of(choice).await?;
-        let mut spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), ..self.vm_spec(image) };
+        let mut spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), volumes, ..self.vm_spec(image) };
         if let super::images::TemplateChoice::Own(own) = choice {
             (spec.vcpus, spec.memory_mb) = (own.cpu, own.memory_mb);
         }
@@ -177,14 +190,25 @@ impl SandboxService {
             idempotency_key: params.idempotency_key.clone(),
             host_id: self.host_id().to_string(),
         };
-        let row = match self.store().insert_sandbox(new).await {
+        let holder = params.from_snapshot.is_none();
+        let inserted = match self.store().insert_sandbox(new).await {
+            Ok(row) => match self.record_attachments(&row.id, &vm, holder).await {
+                Ok(()) => Ok(row),
+                Err(e) => Err((e, Some(row.id))),
+            },
+            Err(e) => Err((e.into(), None)),
+        };
+        let row = match inserted {
             Ok(row) => row,
-            Err(e) => {
+            Err((e, row_id)) => {
+                if let Some(row_id) = row_id {
+                    let _ = self.store().set_sandbox_state(&row_id, SandboxState::Deleted, Some("its create failed")).await;
+                }
                 // Nothing may be left half-made: no row, no VM.
                 if let Err(stop) = vm.stop().await {
                     tracing::error!(sandbox = %id, "removing the VM of a failed create: {}", chain(&stop));
                 }
-                return Err(e.into());
+                return Err(e);
             }
         };
         let entry =

@@ -166,15 +166,16 @@ impl SandboxService {
             };
             match self.store().insert_sandbox(new).await {
                 Ok(row) => {
-                    let copied = self.store().copy_port_labels(&parent.id, &row.id).await;
+                    let copied = self.store().copy_port_labels(&parent.id, &row.id).await.map_err(ApiError::from);
+                    let attached = self.record_attachments(&row.id, vm, false).await;
                     children.push(row);
-                    if let Err(e) = copied {
+                    if let Err(e) = copied.and(attached) {
                         failed = Some(e);
                         break;
                     }
                 }
                 Err(e) => {
-                    failed = Some(e);
+                    failed = Some(e.into());
                     break;
                 }
             }
@@ -189,7 +190,7 @@ impl SandboxService {
             for row in &children {
                 let _ = self.store().set_sandbox_state(&row.id, SandboxState::Deleted, Some("its fork failed")).await;
             }
-            return Err(e.into());
+            return Err(e);
         }
         let boot_ms = started.elapsed().as_millis() as u64;
         for ((_, vm), row) in vms.into_iter().zip(&children) {
@@ -271,6 +272,7 @@ impl SandboxService {
                 )));
             }
         };
+        self.promote_volumes(id).await?;
         let mut deleted = Vec::new();
         let mut failures = BTreeMap::new();
         if cleanup_siblings {

@@ -24,6 +24,7 @@ mod moving;
 mod reaper;
 mod recover;
 mod snapshot;
+mod volumes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -41,6 +42,7 @@ pub use create::CreateParams;
 pub use fork::{ChildError, ForkParams, Forked, Promoted};
 pub use moving::{reachable, ForkHere, RemoteFork};
 pub use snapshot::snapshot_not_found;
+pub use volumes::{volume_not_found, VolumeSpec, VolumeView};
 
 /// The tag of the VMs this server makes (`VmSpec::tag`): at start-up, a VM
 /// with this tag and no row is the leftover of a create the server died in.
@@ -82,6 +84,22 @@ pub struct SandboxSettings {
     pub template_aliases: BTreeMap<String, String>,
     /// How template builds reach OCI registries (plain-HTTP ones, credentials).
     pub registries: crate::registry::RegistrySettings,
+    /// The volumes a workspace may have (429 beyond).
+    pub volumes: VolumeSettings,
+}
+
+/// Quotas of volumes (issue 29).
+#[derive(Debug, Clone)]
+pub struct VolumeSettings {
+    pub max_per_workspace: u32,
+    /// Their sizes together, MiB.
+    pub max_total_mb: u64,
+}
+
+impl Default for VolumeSettings {
+    fn default() -> Self {
+        Self { max_per_workspace: volumes::DEFAULT_MAX_VOLUMES, max_total_mb: volumes::DEFAULT_MAX_VOLUME_TOTAL_MB }
+    }
 }
 
 impl SandboxSettings {
@@ -112,6 +130,7 @@ impl Default for SandboxSettings {
             standby_horizon: Duration::from_secs(clade_host::vm::HORIZON_SECS),
             template_aliases: BTreeMap::from([("ubuntu-24.04".to_string(), "base".to_string())]),
             registries: Default::default(),
+            volumes: VolumeSettings::default(),
         }
     }
 }
@@ -144,6 +163,8 @@ struct Inner {
     build_turns: Arc<tokio::sync::Semaphore>,
     /// Pulls the OCI images builds name.
     registry: crate::registry::Registry,
+    /// Volume attachments of creates under way (`volumes`).
+    pending_attachments: volumes::PendingAttachments,
 }
 
 #[derive(Debug)]
@@ -241,6 +262,7 @@ impl SandboxService {
             image_builds: Default::default(),
             build_turns: builds::build_turns(),
             registry,
+            pending_attachments: Default::default(),
         };
         Self { inner: Arc::new(inner) }
     }
@@ -362,6 +384,10 @@ impl SandboxService {
     /// Moves the sandbox to `state` in the store and in memory.
     async fn set_state(&self, entry: &Entry, slot: &mut Slot, state: SandboxState, reason: Option<String>) -> Result<(), ApiError> {
         self.inner.store.set_sandbox_state(&entry.id, state, reason.as_deref()).await?;
+        if matches!(state, SandboxState::Deleted | SandboxState::Failed) {
+            // Its VM is gone: its volumes are free for others.
+            self.inner.store.remove_attachments(&entry.id).await?;
+        }
         slot.state = state;
         slot.reason = reason;
         Ok(())

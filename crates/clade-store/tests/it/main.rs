@@ -2,3 +2,4 @@
 //! PostgreSQL cluster (`clade_testkit::pg`).
 
 mod store;
+mod volumes;
