@@ -184,6 +184,18 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     assert hosts_of(pg, [child.id])[child.id] == placed[made[0].id]
     assert child.exec("cat /tmp/me").stdout.strip() == made[0].id
 
+    # A volume's sandboxes run on the host that has its files, whichever
+    # replica is asked; its data outlives them.
+    clients[0].volumes.create("shared-data", 32)
+    volume_host = pg.query("SELECT host_id FROM volumes WHERE name = 'shared-data'")[0][0]
+    for i, via in enumerate(clients):
+        with_volume = via.sandboxes.create(template=TEMPLATE, volumes=[{"name": "shared-data"}])
+        assert hosts_of(pg, [with_volume.id])[with_volume.id] == volume_host
+        out = with_volume.exec(f"mkdir -p /v && mount /dev/vdb /v && echo {i} >> /v/log && sync && cat /v/log")
+        assert out.stdout.split() == [str(n) for n in range(i + 1)], out.stderr
+        with_volume.kill()
+    clients[1].volumes.delete("shared-data")
+
     # `clade host drain`: a fork of a sandbox there lands on another host, with
     # the parent's files and processes; a sandbox hibernated there wakes on another.
     parent = clients[0].sandboxes.get(made[0].id)

@@ -61,6 +61,9 @@ pub fn apply(req: &RestoreRequest) -> Result<Vec<(String, String)>, GuestError> 
         std::fs::write(&path, id).map_err(written(&path))?;
         env.push(("CLADE_SANDBOX_ID".into(), id.clone()));
     }
+    for volume in &req.volumes {
+        crate::volumes::attach(volume)?;
+    }
     Ok(env)
 }
 
@@ -107,6 +110,7 @@ mod tests {
             machine_id: None,
             sandbox_id: None,
             env: Vec::new(),
+            volumes: Vec::new(),
         };
         assert_eq!(apply(&req).unwrap_err().kind, ErrorKind::InvalidInput);
         let req = RestoreRequest { hostname: None, machine_id: Some("xyz".into()), ..req };

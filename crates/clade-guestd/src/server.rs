@@ -148,7 +148,6 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
         Request::Rename { from, to } => simple(&mut stream, move || files::rename(&from, &to)).await,
         Request::Chmod { path, mode } => simple(&mut stream, move || files::chmod(&path, mode)).await,
         Request::Mkdir { path } => simple(&mut stream, move || files::mkdir(&path)).await,
-        Request::AttachVolume(req) => simple(&mut stream, move || crate::volumes::attach(&req).map(|()| Reply::Done)).await,
         Request::Quiesce => {
             let synced = blocking(|| {
                 nix::unistd::sync();

@@ -18,7 +18,8 @@ use nix::mount::{mount, MsFlags};
 const BLKROSET: libc::c_ulong = 0x125d;
 
 pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
-    let deadline = Instant::now() + Duration::from_millis(request.wait_ms.into());
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(request.wait_ms.into());
     let name = device_with_serial(Path::new("/sys/block"), &request.serial)?;
     let sectors = Path::new("/sys/block").join(&name).join("size");
     while read_u64(&sectors) == 0 {
@@ -30,8 +31,9 @@ pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    let sized = started.elapsed();
     let device = PathBuf::from("/dev").join(&name);
-    if let Some(path) = &request.mount_path {
+    if let Some(path) = request.mount_path.as_ref().filter(|path| !mounted_at(&device, path)) {
         std::fs::create_dir_all(path).map_err(|e| GuestError::new(ErrorKind::Io, format!("creating {path}: {e}")))?;
         let mut flags = MsFlags::MS_NOATIME | MsFlags::MS_NODEV;
         if request.read_only {
@@ -52,6 +54,7 @@ pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
         }
         set_read_only(&device)?;
     }
+    tracing::info!(?sized, ready = ?started.elapsed(), "volume {name} ready");
     Ok(())
 }
 
@@ -76,6 +79,15 @@ fn replay_journal(device: &Path) -> Result<(), GuestError> {
     mount(Some(device), scratch, Some("ext4"), MsFlags::MS_RDONLY, None::<&str>)
         .map_err(|e| GuestError::new(ErrorKind::Io, format!("replaying the journal of {}: {e}", device.display())))?;
     nix::mount::umount(scratch).map_err(|e| GuestError::new(ErrorKind::Io, format!("unmounting {scratch}: {e}")))
+}
+
+/// Whether `device` is mounted at `path` already (a hook sent again).
+fn mounted_at(device: &Path, path: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(device), std::fs::metadata(path)) {
+        (Ok(device), Ok(path)) => device.rdev() == path.dev(),
+        _ => false,
+    }
 }
 
 /// The block device (`vdb`, …) whose serial is `serial`.

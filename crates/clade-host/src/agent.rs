@@ -524,12 +524,6 @@ impl AgentClient {
         }
     }
 
-    /// Readies a volume the host attached (issue 29): waits for its size,
-    /// mounts it where asked, makes it read-only in the guest when asked.
-    pub async fn attach_volume(&self, request: clade_proto::AttachVolume) -> Result<(), AgentError> {
-        self.done(Request::AttachVolume(request)).await
-    }
-
     /// The guest's listening TCP sockets (port, bound address, owner).
     pub async fn listening_ports(&self) -> Result<Vec<ListeningPort>, AgentError> {
         match self.simple(Request::ListeningPorts).await? {

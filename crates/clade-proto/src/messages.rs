@@ -47,14 +47,10 @@ pub enum Request {
     /// Changes the limits of user commands (the fields that are set) and
     /// answers [`Reply::Limits`] with those in force; all unset only asks.
     SetLimits(UserLimits),
-    /// Readies a volume's disk, found by its serial (`AttachVolume`);
-    /// answered with [`Reply::Done`] once done. Appended last: postcard
-    /// numbers variants by position.
-    AttachVolume(AttachVolume),
 }
 
 /// A volume the host has just attached to one of the guest's disk slots
-/// (issue 29). The guest learns the disk's size from a configuration
+/// (issue 29), readied by a create's [`RestoreRequest`]. The guest learns the disk's size from a configuration
 /// change the host sends after attaching it: the agent waits for it, then
 /// mounts the filesystem at `mount_path` when one is given, and makes the
 /// disk read-only in the kernel when `read_only` (after the mount, so that
@@ -100,6 +96,9 @@ pub struct RestoreRequest {
     pub sandbox_id: Option<String>,
     /// Default environment of every later command (a command's own env wins).
     pub env: Vec<(String, String)>,
+    /// Volumes a create attached (issue 29), readied after the rest: a
+    /// create's hook is the one round trip before the sandbox is handed over.
+    pub volumes: Vec<AttachVolume>,
 }
 
 /// What to run: an argv vector (no shell involved) or a `/bin/sh -c` string.

@@ -5,8 +5,10 @@
 //!   whose VM it is (the row's `host_id`);
 //! - about a snapshot: the host of the sandbox it was taken of (its files
 //!   are there), and so a create `from_snapshot`;
-//! - a create: the host placement picks (`Store::place_sandbox`), the next
-//!   one when that one is full or does not answer;
+//! - a create: the host of its volumes, of its workspace's template, or
+//!   the host placement picks (`Store::place_sandbox`), the next one when
+//!   that one is full or does not answer;
+//! - about a volume (`/v1/volumes/{name}`): the host that has its files;
 //! - anything else (lists, keys, templates, the document): any live host.
 //!
 //! Requests stream both ways as they come, upgrades (terminals, port
@@ -287,6 +289,15 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
             return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
         }
     }
+    // A volume's files are on the host that made it (ADR 26).
+    if template == "/v1/volumes/{name}" {
+        let name = outgoing.segment(3).unwrap_or_default();
+        if let Some(volume) = state.store.volume(&workspace_id, name).await? {
+            if let Some(host) = kept_on(&state, &volume.host_id, &format!("volume {name}")).await? {
+                return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+            }
+        }
+    }
     // A build's log is a file on the host that runs it.
     if template == "/v1/templates/builds/{id}/logs" {
         let id = outgoing.segment(4).unwrap_or_default();
@@ -310,6 +321,15 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
         }
         // An unknown snapshot: any host answers 404 as it would.
         return send_anywhere(state, outgoing, Body::from(body)).await;
+    }
+    // Volumes are files of the host that made them: the sandbox runs there
+    // (the host refuses volumes of several hosts).
+    if let Some(name) = first_volume(&body) {
+        if let Some(volume) = state.store.volume(workspace_id, &name).await? {
+            if let Some(host) = kept_on(state, &volume.host_id, &format!("volume {name}")).await? {
+                return Ok(send(state, &host, outgoing, Body::from(body), None).await?);
+            }
+        }
     }
     // A workspace's own template is on the host that built it.
     let template = json_field(&body, "template");
@@ -339,6 +359,12 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
         message: "no compute capacity available: every host is full or down".into(),
         retry_after: Some(crate::sandbox::SCHEDULER_RETRY_AFTER),
     })
+}
+
+/// The name of the first volume a create's body attaches, if any.
+fn first_volume(body: &Bytes) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value.get("volumes")?.as_array()?.first()?.get("name")?.as_str().map(str::to_string)
 }
 
 /// A string field of a create's body (`from_snapshot`, `template`), if any.

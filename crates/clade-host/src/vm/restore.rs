@@ -101,6 +101,7 @@ pub(super) fn restore_request(id: &str, new_identity: bool) -> RestoreRequest {
         machine_id: new_identity.then(|| format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())),
         sandbox_id: new_identity.then(|| id.to_string()),
         env: Vec::new(),
+        volumes: Vec::new(),
     }
 }
 

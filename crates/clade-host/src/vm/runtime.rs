@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use clade_proto::RestoreRequest;
+
 use crate::accel::{self, Accel, HostVirt};
 use crate::agent::AgentClient;
 use crate::config::HostConfig;
@@ -452,8 +454,12 @@ impl VmRuntime {
             let started = std::time::Instant::now();
             let (qmp, agent) = restore_into(&dir, &exit_rx, qmp, &template.state(), true, translations, self.boot_timeout()).await?;
             let restored = started.elapsed();
-            run_restore_hook(&agent, restore_request(&id, true), self.boot_timeout()).await?;
-            super::volumes::ready_in_guest(&qmp, &agent, &record.volumes, self.boot_timeout()).await?;
+            super::volumes::announce_sizes(&qmp, &record.volumes).await?;
+            let hook = RestoreRequest {
+                volumes: super::volumes::guest_requests(&record.volumes, self.boot_timeout()),
+                ..restore_request(&id, true)
+            };
+            run_restore_hook(&agent, hook, self.boot_timeout()).await?;
             tracing::debug!(vm = %id, from_standby, ?prepared, ?restored, total = ?create_started.elapsed(), "restore timings");
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;

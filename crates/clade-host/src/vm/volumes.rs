@@ -6,7 +6,8 @@
 //! saved state restores into any QEMU. A VM's volumes are put behind its
 //! slots before its state loads ([`attach`]); a create then tells the guest
 //! their sizes (`block_resize` of the same size raises the device's
-//! configuration interrupt) and has the agent mount them.
+//! configuration interrupt, [`announce_sizes`]) and its post-restore hook
+//! has the agent wait for them and mount the volumes ([`guest_requests`]).
 //!
 //! A snapshot or fork freezes the layer each read-write attachment writes
 //! (`blockdev-snapshot` onto a new layer while the VM is stopped): the
@@ -20,7 +21,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::agent::AgentClient;
 use crate::qmp::Qmp;
 use crate::volume::{slot_serial, LayerFile, VolumeError, VOLUME_SLOTS};
 
@@ -220,10 +220,11 @@ pub(super) async fn attach(qmp: &Qmp, volumes: &[AttachedVolume]) -> Result<(), 
     Ok(())
 }
 
-/// After a create's restore: tells the guest each volume's size (a
-/// resize to the size it has raises the configuration interrupt the
-/// guest re-reads the capacity on), then has the agent mount it.
-pub(super) async fn ready_in_guest(qmp: &Qmp, agent: &AgentClient, volumes: &[AttachedVolume], timeout: Duration) -> Result<(), VmError> {
+/// Right after a create's restore: tells the guest each volume's size (a
+/// resize to the size it has raises the configuration interrupt on which
+/// the guest reads the capacity again), while the post-restore hook, which
+/// waits for the sizes and mounts, is on its way.
+pub(super) async fn announce_sizes(qmp: &Qmp, volumes: &[AttachedVolume]) -> Result<(), VmError> {
     if volumes.is_empty() {
         return Ok(());
     }
@@ -239,19 +240,21 @@ pub(super) async fn ready_in_guest(qmp: &Qmp, agent: &AgentClient, volumes: &[At
     for reply in qmp.execute_batch(&commands, None).await? {
         reply?;
     }
+    Ok(())
+}
+
+/// What the post-restore hook asks the agent to do with a create's volumes.
+pub(super) fn guest_requests(volumes: &[AttachedVolume], timeout: Duration) -> Vec<clade_proto::AttachVolume> {
     let wait_ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
-    let readied = volumes.iter().map(|volume| {
-        agent.attach_volume(clade_proto::AttachVolume {
+    volumes
+        .iter()
+        .map(|volume| clade_proto::AttachVolume {
             serial: slot_serial(volume.slot),
             mount_path: volume.mount_path.clone(),
             read_only: volume.read_only,
             wait_ms,
         })
-    });
-    for outcome in futures::future::join_all(readied).await {
-        outcome.map_err(|e| VmError::InvalidSpec(format!("readying a volume in the guest: {e}")))?;
-    }
-    Ok(())
+        .collect()
 }
 
 impl super::Vm {
