@@ -199,3 +199,31 @@ def test_quota_growth_and_a_killed_server_lose_nothing(start_server):
         again.kill()
     for name in ("one", "two"):
         client.volumes.delete(name)
+
+
+def test_a_sandbox_made_from_a_snapshot_has_the_volume_as_of_the_snapshot(client):
+    name = unique("snap")
+    client.volumes.create(name, 32)
+    source = client.sandboxes.create(template=TEMPLATE, volumes=[{"name": name}])
+    restored = None
+    try:
+        mount(source)
+        source.exec("echo at-snapshot > /mnt/v/state && sync")
+        snap_id = source.snapshot()
+        source.exec("echo after > /mnt/v/state && sync")
+        restored = client.sandboxes.create(template=TEMPLATE, from_snapshot=snap_id)
+        # Its memory has the mount; its disk is the volume as of the snapshot.
+        assert restored.exec("cat /mnt/v/state").stdout == "at-snapshot\n"
+        restored.exec("echo restored-only > /mnt/v/mine && sync")
+        assert source.exec("cat /mnt/v/state; test -e /mnt/v/mine && echo leaked || echo private").stdout == "after\nprivate\n"
+        modes = {a["sandbox_id"]: a["mode"] for a in client.volumes.get(name)["attachments"]}
+        assert modes == {source.id: "rw", restored.id: "fork"}
+        client.snapshots.delete(snap_id)
+    finally:
+        for sb in (source, restored):
+            if sb is not None:
+                try:
+                    sb.kill()
+                except PandastackError:
+                    pass
+        client.volumes.delete(name)
