@@ -135,14 +135,7 @@ impl SandboxService {
                 workspace: None,
             });
         }
-        // The file is sparse, but the guest may fill it: the host must be
-        // able to hold it as disk admission counts (ADR 18).
-        let _admitted = self.runtime().admit_build(u64::from(size_mb) << 20).map_err(|e| match e {
-            clade_host::VmError::Admission(refusal) => {
-                ApiError::InsufficientStorage { message: "insufficient host storage headroom".into(), reason: refusal.to_string() }
-            }
-            other => crate::error::vm_error("creating the volume", other),
-        })?;
+        let _admitted = self.admit_volume_bytes(u64::from(size_mb) << 20, "creating the volume")?;
         let row = VolumeRow {
             id: format!("vol-{:016x}", rand::random::<u64>()),
             workspace_id: workspace_id.to_string(),
@@ -200,16 +193,22 @@ impl SandboxService {
         }
         refuse_while_attached(&view, "resized")?;
         let grown = u64::from(size_mb - view.row.size_mb) << 20;
-        let _admitted = self.runtime().admit_build(grown).map_err(|e| match e {
-            clade_host::VmError::Admission(refusal) => {
-                ApiError::InsufficientStorage { message: "insufficient host storage headroom".into(), reason: refusal.to_string() }
-            }
-            other => crate::error::vm_error("growing the volume", other),
-        })?;
+        let _admitted = self.admit_volume_bytes(grown, "growing the volume")?;
         self.runtime().volumes().grow(&view.row.id, size_mb).await.map_err(volume_error)?;
         self.store().set_volume_size(workspace_id, name, size_mb).await?;
         self.runtime().release_layers().await;
         self.volume(workspace_id, name).await
+    }
+
+    /// Admits `bytes` more of volume on this host's disk: the file is
+    /// sparse, but its guest may fill it (disk admission, ADR 18).
+    fn admit_volume_bytes(&self, bytes: u64, what: &str) -> Result<clade_host::vm::Admitted, ApiError> {
+        self.runtime().admit_build(bytes).map_err(|e| match e {
+            clade_host::VmError::Admission(refusal) => {
+                ApiError::InsufficientStorage { message: "insufficient host storage headroom".into(), reason: refusal.to_string() }
+            }
+            other => crate::error::vm_error(what, other),
+        })
     }
 
     /// The volumes a create asks for, as the VM is to get them, after the
