@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 use super::rfc3339;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
+use crate::http::JsonBody;
 use crate::sandbox::VolumeView;
 use crate::AppState;
 
@@ -63,18 +64,19 @@ impl From<VolumeView> for Volume {
     }
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct CreateBody {
     /// 1 to 63 letters, digits, `.`, `_` or `-`, starting with a letter or digit.
+    #[serde(default)]
     pub name: String,
     /// 16 to 65536; 256 when absent.
     pub size_mb: Option<i64>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct PatchBody {
     /// The new size, at least the current one: volumes grow, never shrink.
-    pub size_mb: i64,
+    pub size_mb: Option<i64>,
 }
 
 #[utoipa::path(post, operation_id = "createVolume", path = "/v1/volumes", tag = "volumes", request_body = CreateBody,
@@ -88,7 +90,7 @@ pub struct PatchBody {
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
-    Json(body): Json<CreateBody>,
+    JsonBody(body): JsonBody<CreateBody>,
 ) -> Result<(StatusCode, Json<Volume>), ApiError> {
     let view = state.service.create_volume(&caller.workspace.id, &body.name, body.size_mb).await?;
     Ok((StatusCode::CREATED, Json(view.into())))
@@ -122,9 +124,10 @@ pub async fn patch(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Json(body): Json<PatchBody>,
+    JsonBody(body): JsonBody<PatchBody>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(state.service.resize_volume(&caller.workspace.id, &name, body.size_mb).await?.into()))
+    let size_mb = body.size_mb.ok_or_else(|| ApiError::bad_request("size_mb is required: the volume's new size, MiB"))?;
+    Ok(Json(state.service.resize_volume(&caller.workspace.id, &name, size_mb).await?.into()))
 }
 
 #[utoipa::path(delete, operation_id = "deleteVolume", path = "/v1/volumes/{name}", tag = "volumes", params(("name" = String, Path, description = "A volume's name")),
