@@ -305,6 +305,15 @@ fn save_meta(dir: &Path, meta: &VolumeMeta, durably: bool) -> Result<(), VolumeE
     Ok(())
 }
 
+/// A sparse file of `size_mb` with an empty ext4 filesystem, outside any
+/// volume (a standby's rehearsal).
+pub async fn scratch_ext4(path: &Path, size_mb: u32) -> Result<(), VolumeError> {
+    let file = std::fs::File::create(path).map_err(io(format!("creating {}", path.display())))?;
+    file.set_len(u64::from(size_mb) << 20).map_err(io("sizing the scratch volume"))?;
+    drop(file);
+    mkfs(path).await
+}
+
 /// ext4 on the sparse file, its inode tables and journal taken as zeroed
 /// (a new sparse file reads as zeros): nothing is written but metadata,
 /// and the guest's kernel has no inode tables left to zero after mounting.

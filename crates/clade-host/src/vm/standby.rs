@@ -601,10 +601,19 @@ impl VmRuntime {
         std::fs::copy(template.overlay(), &scratch).map_err(io_err("creating the rehearsal's disk layer"))?;
         make_writable(&scratch)?;
         attach_disk(qmp, REHEARSAL_DISK_NODE, &self.disk_chain(&scratch, record)?, None).await?;
+        // A scratch volume, so that what a create with volumes runs in the
+        // guest (the new capacity applied, an ext4 mount) is translated too.
+        let volume = super::volumes::rehearsal_volume(dir).await?;
+        super::volumes::attach(qmp, std::slice::from_ref(&volume)).await?;
         let rehearsing = |e: &dyn std::fmt::Display| VmError::Vmm(format!("rehearsing the template's restore: {e}"));
         migrate::load(qmp, &template.state(), true, Translations::Flush).await.map_err(|e| rehearsing(&e))?;
         let agent = AgentClient::connect_restored(&super::launch::agent_socket(dir), self.boot_timeout()).await?;
-        super::restore::run_restore_hook(&agent, super::restore::restore_request(&record.id, true), self.boot_timeout()).await?;
+        super::volumes::announce_sizes(qmp, std::slice::from_ref(&volume)).await?;
+        let hook = clade_proto::RestoreRequest {
+            volumes: super::volumes::guest_requests(std::slice::from_ref(&volume), self.boot_timeout()),
+            ..super::restore::restore_request(&record.id, true)
+        };
+        super::restore::run_restore_hook(&agent, hook, self.boot_timeout()).await?;
         let command = Command::Argv(REHEARSAL_COMMAND.iter().map(|arg| arg.to_string()).collect());
         let output = agent.run(ExecRequest::new(command)).await?;
         if output.exit_code() != 0 {
@@ -616,7 +625,9 @@ impl VmRuntime {
         // Swapped before the rewind, so that the rewind makes the new layer
         // inactive with the rest, as a QEMU started with -incoming has it.
         attach_disk(qmp, STANDBY_DISK_NODE, chain, Some(REHEARSAL_DISK_NODE)).await?;
+        super::volumes::detach(qmp, &volume).await?;
         std::fs::remove_file(&scratch).map_err(io_err("removing the rehearsal's disk layer"))?;
+        let _ = std::fs::remove_file(&volume.layers[0].path);
         migrate::rewind(qmp).await.map_err(|e| rehearsing(&e))
     }
 

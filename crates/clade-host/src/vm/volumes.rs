@@ -220,6 +220,38 @@ pub(super) async fn attach(qmp: &Qmp, volumes: &[AttachedVolume]) -> Result<(), 
     Ok(())
 }
 
+/// The scratch volume a standby's rehearsal (ADR 16) attaches, mounts and
+/// throws away: a small ext4 file in the standby's directory.
+pub(super) async fn rehearsal_volume(dir: &std::path::Path) -> Result<AttachedVolume, VmError> {
+    let path = dir.join("rehearsal-volume.raw");
+    crate::volume::scratch_ext4(&path, crate::volume::MIN_SIZE_MB).await.map_err(volume_err)?;
+    Ok(AttachedVolume {
+        volume: "rehearsal".into(),
+        slot: 0,
+        read_only: false,
+        layers: vec![LayerFile { path, raw: true }],
+        mount_path: Some("/run/clade/rehearsal-volume".into()),
+    })
+}
+
+/// Puts the empty placeholder back behind a volume's slot and lets go of
+/// the volume's nodes (a standby's rehearsal, before its rewind).
+pub(super) async fn detach(qmp: &Qmp, volume: &AttachedVolume) -> Result<(), VmError> {
+    let empty = format!("v{}empty", volume.slot);
+    let commands = [
+        ("blockdev-add", Some(json!({ "driver": "null-co", "node-name": empty, "size": 0, "read-zeroes": true }))),
+        (
+            "blockdev-reopen",
+            Some(json!({ "options": [{ "driver": "raw", "node-name": slot_node(volume.slot), "discard": "unmap", "file": empty }] })),
+        ),
+        ("blockdev-del", Some(json!({ "node-name": top_node(volume.slot, volume.layers.len()) }))),
+    ];
+    for reply in qmp.execute_batch(&commands, None).await? {
+        reply?;
+    }
+    Ok(())
+}
+
 /// Right after a create's restore: tells the guest each volume's size (a
 /// resize to the size it has raises the configuration interrupt on which
 /// the guest reads the capacity again), while the post-restore hook, which
