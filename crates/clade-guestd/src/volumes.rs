@@ -18,8 +18,7 @@ use nix::mount::{mount, MsFlags};
 const BLKROSET: libc::c_ulong = 0x125d;
 
 pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
-    let started = Instant::now();
-    let deadline = started + Duration::from_millis(request.wait_ms.into());
+    let deadline = Instant::now() + Duration::from_millis(request.wait_ms.into());
     let name = device_with_serial(Path::new("/sys/block"), &request.serial)?;
     let sectors = Path::new("/sys/block").join(&name).join("size");
     while read_u64(&sectors) == 0 {
@@ -31,7 +30,6 @@ pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let sized = started.elapsed();
     let device = PathBuf::from("/dev").join(&name);
     if let Some(path) = request.mount_path.as_ref().filter(|path| !mounted_at(&device, path)) {
         std::fs::create_dir_all(path).map_err(|e| GuestError::new(ErrorKind::Io, format!("creating {path}: {e}")))?;
@@ -54,7 +52,6 @@ pub fn attach(request: &AttachVolume) -> Result<(), GuestError> {
         }
         set_read_only(&device)?;
     }
-    tracing::info!(?sized, ready = ?started.elapsed(), "volume {name} ready");
     Ok(())
 }
 

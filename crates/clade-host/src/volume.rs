@@ -110,10 +110,6 @@ impl Volumes {
         Ok(Self { dir, lock: Arc::default() })
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Held while a head is read and acted on, or layers are collected.
     pub fn lock(&self) -> MutexGuard<'_, ()> {
         self.lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -274,13 +270,6 @@ impl Volumes {
             }
         }
         removed
-    }
-
-    /// The bytes the volume's files take on the host's disk.
-    pub fn used_bytes(&self, id: &str) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        let Ok(dir) = self.volume_dir(id) else { return 0 };
-        std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum()
     }
 }
 

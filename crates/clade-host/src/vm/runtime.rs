@@ -438,17 +438,14 @@ impl VmRuntime {
             };
             record.volumes = self.volumes_for(&spec.volumes).await?;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
-            let qmp = match (qmp, record.volumes.is_empty()) {
-                (qmp, true) => qmp,
-                (qmp, false) => {
-                    let qmp = match qmp {
-                        Some(qmp) => qmp,
-                        None => connect_qmp(&launch::qmp_socket(&dir), self.boot_timeout()).await?,
-                    };
-                    super::volumes::attach(&qmp, &record.volumes).await?;
-                    Some(qmp)
-                }
+            // Volumes go in before the state loads: a fresh QEMU's monitor is connected for it.
+            let qmp = match qmp {
+                None if !record.volumes.is_empty() => Some(connect_qmp(&launch::qmp_socket(&dir), self.boot_timeout()).await?),
+                qmp => qmp,
             };
+            if let Some(qmp) = &qmp {
+                super::volumes::attach(qmp, &record.volumes).await?;
+            }
             // Everything before the state loads is the host's own work.
             let prepared = create_started.elapsed();
             let started = std::time::Instant::now();

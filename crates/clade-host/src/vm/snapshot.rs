@@ -117,7 +117,7 @@ pub struct SnapshotRecord {
     /// The source VM's volumes as of the snapshot, their chains frozen;
     /// each VM made from it gets a private layer over each.
     #[serde(default)]
-    pub volumes: Vec<super::volumes::AttachedVolume>,
+    pub volumes: Vec<AttachedVolume>,
 }
 
 impl SnapshotRecord {
@@ -457,13 +457,14 @@ impl Vm {
     /// its disk layer and runs it again. Returns how long its vCPUs were
     /// stopped; [`Self::resume_after_snapshot`] follows in any case.
     async fn save_stopped(&self, dir: &Path) -> Result<(Duration, memory::Capture, Vec<AttachedVolume>), VmError> {
-        let (quiesced, prep) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture());
+        let (quiesced, prep, layers) = tokio::join!(self.inner.agent.quiesce(), self.prepare_capture(), self.prepare_volume_layers());
         quiesced?;
+        let layers = layers?;
         let (stopped_at, capture, tracking) = self.stop_and_capture(&dir.join("state"), prep?).await?;
         let captured = stopped_at.elapsed();
         // Stopped and flushed: the disk layer matches the memory now.
         copy_file(&self.inner.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await?;
-        let volumes = self.freeze_volumes().await?;
+        let volumes = self.freeze_volumes(layers).await?;
         self.inner.qmp.execute("cont", None).await?;
         let paused = stopped_at.elapsed();
         tracking.end_in_background();

@@ -53,6 +53,11 @@ pub struct AttachedVolume {
     pub mount_path: Option<String>,
 }
 
+/// A chain of `top` over `below` (top first).
+fn stacked(top: LayerFile, below: &[LayerFile]) -> Vec<LayerFile> {
+    std::iter::once(top).chain(below.iter().cloned()).collect()
+}
+
 /// The node of slot `slot`, the device's drive.
 fn slot_node(slot: usize) -> String {
     format!("vol{slot}")
@@ -106,8 +111,7 @@ impl VmRuntime {
                 let private = self.volumes.layer_over(&request.volume, &meta.head[0]).await.map_err(volume_err)?;
                 let _guard = self.volumes.lock();
                 let mut meta = self.volumes.meta(&request.volume).map_err(volume_err)?;
-                let mut layers = vec![private];
-                layers.extend(meta.head.iter().cloned());
+                let layers = stacked(private, &meta.head);
                 if request.read_only {
                     meta.top_shared = true;
                 } else {
@@ -137,9 +141,7 @@ impl VmRuntime {
         let mut attached = Vec::with_capacity(recorded.len());
         for volume in recorded {
             let private = self.volumes.layer_over(&volume.volume, &volume.layers[0]).await.map_err(volume_err)?;
-            let mut layers = vec![private];
-            layers.extend(volume.layers.iter().cloned());
-            attached.push(AttachedVolume { layers, ..volume.clone() });
+            attached.push(AttachedVolume { layers: stacked(private, &volume.layers), ..volume.clone() });
         }
         Ok(attached)
     }
@@ -290,24 +292,41 @@ pub(super) fn guest_requests(volumes: &[AttachedVolume], timeout: Duration) -> V
 }
 
 impl super::Vm {
+    /// Before a snapshot or fork stops the VM: a new empty layer over the
+    /// top of each read-write volume, which [`Self::freeze_volumes`] moves
+    /// the VM onto (made now, so that no `qemu-img` runs while the guest is
+    /// stopped). One per volume, `None` for a read-only one. A layer left
+    /// unused by a snapshot that failed is collected as no record names it.
+    pub(super) async fn prepare_volume_layers(&self) -> Result<Vec<Option<LayerFile>>, VmError> {
+        let attached = self.inner.record.lock().expect("record lock").volumes.clone();
+        let runtime = &self.inner.runtime;
+        let mut prepared = Vec::with_capacity(attached.len());
+        for volume in attached {
+            prepared.push(match volume.read_only {
+                true => None,
+                false => Some(runtime.volumes.layer_over(&volume.volume, &volume.layers[0]).await.map_err(volume_err)?),
+            });
+        }
+        Ok(prepared)
+    }
+
     /// While the VM is stopped for a snapshot or fork: freezes the layer
     /// each read-write volume writes, moving the VM (and the volume's head,
-    /// when the VM holds it) onto a new layer over it. Returns what the
+    /// when the VM holds it) onto its `prepared` layer. Returns what the
     /// snapshot records: every chain as of now, frozen.
-    pub(super) async fn freeze_volumes(&self) -> Result<Vec<AttachedVolume>, VmError> {
+    pub(super) async fn freeze_volumes(&self, prepared: Vec<Option<LayerFile>>) -> Result<Vec<AttachedVolume>, VmError> {
         let attached = self.inner.record.lock().expect("record lock").volumes.clone();
         let runtime = &self.inner.runtime;
         let mut recorded = Vec::with_capacity(attached.len());
         let mut now = Vec::with_capacity(attached.len());
-        for volume in attached {
-            if volume.read_only {
-                // Its private layer is the VM's own; what it reads is frozen.
+        for (volume, next) in attached.into_iter().zip(prepared) {
+            let Some(next) = next else {
+                // Read-only: its private layer is the VM's own; what it reads is frozen.
                 recorded.push(AttachedVolume { layers: volume.layers[1..].to_vec(), ..volume.clone() });
                 now.push(volume);
                 continue;
-            }
+            };
             let frozen = volume.layers[0].clone();
-            let next = runtime.volumes.layer_over(&volume.volume, &frozen).await.map_err(volume_err)?;
             let file =
                 std::fs::OpenOptions::new().read(true).write(true).open(&next.path).map_err(io_err("opening a volume's new layer"))?;
             let held = self.inner.qmp.add_fd(std::os::fd::AsFd::as_fd(&file)).await?;
@@ -334,9 +353,7 @@ impl super::Vm {
                 }
             }
             recorded.push(volume.clone());
-            let mut layers = vec![next];
-            layers.extend(volume.layers.iter().cloned());
-            now.push(AttachedVolume { layers, ..volume });
+            now.push(AttachedVolume { layers: stacked(next, &volume.layers), ..volume });
         }
         let mut record = self.inner.record.lock().expect("record lock");
         record.volumes = now;

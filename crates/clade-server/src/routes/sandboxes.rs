@@ -136,7 +136,7 @@ impl CreateBody {
             .volumes
             .unwrap_or_default()
             .into_iter()
-            .map(|v| crate::sandbox::SandboxService::volume_spec(v.name, v.read_only.unwrap_or(false), v.mount_path))
+            .map(|v| crate::sandbox::VolumeSpec::parse(v.name, v.read_only.unwrap_or(false), v.mount_path))
             .collect::<Result<Vec<_>, _>>()?;
         let template = self.template.filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TEMPLATE.to_string());
         let ttl_seconds = match self.ttl_seconds {

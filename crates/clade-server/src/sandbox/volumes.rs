@@ -32,6 +32,15 @@ pub struct VolumeSpec {
     pub mount_path: Option<String>,
 }
 
+impl VolumeSpec {
+    /// A `volumes` item of a create body, checked.
+    pub fn parse(name: String, read_only: bool, mount_path: Option<String>) -> Result<Self, ApiError> {
+        check_name(&name)?;
+        let mount_path = mount_path.filter(|p| !p.is_empty()).map(|p| check_mount_path(&p)).transpose()?;
+        Ok(Self { name, read_only, mount_path })
+    }
+}
+
 /// A volume with its attachments, as the API shows it.
 #[derive(Debug, Clone)]
 pub struct VolumeView {
@@ -318,13 +327,6 @@ impl SandboxService {
             self.store().set_attachment_mode(&attachment.volume_id, winner, AttachmentMode::ReadWrite).await?;
         }
         Ok(())
-    }
-
-    /// A parsed `volumes` item of a create body.
-    pub fn volume_spec(name: String, read_only: bool, mount_path: Option<String>) -> Result<VolumeSpec, ApiError> {
-        check_name(&name)?;
-        let mount_path = mount_path.filter(|p| !p.is_empty()).map(|p| check_mount_path(&p)).transpose()?;
-        Ok(VolumeSpec { name, read_only, mount_path })
     }
 }
 
