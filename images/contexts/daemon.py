@@ -18,7 +18,10 @@ then speaks HTTP/1.1 with JSON bodies to it on 127.0.0.1:PORT:
 
 A run streams one JSON object per line as output happens (stdout, stderr,
 result, error) and always ends with {"type": "end", ...}; the connection is
-closed after it. Languages: python (a Jupyter kernel through jupyter_client
+closed after it. A client that closes the connection mid-cell aborts the
+cell: Python's kernel is interrupted and bash's commands are signalled (the
+context keeps its state, as after a timeout); a JavaScript cell can only be
+stopped with its Node.js process, which ends the context. Languages: python (a Jupyter kernel through jupyter_client
 and ipykernel), javascript and typescript (a Node.js child evaluating cells in
 one persistent vm context), bash (one persistent interactive shell).
 
@@ -42,6 +45,7 @@ import select
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -304,11 +308,12 @@ LANGUAGES = Languages()
 
 class CellOutput:
     """Writes one run's NDJSON events to the HTTP client as they happen,
-    enforcing the per-cell output limits. A client that went away stops
-    receiving; the cell still runs to its end."""
+    enforcing the per-cell output limits, and tells the cell's loop when
+    the client went away (it aborted the run)."""
 
-    def __init__(self, wfile) -> None:
+    def __init__(self, wfile, connection=None) -> None:
         self._wfile = wfile
+        self._connection = connection
         self.client_gone = False
         self.text_bytes = 0
         self.result_bytes = 0
@@ -328,6 +333,19 @@ class CellOutput:
             self._wfile.flush()
         except (OSError, ValueError):
             self.client_gone = True
+
+    def client_left(self) -> bool:
+        """Whether the client closed its end: the request was read whole,
+        so a readable socket can only be at its end (or reset)."""
+        if self.client_gone or self._connection is None:
+            return self.client_gone
+        try:
+            readable, _, _ = select.select([self._connection], [], [], 0)
+            if readable and self._connection.recv(1, socket.MSG_PEEK) == b"":
+                self.client_gone = True
+        except (OSError, ValueError):
+            self.client_gone = True
+        return self.client_gone
 
     def _dropping(self) -> None:
         if not self.truncated:
@@ -937,6 +955,7 @@ class PythonContext(Context):
         give_up_at = None
         interrupt_tb = ""
         died = False
+        aborted = False
 
         def handle(msg: dict) -> bool:
             """Returns True at the cell's end (status idle)."""
@@ -964,6 +983,10 @@ class PythonContext(Context):
             now = time.monotonic()
             if deadline is not None and not timed_out and now >= deadline:
                 timed_out = True
+                self.kernel.interrupt()
+                give_up_at = time.monotonic() + PY_INTERRUPT_GRACE
+            elif not aborted and not timed_out and out.client_left():
+                aborted = True
                 self.kernel.interrupt()
                 give_up_at = time.monotonic() + PY_INTERRUPT_GRACE
             if give_up_at is not None and now >= give_up_at:
@@ -1278,6 +1301,9 @@ class BashContext(ChildContext):
                 now = time.monotonic()
                 if deadline is not None and stage == 0 and now >= deadline:
                     timed_out = True
+                    stage, next_stage = 1, now + BASH_ESCALATE_AFTER
+                    self._signal_group(signal.SIGINT, include_shell=True)
+                elif stage == 0 and out.client_left():
                     stage, next_stage = 1, now + BASH_ESCALATE_AFTER
                     self._signal_group(signal.SIGINT, include_shell=True)
                 elif stage == 1 and now >= next_stage:
@@ -1684,6 +1710,7 @@ class NodeContext(ChildContext):
         hard_deadline = start + timeout_ms / 1000 + JS_KILL_GRACE if timeout_ms > 0 else None
         timed_out = False
         killed = False
+        aborted = False
         died = False
         self.reset_idle()
         self.running = True
@@ -1698,6 +1725,10 @@ class NodeContext(ChildContext):
             while not died:
                 if hard_deadline is not None and time.monotonic() >= hard_deadline:
                     timed_out = killed = True
+                    self.kill()
+                    break
+                if out.client_left():
+                    aborted = True
                     self.kill()
                     break
                 item = self.next_item(0.05)
@@ -1738,7 +1769,9 @@ class NodeContext(ChildContext):
                 )
             else:
                 out.error("TimeoutError", f"the cell ran past {timeout_ms} ms and was interrupted", "")
-        if killed:
+        if aborted:
+            self.mark_dead("stopped: its client went away mid-cell, and a JavaScript cell stops only with its process")
+        elif killed:
             self.mark_dead(f"stopped after a cell ran past its {timeout_ms} ms timeout")
         elif died:
             self.mark_dead(self.exit_description())
@@ -2014,7 +2047,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.connection.settimeout(STREAM_WRITE_TIMEOUT)
             except OSError:
                 pass
-            out = CellOutput(self.wfile)
+            out = CellOutput(self.wfile, self.connection)
             start = time.monotonic()
             try:
                 extra = ctx.run(code, timeout_ms, out)

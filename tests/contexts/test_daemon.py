@@ -634,3 +634,50 @@ def test_delete_and_daemon_stop_reap_kernels(tmp_path):
     while time.monotonic() < deadline and any(_alive(pid) for _, pid in pids.values()):
         time.sleep(0.1)
     assert not [lang for lang, (_, pid) in pids.items() if _alive(pid)]
+
+
+def abort_after_first_line(daemon: Daemon, cid: str, code: str) -> None:
+    """Runs `code` and closes the connection once its first line arrived:
+    what the server does when its client aborts the request."""
+    for _, event in daemon.stream(cid, code, timeout_ms=600_000):
+        assert event["type"] == "stdout", event
+        return  # stream()'s finally closes the connection
+    raise AssertionError("the cell ended before it printed")
+
+
+def test_python_abort_interrupts_and_keeps_state(daemon, kernel_available):
+    cid = daemon.create("python")
+    daemon.run(cid, "kept = 'still here'")
+    abort_after_first_line(daemon, cid, "import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    began = time.monotonic()
+    # The kernel was interrupted: the next cell runs now, not in 600 s.
+    assert main_text(daemon.run(cid, "kept", timeout_ms=20_000)) == "'still here'"
+    assert time.monotonic() - began < 15
+    daemon.request("DELETE", f"/contexts/{cid}")
+
+
+def test_bash_abort_stops_the_command_and_keeps_the_shell(daemon):
+    cid = daemon.create("bash")
+    daemon.run(cid, "cd /tmp; X=5")
+    abort_after_first_line(daemon, cid, "echo started; sleep 600")
+    began = time.monotonic()
+    assert text_of(daemon.run(cid, "echo $X; pwd", timeout_ms=20_000)) == "5\n/tmp\n"
+    assert time.monotonic() - began < 15
+    left = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True)
+    assert left.stdout == "", "the aborted command still runs"
+    daemon.request("DELETE", f"/contexts/{cid}")
+
+
+def test_javascript_abort_ends_the_context(daemon, node_available):
+    cid = daemon.create("javascript")
+    abort_after_first_line(daemon, cid, "console.log('spinning'); while (true) {}")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        status, info = daemon.request("GET", f"/contexts/{cid}")
+        if status == 200 and not info["alive"]:
+            break
+        time.sleep(0.1)
+    assert status == 200 and not info["alive"], info
+    status, body = daemon.request("POST", f"/contexts/{cid}/run", {"code": "1", "timeout_ms": 5000})
+    assert status == 409 and "went away" in body["error"], body
+    daemon.request("DELETE", f"/contexts/{cid}")

@@ -46,6 +46,8 @@ def test_a_volume_outlives_its_sandbox_and_is_workspace_scoped(client, other_cli
             assert writer.exec("cat /sys/block/vdb/size").stdout.strip() == str(64 << 11)
             mount(writer)
             assert writer.exec("echo persisted > /mnt/v/note && sync").exit_code == 0
+            # Not synced by the guest: deleting the sandbox flushes it.
+            assert writer.exec("echo unsynced > /mnt/v/late").exit_code == 0
             attached = client.volumes.get(name)["attachments"]
             assert [(a["sandbox_id"], a["mode"]) for a in attached] == [(writer.id, "rw")]
             with pytest.raises(PandastackError) as refused:
@@ -58,6 +60,7 @@ def test_a_volume_outlives_its_sandbox_and_is_workspace_scoped(client, other_cli
         try:
             mount(reader)
             assert reader.exec("cat /mnt/v/note").stdout == "persisted\n"
+            assert reader.exec("cat /mnt/v/late").stdout == "unsynced\n"
         finally:
             reader.kill()
     finally:

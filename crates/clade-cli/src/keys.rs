@@ -17,6 +17,9 @@ pub enum KeysCommand {
         /// A name to tell the key apart.
         #[arg(long, default_value = "cli")]
         name: String,
+        /// Days until the key stops working (1 to 3650); valid until revoked without.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=3650))]
+        expires_in_days: Option<u16>,
     },
     /// List the keys (every workspace, or one).
     List {
@@ -32,10 +35,12 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
     let url = database_url.unwrap_or_else(|| Store::default_url(&host.data_dir));
     let store = Store::open(&url).await?;
     match command {
-        KeysCommand::Create { workspace, name } => {
+        KeysCommand::Create { workspace, name, expires_in_days } => {
             let workspace = store.ensure_workspace(&workspace).await?;
-            let new = store.create_key(&workspace.id, &name).await?;
-            eprintln!("created key {} ({}) in workspace {}", new.key.id, new.key.prefix, workspace.name);
+            let expires_at = expires_in_days.map(|days| clade_store::now_ms() + i64::from(days) * 86_400_000);
+            let new = store.create_key_expiring(&workspace.id, &name, expires_at).await?;
+            let until = expires_at.map(|at| format!(", expires {}", crate::output::utc_time(at))).unwrap_or_default();
+            eprintln!("created key {} ({}) in workspace {}{until}", new.key.id, new.key.prefix, workspace.name);
             println!("{}", new.secret);
         }
         KeysCommand::List { workspace } => {
@@ -46,18 +51,24 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
                 }
                 None => None,
             };
-            println!("ID\tWORKSPACE\tNAME\tPREFIX\tCREATED\tLAST USED\tSTATUS");
+            println!("ID\tWORKSPACE\tNAME\tPREFIX\tCREATED\tLAST USED\tEXPIRES\tSTATUS");
+            let now = clade_store::now_ms();
             for key in store.list_keys(filter.as_deref()).await? {
                 let ws = workspaces.iter().find(|w| w.id == key.workspace_id).map_or("?", |w| w.name.as_str());
                 println!(
-                    "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                    "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                     key.id,
                     ws,
                     key.name,
                     key.prefix,
                     crate::output::utc_time(key.created_at),
                     key.last_used_at.map_or_else(|| "never".to_string(), crate::output::utc_time),
-                    if key.is_revoked() { "revoked" } else { "active" },
+                    key.expires_at.map_or_else(|| "never".to_string(), crate::output::utc_time),
+                    match () {
+                        _ if key.is_revoked() => "revoked",
+                        _ if key.is_expired(now) => "expired",
+                        _ => "active",
+                    },
                 );
             }
         }

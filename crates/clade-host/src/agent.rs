@@ -188,14 +188,36 @@ async fn within<T>(limit: Duration, operation: impl std::future::Future<Output =
 
 /// Copies a read's chunks into `sink` until `End`, each within [`FILE_OP_TIMEOUT`].
 async fn receive_chunks<W: AsyncWrite + Unpin>(stream: &mut AgentStream, sink: &mut W) -> Result<(), AgentError> {
-    loop {
-        match within(FILE_OP_TIMEOUT, async { Ok(read_frame::<_, GuestFrame>(stream).await?) }).await? {
-            Some(GuestFrame::Chunk(data)) => sink.write_all(&data).await.map_err(AgentError::Local)?,
-            Some(GuestFrame::End) => return Ok(()),
-            Some(GuestFrame::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(AgentError::unexpected("a chunk", &other)),
-            None => return Err(AgentError::Eof),
-        }
+    while let Some(data) = next_chunk(stream).await? {
+        sink.write_all(&data).await.map_err(AgentError::Local)?;
+    }
+    Ok(())
+}
+
+/// The next chunk of a file being read, or `None` at its end.
+async fn next_chunk(stream: &mut AgentStream) -> Result<Option<Vec<u8>>, AgentError> {
+    match within(FILE_OP_TIMEOUT, async { Ok(read_frame::<_, GuestFrame>(stream).await?) }).await? {
+        Some(GuestFrame::Chunk(data)) => Ok(Some(data)),
+        Some(GuestFrame::End) => Ok(None),
+        Some(GuestFrame::Error(e)) => Err(e.into()),
+        Some(other) => Err(AgentError::unexpected("a chunk", &other)),
+        None => Err(AgentError::Eof),
+    }
+}
+
+/// A file being read: its metadata, then its bytes chunk by chunk as the
+/// guest sends them. Dropping it ends the read in the guest.
+#[derive(Debug)]
+pub struct FileRead {
+    stream: AgentStream,
+    /// What the path resolved to, when the read began.
+    pub stat: FileStat,
+}
+
+impl FileRead {
+    /// The next chunk, or `None` at the end of the file.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, AgentError> {
+        next_chunk(&mut self.stream).await
     }
 }
 
@@ -417,6 +439,14 @@ impl AgentClient {
         Ok((data.len() as u64 <= limit).then_some(data))
     }
 
+    /// Starts reading a whole file, of any size: the caller takes its
+    /// chunks as it can pass them on, so nothing but one chunk is held
+    /// (only regular files, as for [`Self::read_file_within`]).
+    pub async fn open_read(&self, path: &str) -> Result<FileRead, AgentError> {
+        let (stream, stat) = self.start_read(path, None).await?;
+        Ok(FileRead { stream, stat })
+    }
+
     async fn read_range_to<W: AsyncWrite + Unpin>(&self, path: &str, length: Option<u64>, sink: &mut W) -> Result<FileStat, AgentError> {
         let (mut stream, stat) = self.start_read(path, length).await?;
         receive_chunks(&mut stream, sink).await?;
@@ -462,6 +492,11 @@ impl AgentClient {
             within(FILE_OP_TIMEOUT, async { Ok(write_frame(&mut writer, &HostFrame::End).await?) }).await
         }
         .await;
+        // The source failed (a client gone, a body over its limit): closing
+        // the substream without `End` makes the guest drop what it got.
+        if let Err(e @ AgentError::Local(_)) = sent {
+            return Err(e);
+        }
         // The guest may have refused early (e.g. a directory in the way): its
         // answer explains a failed send better than the send error does.
         let answer = match tokio::time::timeout(FILE_OP_TIMEOUT, read_frame::<_, GuestFrame>(&mut reader)).await {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use axum::extract::FromRequestParts;
 use axum::http::header;
 use axum::http::request::Parts;
-use clade_store::{ApiKey, Store, StoreError, Workspace};
+use clade_store::{ApiKey, KeyCheck, Store, StoreError, Workspace};
 
 use crate::error::ApiError;
 use crate::rate_limit::RateLimiter;
@@ -55,7 +55,15 @@ impl FromRequestParts<AppState> for Caller {
 /// workspace's rate limit.
 pub(crate) async fn authenticate(store: &Store, limiter: &RateLimiter, parts: &Parts) -> Result<Caller, ApiError> {
     let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
-    let key = store.authenticate(&presented).await?.ok_or_else(|| ApiError::Unauthorized("invalid api token".into()))?;
+    let key = match store.authenticate(&presented).await? {
+        KeyCheck::Valid(key) => key,
+        KeyCheck::Expired(key) => {
+            let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(key.expires_at.unwrap_or_default().max(0) as u64);
+            let at = humantime::format_rfc3339_seconds(at);
+            return Err(ApiError::Unauthorized(format!("api key expired at {at} (make a new one with POST /v1/me/tokens)")));
+        }
+        KeyCheck::Unknown => return Err(ApiError::Unauthorized("invalid api token".into())),
+    };
     let workspace = store
         .workspace(&key.workspace_id)
         .await?

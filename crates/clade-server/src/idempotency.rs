@@ -50,6 +50,8 @@ const WAIT_FOR_ANSWER: Duration = Duration::from_secs(120);
 
 /// How often a waiting retry looks for the answer.
 const POLL: Duration = Duration::from_millis(100);
+/// Retry-After (seconds) of a 409 for a key whose request is still acting.
+const IN_PROGRESS_RETRY_AFTER_S: u32 = 1;
 
 /// The largest answer kept (a fork-tree of 16 children is a few KiB).
 const MAX_ANSWER: usize = 4 << 20;
@@ -139,7 +141,11 @@ async fn answer_once(state: &Idempotency, key: HeaderValue, request: Request, ne
             Claim::Answered { answer, .. } => return Ok(replay(answer)),
             Claim::InProgress { .. } if waited_since.elapsed() < WAIT_FOR_ANSWER => tokio::time::sleep(POLL).await,
             Claim::InProgress { .. } => {
-                return Err(ApiError::conflict(format!("a request with Idempotency-Key {key:?} is still being answered; retry later")));
+                // Retry-After: the answer comes; a client retries this like a 503.
+                let message = format!("a request with Idempotency-Key {key:?} is still being answered; retry later");
+                let mut response = ApiError::conflict(message).into_response();
+                response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(IN_PROGRESS_RETRY_AFTER_S));
+                return Ok(response);
             }
         }
     }

@@ -61,10 +61,10 @@ pub use sandbox::SandboxSettings;
 /// Size and time limits of the API.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Largest file `GET …/fs` returns.
-    pub fs_read_bytes: usize,
-    /// Largest body `PUT …/fs` accepts.
-    pub fs_write_bytes: usize,
+    /// Largest file `GET …/fs` returns; `None`: any (it streams).
+    pub fs_read_bytes: Option<u64>,
+    /// Largest body `PUT …/fs` accepts; `None`: any (it streams).
+    pub fs_write_bytes: Option<u64>,
     /// Exec timeout when the request names none.
     pub exec_default_timeout_s: u64,
     pub exec_max_timeout_s: u64,
@@ -79,8 +79,8 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            fs_read_bytes: 64 << 20,
-            fs_write_bytes: 64 << 20,
+            fs_read_bytes: None,
+            fs_write_bytes: None,
             exec_default_timeout_s: 300,
             exec_max_timeout_s: 24 * 3600,
             exec_output_bytes: 16 << 20,

@@ -23,11 +23,17 @@ pub struct ApiKey {
     pub created_at: UnixMillis,
     pub last_used_at: Option<UnixMillis>,
     pub revoked_at: Option<UnixMillis>,
+    /// When the key stops working; `None` until revoked.
+    pub expires_at: Option<UnixMillis>,
 }
 
 impl ApiKey {
     pub fn is_revoked(&self) -> bool {
         self.revoked_at.is_some()
+    }
+
+    pub fn is_expired(&self, now: UnixMillis) -> bool {
+        self.expires_at.is_some_and(|at| at <= now)
     }
 
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -39,8 +45,20 @@ impl ApiKey {
             created_at: col(row, "created_at")?,
             last_used_at: col(row, "last_used_at")?,
             revoked_at: col(row, "revoked_at")?,
+            expires_at: col(row, "expires_at")?,
         })
     }
+}
+
+/// What a presented secret is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyCheck {
+    /// A live key, marked as used now.
+    Valid(ApiKey),
+    /// A key that was valid until `ApiKey::expires_at`.
+    Expired(ApiKey),
+    /// No key, or a revoked one.
+    Unknown,
 }
 
 /// A key just made: the only time its secret is known.
@@ -50,14 +68,21 @@ pub struct NewKey {
     pub secret: String,
 }
 
-const COLUMNS: &str = "id, workspace_id, name, prefix, created_at, last_used_at, revoked_at";
+const COLUMNS: &str = "id, workspace_id, name, prefix, created_at, last_used_at, revoked_at, expires_at";
 
 fn hash(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
 impl Store {
+    /// A key valid until revoked.
     pub async fn create_key(&self, workspace_id: &str, name: &str) -> Result<NewKey, StoreError> {
+        self.create_key_expiring(workspace_id, name, None).await
+    }
+
+    /// A key that stops working at `expires_at` (unix milliseconds), or
+    /// valid until revoked when `None`.
+    pub async fn create_key_expiring(&self, workspace_id: &str, name: &str, expires_at: Option<UnixMillis>) -> Result<NewKey, StoreError> {
         // A prefix collision (1 in 2^48 per pair) just draws again.
         for _ in 0..3 {
             let secret = format!("{KEY_PREFIX}{}", random_hex(32));
@@ -69,17 +94,20 @@ impl Store {
                 created_at: now_ms(),
                 last_used_at: None,
                 revoked_at: None,
+                expires_at,
             };
-            let inserted =
-                sqlx::query("INSERT INTO api_keys (id, workspace_id, name, prefix, key_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
-                    .bind(&key.id)
-                    .bind(&key.workspace_id)
-                    .bind(&key.name)
-                    .bind(&key.prefix)
-                    .bind(hash(&secret))
-                    .bind(key.created_at)
-                    .execute(&self.pool)
-                    .await;
+            let inserted = sqlx::query(
+                "INSERT INTO api_keys (id, workspace_id, name, prefix, key_hash, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&key.id)
+            .bind(&key.workspace_id)
+            .bind(&key.name)
+            .bind(&key.prefix)
+            .bind(hash(&secret))
+            .bind(key.created_at)
+            .bind(key.expires_at)
+            .execute(&self.pool)
+            .await;
             match inserted {
                 Ok(_) => return Ok(NewKey { key, secret }),
                 Err(e) if is_unique_violation(&e) => continue,
@@ -89,35 +117,38 @@ impl Store {
         Err(StoreError::Conflict("an API key with this prefix".into()))
     }
 
-    /// The live key with this secret, marked as used now; `None` for an
-    /// unknown or revoked key.
-    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+    /// What the key with this secret is; a valid one is marked as used now.
+    pub async fn authenticate(&self, secret: &str) -> Result<KeyCheck, StoreError> {
         if !secret.starts_with(KEY_PREFIX) {
-            return Ok(None);
+            return Ok(KeyCheck::Unknown);
         }
         let row = sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL"))
             .bind(hash(secret))
             .fetch_optional(&self.pool)
             .await?;
-        let Some(mut key) = row.as_ref().map(ApiKey::from_row).transpose()? else { return Ok(None) };
+        let Some(mut key) = row.as_ref().map(ApiKey::from_row).transpose()? else { return Ok(KeyCheck::Unknown) };
         let now = now_ms();
+        if key.is_expired(now) {
+            return Ok(KeyCheck::Expired(key));
+        }
         // Recorded at most once a minute: a write per request would serialise SQLite.
         if key.last_used_at.is_none_or(|t| now - t > 60_000) {
             sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2").bind(now).bind(&key.id).execute(&self.pool).await?;
             key.last_used_at = Some(now);
         }
-        Ok(Some(key))
+        Ok(KeyCheck::Valid(key))
     }
 
     /// A live key of a workspace by its id (a host trusting its server's
-    /// word on who called); `None` for an unknown or revoked key.
+    /// word on who called); `None` for an unknown, revoked or expired key.
     pub async fn live_key(&self, workspace_id: &str, id: &str) -> Result<Option<ApiKey>, StoreError> {
         let row = sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE id = $1 AND workspace_id = $2 AND revoked_at IS NULL"))
             .bind(id)
             .bind(workspace_id)
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(ApiKey::from_row).transpose()
+        let key = row.as_ref().map(ApiKey::from_row).transpose()?;
+        Ok(key.filter(|key| !key.is_expired(now_ms())))
     }
 
     /// Keys of one workspace, or of all when `workspace_id` is `None`; oldest first.

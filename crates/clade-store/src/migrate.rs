@@ -60,6 +60,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0010_volumes.sql"),
         postgres: include_str!("../migrations/postgres/0010_volumes.sql"),
     },
+    Migration {
+        version: 11,
+        sqlite: include_str!("../migrations/sqlite/0011_key_expiry.sql"),
+        postgres: include_str!("../migrations/postgres/0011_key_expiry.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

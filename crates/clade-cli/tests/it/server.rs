@@ -44,6 +44,16 @@ fn keys_create_list_and_revoke_on_the_local_database() {
     assert!(list.lines().any(|l| l.starts_with(id) && l.ends_with("\trevoked")), "{list}");
     let missing = clade(dir.path()).args(["keys", "revoke", "key_nope"]).output().unwrap();
     assert!(!missing.status.success());
+
+    // A key may be given a lifetime, which the listing shows.
+    run(clade(dir.path()).args(["keys", "create", "--workspace", "team", "--name", "week", "--expires-in-days", "7"]));
+    let list = run(clade(dir.path()).args(["keys", "list", "--workspace", "team"]));
+    let row = list.lines().find(|l| l.contains("\tweek\t")).unwrap_or_else(|| panic!("{list}"));
+    let columns: Vec<&str> = row.split('\t').collect();
+    assert_eq!(columns[7], "active", "{row}");
+    assert_ne!(columns[6], "never", "{row}");
+    let refused = clade(dir.path()).args(["keys", "create", "--expires-in-days", "0"]).output().unwrap();
+    assert!(!refused.status.success());
 }
 
 #[test]

@@ -256,12 +256,17 @@ impl Vm {
 
     /// Stops QEMU (gracefully, then by force) and removes the VM's files.
     pub async fn stop(&self) -> Result<(), VmError> {
-        {
+        let was_running = {
             let mut state = self.inner.state.lock().expect("vm state lock");
-            match *state {
+            let was = *state;
+            match was {
                 State::Stopped | State::Failed => {}
                 _ => *state = State::Stopping,
             }
+            was == State::Running
+        };
+        if was_running {
+            self.flush_volumes().await;
         }
         self.end_process().await;
         crate::net::release_for(&self.inner.dir);
@@ -274,6 +279,30 @@ impl Vm {
         }
     }
 }
+
+impl Vm {
+    /// A volume outlives its VM, but what the guest wrote to it may still
+    /// be in the guest's page cache: flushed before QEMU goes, as a clean
+    /// shutdown would (the root disk is thrown away; a volume is not). A
+    /// guest that does not answer in time loses only what it never synced.
+    async fn flush_volumes(&self) {
+        let writable = self.inner.record.lock().expect("record lock").volumes.iter().any(|volume| !volume.read_only);
+        if !writable {
+            return;
+        }
+        let sync = ExecRequest::new(clade_proto::Command::Argv(vec!["sync".into()]));
+        match tokio::time::timeout(VOLUME_FLUSH_TIMEOUT, self.inner.agent.run(sync)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(vm = %self.id(), "flushing volumes before the stop: {e}"),
+            Err(_) => {
+                tracing::warn!(vm = %self.id(), "flushing volumes before the stop took over {VOLUME_FLUSH_TIMEOUT:?}; stopping anyway")
+            }
+        }
+    }
+}
+
+/// How long a stop waits for the guest to flush its volumes.
+const VOLUME_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Drop for Inner {
     fn drop(&mut self) {

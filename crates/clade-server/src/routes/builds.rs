@@ -258,6 +258,7 @@ pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<S
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct LogsQuery {
     /// `1` or `true`: tail the log until the build ends.
     follow: Option<String>,

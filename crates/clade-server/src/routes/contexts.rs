@@ -286,7 +286,8 @@ pub async fn run(
 
 /// Reads the daemon's events (one JSON object per line) into the
 /// Execution, passing each on to `each` as an SSE event (name, data) as it
-/// comes; stops passing on when `each` says the client went.
+/// comes. When `each` says the client went, the daemon's stream is dropped:
+/// closing it is how the daemon learns to stop the cell.
 async fn collect<F, Fut>(reply: DaemonReply, each: F) -> Result<Execution, ApiError>
 where
     F: Fn((String, Value)) -> Fut,
@@ -295,7 +296,6 @@ where
     let mut body = reply.into_body();
     let mut execution = Execution::default();
     let mut pending: Vec<u8> = Vec::new();
-    let mut listening = true;
     let mut ended = false;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ApiError::BadGateway(format!("the code-context daemon's stream broke: {e}")))?;
@@ -305,8 +305,10 @@ where
             let line: Vec<u8> = pending.drain(..=end).collect();
             let Ok(event) = serde_json::from_slice::<Value>(&line) else { continue };
             let forward = apply(&mut execution, &event, &mut ended);
-            if let (Some(forward), true) = (forward, listening) {
-                listening = each(forward).await;
+            if let Some(forward) = forward {
+                if !each(forward).await {
+                    return Err(ApiError::BadGateway("the client went away; the cell was stopped".into()));
+                }
             }
         }
     }

@@ -1,6 +1,7 @@
 //! `POST /v1/sandboxes/{id}/exec` (§3.3): one shell command to completion,
 //! its timeout enforced in the guest (which kills the whole process group).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
@@ -27,6 +28,11 @@ pub struct ExecBody {
     /// The server's default (300 s) when absent or 0; at most 86400.
     #[schema(minimum = 0, maximum = 86400)]
     timeout_seconds: Option<i64>,
+    /// Variables added to (and overriding) the sandbox's environment.
+    env: Option<BTreeMap<String, String>>,
+    /// An absolute working directory; the user's home when absent.
+    #[schema(pattern = "^/")]
+    cwd: Option<String>,
 }
 
 /// A finished command (§3.3).
@@ -49,10 +55,32 @@ pub struct Truncated {
     pub stderr_dropped: u64,
 }
 
+/// An exec request checked against the limits: what runs, for how long,
+/// where and with what environment. Shared with `exec/stream`.
+pub(super) struct CheckedExec {
+    pub cmd: String,
+    pub timeout_s: u64,
+    env: Vec<(String, String)>,
+    cwd: Option<String>,
+}
+
+impl CheckedExec {
+    /// The guest's request, output capped at `output_limit` per stream.
+    pub(super) fn request(&self, output_limit: u64) -> ExecRequest {
+        ExecRequest {
+            timeout_ms: Some(self.timeout_s * 1000),
+            output_limit: Some(output_limit),
+            env: self.env.clone(),
+            cwd: self.cwd.clone(),
+            ..ExecRequest::new(Command::Shell(self.cmd.clone()))
+        }
+    }
+}
+
 impl ExecBody {
     /// The command and its timeout in seconds (the server's default when
-    /// absent or 0), checked against the limits. Shared with `exec/stream`.
-    pub(super) fn command(self, limits: &Limits) -> Result<(String, u64), ApiError> {
+    /// absent or 0), environment and directory, checked.
+    pub(super) fn checked(self, limits: &Limits) -> Result<CheckedExec, ApiError> {
         let cmd = self.cmd.filter(|c| !c.trim().is_empty()).ok_or_else(|| ApiError::bad_request("cmd required"))?;
         let timeout_s = match self.timeout_seconds {
             None | Some(0) => limits.exec_default_timeout_s,
@@ -62,7 +90,16 @@ impl ExecBody {
             }
             Some(t) => t as u64,
         };
-        Ok((cmd, timeout_s))
+        let env: Vec<(String, String)> = self.env.unwrap_or_default().into_iter().collect();
+        if let Some((name, _)) = env.iter().find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0')) {
+            return Err(ApiError::bad_request(format!(
+                "env: invalid variable {name:?} (a name is not empty and has no '=' or NUL; a value has no NUL)"
+            )));
+        }
+        if let Some(cwd) = self.cwd.as_deref().filter(|cwd| !cwd.starts_with('/') || cwd.contains('\0')) {
+            return Err(ApiError::bad_request(format!("cwd must be an absolute path, got {cwd:?}")));
+        }
+        Ok(CheckedExec { cmd, timeout_s, env, cwd: self.cwd })
     }
 }
 
@@ -113,13 +150,10 @@ pub async fn exec(
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Json<ExecResult>, ApiError> {
     let limits = &state.limits;
-    let (cmd, timeout_s) = body.command(limits)?;
+    let exec = body.checked(limits)?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let request = ExecRequest {
-        timeout_ms: Some(timeout_s * 1000),
-        output_limit: Some(limits.exec_output_bytes),
-        ..ExecRequest::new(Command::Shell(cmd.clone()))
-    };
+    let request = exec.request(limits.exec_output_bytes);
+    let CheckedExec { cmd, timeout_s, .. } = exec;
     let started = Instant::now();
     let deadline = Duration::from_secs(timeout_s) + EXEC_GRACE;
     let output = match tokio::time::timeout(deadline, running.vm.run(request)).await {

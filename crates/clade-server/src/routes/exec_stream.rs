@@ -13,7 +13,6 @@ use axum::extract::{Path, State};
 use axum::response::Response;
 use bytes::Bytes;
 use clade_host::{ExecEvent, ExecSession};
-use clade_proto::{Command, ExecRequest};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -25,7 +24,7 @@ use crate::sandbox::{Running, SandboxService};
 use crate::sse::{self, SseEvent, Utf8Decoder};
 use crate::AppState;
 
-use super::exec::{timeout_message, ExecBody, EVENT_CMD_CHARS, EXEC_GRACE};
+use super::exec::{timeout_message, CheckedExec, ExecBody, EVENT_CMD_CHARS, EXEC_GRACE};
 
 /// Output a streamed command may send per stream: nothing is kept in
 /// memory, so this only bounds a runaway command.
@@ -47,13 +46,10 @@ pub async fn exec_stream(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Response, ApiError> {
-    let (cmd, timeout_s) = body.command(&state.limits)?;
+    let exec = body.checked(&state.limits)?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let request = ExecRequest {
-        timeout_ms: Some(timeout_s * 1000),
-        output_limit: Some(STREAM_OUTPUT_LIMIT),
-        ..ExecRequest::new(Command::Shell(cmd.clone()))
-    };
+    let request = exec.request(STREAM_OUTPUT_LIMIT);
+    let CheckedExec { cmd, timeout_s, .. } = exec;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s) + EXEC_GRACE;
     let session = match tokio::time::timeout_at(deadline, running.vm.agent().exec(request)).await {
         Ok(session) => session.map_err(|e| agent_error("exec", e, None))?,

@@ -1,20 +1,26 @@
 //! The filesystem of a sandbox (§3.5): read, write, list, stat, delete.
-//! Paths are absolute; reads and writes have explicit size limits (413
-//! naming the limit); a missing path is a 404.
+//! Paths are absolute; a missing path is a 404. Reads and writes stream:
+//! a file of any size passes through the server a chunk at a time, so its
+//! memory stays flat. A server may cap them (`Limits`: 413 naming the cap).
 
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use axum::Json;
 use clade_host::AgentError;
-use clade_proto::{ErrorKind, FileKind, FileStat};
+use clade_proto::{ErrorKind, FileKind, FileStat, WriteFileRequest};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
+use tokio_util::io::StreamReader;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::agent_error;
 use crate::error::{ApiError, ErrorBody};
-use crate::http::{content_length, human_bytes, read_body};
+use crate::http::{content_length, human_bytes};
 use crate::AppState;
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -113,7 +119,7 @@ fn basename(path: &str) -> &str {
         (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
-        (status = 413, description = "The file is larger than the read limit (64 MiB)", body = ErrorBody),
+        (status = 413, description = "The file is larger than the server's read cap (none by default)", body = ErrorBody),
         (status = 504, description = "The guest did not answer the read in time", body = ErrorBody),
     ))]
 pub async fn read(
@@ -124,22 +130,59 @@ pub async fn read(
 ) -> Result<Response, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let limit = state.limits.fs_read_bytes as u64;
     // The guest judges what the path resolves to (links followed): only a
     // regular file is read; a device, FIFO or socket may never end, or
     // never answer.
-    let data = match running.vm.agent().read_file_within(&path, limit).await {
-        Ok(Some(data)) => data,
-        Ok(None) => {
-            let limit = human_bytes(limit);
-            return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
-        }
+    let read = match running.vm.agent().open_read(&path).await {
+        Ok(read) => read,
         Err(AgentError::Guest(e)) if e.kind == ErrorKind::IsADirectory => {
             return Err(ApiError::bad_request(format!("is a directory: {path} (list it with GET /v1/sandboxes/{id}/fs/dir)")));
         }
         Err(e) => return Err(agent_error("reading the file", e, Some(&path))),
     };
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let limit = state.limits.fs_read_bytes;
+    if limit.is_some_and(|limit| read.stat.size > limit) {
+        let limit = human_bytes(limit.unwrap_or_default());
+        return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
+    }
+    // A size the file said it has is the answer's length, and what is sent:
+    // a file that grows meanwhile is read as it was. A `/proc` file says 0
+    // and is read to its end (a body past the cap is broken off).
+    let length = (read.stat.size > 0).then_some(read.stat.size);
+    let budget = length.or(limit).unwrap_or(u64::MAX);
+    // The first chunk before the answer's head: a file the guest cannot
+    // read at all (`/proc/self/mem`) is an error answer, not a broken body.
+    let mut read = read;
+    let first = read.next_chunk().await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
+    let chunks = futures::stream::try_unfold((read, Some(first), 0u64), move |(mut read, pending, sent)| async move {
+        if length.is_some_and(|length| sent >= length) {
+            return Ok(None);
+        }
+        let next = match pending {
+            Some(first) => first,
+            None => read.next_chunk().await.map_err(std::io::Error::other)?,
+        };
+        let Some(mut chunk) = next else {
+            return match length {
+                Some(length) if sent < length => Err(std::io::Error::other(format!("the file shrank to {sent} of {length} bytes"))),
+                _ => Ok(None),
+            };
+        };
+        if sent + chunk.len() as u64 > budget {
+            if length.is_none() {
+                return Err(std::io::Error::other("the file is larger than the read limit"));
+            }
+            chunk.truncate((budget - sent) as usize);
+        }
+        let sent = sent + chunk.len() as u64;
+        Ok(Some((bytes::Bytes::from(chunk), (read, None, sent))))
+    });
+    let mut response = Response::new(axum::body::Body::from_stream(chunks));
+    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/octet-stream"));
+    if let Some(length) = length {
+        response.headers_mut().insert(header::CONTENT_LENGTH, length.into());
+    }
+    Ok(response)
 }
 
 #[utoipa::path(put, operation_id = "writeFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
@@ -150,7 +193,7 @@ pub async fn read(
         (status = 404, description = "No such sandbox, or no such path", body = ErrorBody),
         (status = 409, description = "The sandbox cannot be used in its state", body = ErrorBody),
         (status = 503, description = "Waking the sandbox failed", body = ErrorBody),
-        (status = 413, description = "The body is larger than the write limit (64 MiB)", body = ErrorBody),
+        (status = 413, description = "The body is larger than the server's write cap (none by default)", body = ErrorBody),
     ))]
 pub async fn write(
     State(state): State<AppState>,
@@ -161,10 +204,34 @@ pub async fn write(
 ) -> Result<Json<Written>, ApiError> {
     let path = query.absolute()?;
     let running = state.service.running(&caller.workspace.id, &id).await?;
-    let length = content_length(request.headers());
-    let data = read_body(request.into_body(), length, state.limits.fs_write_bytes, "the file").await?;
-    let written = running.vm.agent().write_file(&path, &data).await.map_err(|e| agent_error("writing the file", e, Some(&path)))?;
-    Ok(Json(Written { path, bytes: written }))
+    let limit = state.limits.fs_write_bytes;
+    let too_large = |limit: u64| ApiError::PayloadTooLarge(format!("the file is larger than the write limit of {}", human_bytes(limit)));
+    if let Some(limit) = limit.filter(|&limit| content_length(request.headers()).is_some_and(|n| n > limit)) {
+        return Err(too_large(limit));
+    }
+    // The body goes to the guest as it comes; a client that goes away, or a
+    // body past the cap, ends the write and the guest drops what it got
+    // (the file is replaced only by a whole upload).
+    let over_limit = Arc::new(AtomicBool::new(false));
+    let cap = limit.unwrap_or(u64::MAX);
+    let flag = over_limit.clone();
+    let mut received = 0u64;
+    let body = request.into_body().into_data_stream().map(move |chunk| {
+        let chunk = chunk.map_err(std::io::Error::other)?;
+        received += chunk.len() as u64;
+        if received > cap {
+            flag.store(true, Ordering::Relaxed);
+            return Err(std::io::Error::other("the body is larger than the write limit"));
+        }
+        Ok(chunk)
+    });
+    let request = WriteFileRequest { path: path.clone(), mode: None, create_parents: true, append: false };
+    match running.vm.agent().write_file_from(request, StreamReader::new(body)).await {
+        Ok(bytes) => Ok(Json(Written { path, bytes })),
+        Err(_) if over_limit.load(Ordering::Relaxed) => Err(too_large(cap)),
+        Err(AgentError::Local(e)) => Err(ApiError::bad_request(format!("reading the request body: {e}"))),
+        Err(e) => Err(agent_error("writing the file", e, Some(&path))),
+    }
 }
 
 #[utoipa::path(get, operation_id = "listDir", path = "/v1/sandboxes/{id}/fs/dir", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),

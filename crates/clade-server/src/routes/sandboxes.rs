@@ -105,6 +105,7 @@ impl Sandbox {
 
 /// Every field is optional; an empty body creates a `base` sandbox.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[schema(as = CreateSandboxBody)]
 pub struct CreateBody {
     /// An image name (`GET /v1/templates`); `base` when absent or empty.
     template: Option<String>,

@@ -26,8 +26,11 @@ pub struct Token {
     pub name: String,
     /// RFC 3339.
     pub created_at: String,
-    /// RFC 3339, or null if never used.
+    /// RFC 3339, or null if never used. Recorded at most once a minute.
     pub last_used_at: Option<String>,
+    /// RFC 3339: when the key stops working (401 after); null for a key
+    /// valid until revoked.
+    pub expires_at: Option<String>,
     /// The secret: only in the answer of the create.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
@@ -42,6 +45,7 @@ impl Token {
             name: key.name.clone(),
             created_at: rfc3339(key.created_at),
             last_used_at: key.last_used_at.map(rfc3339),
+            expires_at: key.expires_at.map(rfc3339),
             token: None,
         }
     }
@@ -68,23 +72,35 @@ pub struct CreateToken {
     /// The same as `label`, which wins.
     #[schema(max_length = 200)]
     name: Option<String>,
-    /// Not supported (keys are valid until revoked): only null is accepted.
-    #[schema(value_type = Option<()>)]
+    /// Days until the key stops working (1 to 3650); absent or null for a
+    /// key valid until revoked.
+    #[schema(value_type = Option<u32>, minimum = 1, maximum = 3650)]
     expires_in_days: Option<serde_json::Value>,
+}
+
+/// The longest lifetime a key may be given: ten years.
+const MAX_KEY_DAYS: u64 = 3650;
+
+/// `expires_in_days` as an instant (unix milliseconds), or `None` for a key
+/// valid until revoked.
+fn expiry(expires_in_days: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
+    let Some(days) = expires_in_days.filter(|v| !v.is_null()) else { return Ok(None) };
+    let days = days.as_u64().filter(|d| (1..=MAX_KEY_DAYS).contains(d)).ok_or_else(|| {
+        ApiError::bad_request(format!("expires_in_days must be a whole number of days from 1 to {MAX_KEY_DAYS}, got {days}"))
+    })?;
+    Ok(Some(clade_store::now_ms() + days as i64 * 86_400_000))
 }
 
 #[utoipa::path(post, operation_id = "createToken", path = "/v1/me/tokens", tag = "tokens", request_body = CreateToken,
     responses((status = 200, description = "The new key, with its secret (shown only here)", body = Token),
         (status = 400, description = "Invalid body", body = ErrorBody)))]
 pub async fn create(State(state): State<AppState>, caller: Caller, JsonBody(body): JsonBody<CreateToken>) -> Result<Json<Token>, ApiError> {
-    if body.expires_in_days.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad_request("expires_in_days is not supported: keys are valid until revoked"));
-    }
+    let expires_at = expiry(body.expires_in_days.as_ref())?;
     let name = body.label.or(body.name).unwrap_or_else(|| "api".to_string());
     if name.len() > 200 {
         return Err(ApiError::bad_request("label is longer than 200 bytes"));
     }
-    let new = state.store.create_key(&caller.workspace.id, &name).await?;
+    let new = state.store.create_key_expiring(&caller.workspace.id, &name, expires_at).await?;
     Ok(Json(Token { token: Some(new.secret), ..Token::new(&new.key) }))
 }
 

@@ -65,6 +65,7 @@ impl From<VolumeView> for Volume {
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[schema(as = CreateVolumeBody)]
 pub struct CreateBody {
     /// 1 to 63 letters, digits, `.`, `_` or `-`, starting with a letter or digit.
     #[serde(default)]

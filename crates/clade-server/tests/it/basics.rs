@@ -166,9 +166,30 @@ async fn tokens_are_created_listed_used_and_revoked() {
     assert_eq!(labels, ["admin", "ci"]);
     assert!(!listed.to_string().contains(&token), "a listed token never shows its secret");
 
-    let reply = admin.post("/v1/me/tokens", json!({ "label": "x", "expires_in_days": 3 })).await;
-    reply.expect(400);
-    reply.error();
+    // A key may expire: it says when, and works until then.
+    let expiring = admin.post("/v1/me/tokens", json!({ "label": "x", "expires_in_days": 3 })).await.expect(200).json();
+    let expires_at = humantime::parse_rfc3339(expiring["expires_at"].as_str().unwrap()).unwrap();
+    let days = expires_at.duration_since(std::time::SystemTime::now()).unwrap().as_secs_f64() / 86_400.0;
+    assert!((2.99..=3.0).contains(&days), "{expiring}");
+    admin.with_key(expiring["token"].as_str().unwrap()).get("/v1/me").await.expect(200);
+    let listed = admin.get("/v1/me/tokens").await.expect(200).json();
+    let x = listed["items"].as_array().unwrap().iter().find(|t| t["label"] == "x").unwrap();
+    assert_eq!(x["expires_at"], expiring["expires_at"]);
+    assert!(x["last_used_at"].is_string(), "a key used is marked: {x}");
+    assert!(listed["items"][0]["expires_at"].is_null(), "the admin key does not expire");
+    for days in [json!(0), json!(-1), json!(1.5), json!("3"), json!(3651)] {
+        let reply = admin.post("/v1/me/tokens", json!({ "label": "x", "expires_in_days": days })).await;
+        reply.expect(400);
+        assert!(reply.error().contains("expires_in_days"), "{days}: {}", reply.error());
+    }
+    // An expired key is refused, and says why.
+    let ws = server.store().workspace_by_name("default").await.unwrap().unwrap();
+    let old = server.store().create_key_expiring(&ws.id, "old", Some(clade_store::now_ms() - 1)).await.unwrap();
+    let reply = admin.with_key(&old.secret).get("/v1/me").await;
+    reply.expect(401);
+    assert_eq!(reply.error(), "unauthorized");
+    let detail = reply.json()["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains("expired at"), "{detail}");
 
     admin.delete(&format!("/v1/me/tokens/{prefix}")).await.expect(204);
     ci.get("/v1/me").await.expect(401);

@@ -19,3 +19,4 @@ mod standby;
 mod stream;
 mod support;
 mod terminal;
+mod transfers;

@@ -56,6 +56,14 @@ fn the_document_covers_the_api() {
     assert_eq!(scheme["scheme"], "bearer");
     assert_eq!(document["security"][0]["api_key"], serde_json::json!([]));
     assert!(document["components"]["schemas"]["ErrorBody"].is_object());
+    // Each request body is its own schema (two structs of one name once
+    // left createSandbox documented with the volume's body).
+    let body_of = |path: &str| {
+        let reference = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].as_str().unwrap();
+        document["components"]["schemas"][reference.rsplit('/').next().unwrap()]["properties"].clone()
+    };
+    assert!(body_of("/v1/sandboxes")["template"].is_object(), "{}", body_of("/v1/sandboxes"));
+    assert!(body_of("/v1/volumes")["size_mb"].is_object(), "{}", body_of("/v1/volumes"));
     // The unauthenticated routes say so.
     for path in ["/healthz", "/version", "/metrics", "/openapi.json"] {
         assert_eq!(paths[path]["get"]["security"], serde_json::json!([{}]), "{path}");

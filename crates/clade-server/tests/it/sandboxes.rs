@@ -47,6 +47,19 @@ async fn a_sandbox_from_create_to_delete() {
     let reply = api.post(&format!("/v1/sandboxes/{id}/exec"), json!({})).await;
     reply.expect(400);
     assert_eq!(reply.error(), "cmd required");
+    // An environment and a working directory of the command's own.
+    let body =
+        json!({ "cmd": "echo \"$GREETING $PATH_SET\"; pwd", "env": { "GREETING": "hi there", "PATH_SET": "${PATH:+yes}" }, "cwd": "/tmp" });
+    let out = api.post(&format!("/v1/sandboxes/{id}/exec"), body).await.expect(200).json();
+    assert_eq!(out["stdout"], "hi there ${PATH:+yes}\n/tmp\n", "values are taken as they are, not expanded");
+    for (body, refusal) in [
+        (json!({ "cmd": "true", "cwd": "tmp" }), "cwd must be an absolute path"),
+        (json!({ "cmd": "true", "env": { "A=B": "x" } }), "env: invalid variable"),
+    ] {
+        let reply = api.post(&format!("/v1/sandboxes/{id}/exec"), body).await;
+        reply.expect(400);
+        assert!(reply.error().starts_with(refusal), "{}", reply.error());
+    }
 
     // A timeout is enforced in the guest: a 5xx that says timeout and deadline exceeded.
     let started = Instant::now();
@@ -87,7 +100,7 @@ async fn a_sandbox_from_create_to_delete() {
     assert_eq!(reply.error(), "path must be absolute, got \"relative/path\"");
     let reply = api.put(&fs("/root/too-big"), vec![7u8; FS_LIMIT + 1]).await;
     reply.expect(413);
-    assert_eq!(reply.error(), "the file is larger than the limit of 1 MiB");
+    assert_eq!(reply.error(), "the file is larger than the write limit of 1 MiB");
     api.exec(&id, "head -c 2000000 /dev/zero > /root/big").await;
     let reply = api.get(&fs("/root/big")).await;
     reply.expect(413);

@@ -28,7 +28,7 @@ pub fn vm_phases(data_dir: &Path) -> Vec<(String, Option<String>)> {
 
 pub fn config(host: &HostConfig) -> ServerConfig {
     let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap(), host.clone());
-    config.limits = Limits { fs_read_bytes: FS_LIMIT, fs_write_bytes: FS_LIMIT, ..Limits::default() };
+    config.limits = Limits { fs_read_bytes: Some(FS_LIMIT as u64), fs_write_bytes: Some(FS_LIMIT as u64), ..Limits::default() };
     config
 }
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use clade_store::{NewSandbox, SandboxState, SnapshotRow, Store, StoreError, KEY_PREFIX};
+use clade_store::{KeyCheck, NewSandbox, SandboxState, SnapshotRow, Store, StoreError, KEY_PREFIX};
 use clade_testkit::pg::TestDb;
 
 #[tokio::test]
@@ -32,16 +32,16 @@ async fn keys_are_stored_hashed_authenticate_and_revoke() {
         assert_eq!(new.secret.len(), KEY_PREFIX.len() + 64, "32 random bytes in hex");
         assert!(new.secret.starts_with(&new.key.prefix));
 
-        let found = store.authenticate(&new.secret).await.unwrap().expect("the key authenticates");
+        let KeyCheck::Valid(found) = store.authenticate(&new.secret).await.unwrap() else { panic!("the key authenticates") };
         assert_eq!(found.id, new.key.id);
         assert_eq!(found.workspace_id, ws.id);
         assert!(found.last_used_at.is_some(), "use is recorded");
         // A different key of the same shape, and a truncated one, do not.
         let mut wrong = new.secret.clone();
         wrong.replace_range(wrong.len() - 1.., if wrong.ends_with('0') { "1" } else { "0" });
-        assert_eq!(store.authenticate(&wrong).await.unwrap(), None);
-        assert_eq!(store.authenticate(&new.key.prefix).await.unwrap(), None);
-        assert_eq!(store.authenticate("").await.unwrap(), None);
+        assert_eq!(store.authenticate(&wrong).await.unwrap(), KeyCheck::Unknown);
+        assert_eq!(store.authenticate(&new.key.prefix).await.unwrap(), KeyCheck::Unknown);
+        assert_eq!(store.authenticate("").await.unwrap(), KeyCheck::Unknown);
 
         // Revocation is scoped to the workspace, by id or prefix.
         let other = store.create_workspace("other").await.unwrap();
@@ -51,15 +51,29 @@ async fn keys_are_stored_hashed_authenticate_and_revoke() {
         let second = store.create_key(&ws.id, "ci").await.unwrap();
         let revoked = store.revoke_key(Some(&ws.id), &second.key.prefix).await.unwrap();
         assert!(revoked.is_revoked());
-        assert_eq!(store.authenticate(&second.secret).await.unwrap(), None, "{}", db.name());
-        assert!(store.authenticate(&new.secret).await.unwrap().is_some(), "other keys still work");
+        assert_eq!(store.authenticate(&second.secret).await.unwrap(), KeyCheck::Unknown, "{}", db.name());
+        assert!(matches!(store.authenticate(&new.secret).await.unwrap(), KeyCheck::Valid(_)), "other keys still work");
         store.revoke_key(None, &second.key.id).await.expect("revoking twice is fine");
 
+        // An expiring key works until its instant, then is told apart from an unknown one.
+        let later = store.create_key_expiring(&ws.id, "later", Some(clade_store::now_ms() + 60_000)).await.unwrap();
+        assert!(matches!(store.authenticate(&later.secret).await.unwrap(), KeyCheck::Valid(_)));
+        assert!(store.live_key(&ws.id, &later.key.id).await.unwrap().is_some());
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        let past = store.create_key_expiring(&ws.id, "past", Some(clade_store::now_ms() - 1)).await.unwrap();
+        let KeyCheck::Expired(expired) = store.authenticate(&past.secret).await.unwrap() else { panic!("the key is expired") };
+        assert_eq!(expired.expires_at, past.key.expires_at);
+        assert!(expired.last_used_at.is_none(), "an expired key is not marked as used");
+        assert!(store.live_key(&ws.id, &past.key.id).await.unwrap().is_none(), "nor trusted by a host");
+        for key in [&later, &past] {
+            store.revoke_key(Some(&ws.id), &key.key.id).await.unwrap();
+        }
+
         let listed = store.list_keys(Some(&ws.id)).await.unwrap();
-        assert_eq!(listed.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["admin", "ci"]);
+        assert_eq!(listed.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["admin", "ci", "later", "past"]);
         assert!(listed[1].is_revoked() && !listed[0].is_revoked());
         assert!(store.list_keys(Some(&other.id)).await.unwrap().is_empty());
-        assert_eq!(store.key_count().await.unwrap(), 2);
+        assert_eq!(store.key_count().await.unwrap(), 4);
         store.close().await;
     }
 }
