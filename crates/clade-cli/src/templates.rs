@@ -63,6 +63,8 @@ pub enum TemplateCommand {
     },
     /// The workspace's builds, newest first.
     Builds,
+    /// Cancel a queued or running build (its builder VM stops; nothing is published).
+    Cancel { id: String },
     /// A build's log (--follow: until it ends).
     Logs {
         id: String,
@@ -135,7 +137,15 @@ pub async fn run(command: TemplateCommand, client: &Client, json_out: bool) -> a
                 println!("{id}");
                 return Ok(ExitCode::SUCCESS);
             }
-            follow_log(client, &id, true).await?;
+            // Ctrl-C cancels the build, not only this command's wait for it.
+            tokio::select! {
+                followed = follow_log(client, &id, true) => followed?,
+                _ = tokio::signal::ctrl_c() => {
+                    let ended = client.json(client.request(Method::DELETE, &["templates", "builds", &id])).await?;
+                    eprintln!("build {id} {}: {}", output::field(&ended, "status"), output::field(&ended, "error"));
+                    return Ok(ExitCode::from(130));
+                }
+            }
             let ended = client.json(client.request(Method::GET, &["templates", "builds", &id])).await?;
             if json_out {
                 output::json(&ended);
@@ -160,6 +170,14 @@ pub async fn run(command: TemplateCommand, client: &Client, json_out: bool) -> a
                 .map(|b| ["id", "name", "mode", "status", "started_at", "error"].iter().map(|k| output::field(b, k)).collect())
                 .collect();
             print!("{}", output::table(&["ID", "NAME", "MODE", "STATUS", "STARTED", "ERROR"], &rows));
+        }
+        TemplateCommand::Cancel { id } => {
+            let ended = client.json(client.request(Method::DELETE, &["templates", "builds", &id])).await?;
+            if json_out {
+                output::json(&ended);
+            } else {
+                eprintln!("build {id} {}: {}", output::field(&ended, "status"), output::field(&ended, "error"));
+            }
         }
         TemplateCommand::Logs { id, follow } => follow_log(client, &id, follow).await?,
     }

@@ -298,8 +298,10 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
             }
         }
     }
-    // A build's log is a file on the host that runs it.
-    if template == "/v1/templates/builds/{id}/logs" {
+    // A build's log is a file on the host that runs it, and only that
+    // host can cancel it.
+    let cancel = template == "/v1/templates/builds/{id}" && outgoing.parts.method == axum::http::Method::DELETE;
+    if template == "/v1/templates/builds/{id}/logs" || cancel {
         let id = outgoing.segment(4).unwrap_or_default();
         if let Some(build) = state.store.build(&workspace_id, id).await? {
             if let Some(host) = kept_on(&state, &build.host_id, &format!("build {id}'s log")).await? {

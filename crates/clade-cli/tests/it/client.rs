@@ -474,6 +474,13 @@ fn a_template_built_through_the_cli_streams_its_log_and_makes_sandboxes() {
     let out = output(&mut server.clade(&["template", "build", "--name", "cli-pulled", "--image", "Not A Reference"]), None);
     assert!(text(&out.stderr).contains("is not an image reference") && text(&out.stderr).contains("(HTTP 400)"), "{}", text(&out.stderr));
     ok(&mut server.clade(&["template", "rm", "cli-built"]));
+    // A build that would run for ten minutes, cancelled.
+    std::fs::write(context.path().join("Dockerfile"), "FROM base\nRUN sleep 600\n").unwrap();
+    let id = text(&ok(&mut server.clade(&["template", "build", "--name", "cli-endless", "--no-wait", context_dir]))).trim().to_string();
+    let cancelled = ok_json(&mut server.clade(&["template", "cancel", &id, "--json"]));
+    assert_eq!((cancelled["status"].as_str(), cancelled["error"].as_str()), (Some("failed"), Some("cancelled by request")), "{cancelled}");
+    let out = output(&mut server.clade(&["template", "cancel", &id]), None);
+    assert!(text(&out.stderr).contains("has already ended (failed) (HTTP 409)"), "{}", text(&out.stderr));
 }
 
 #[test]

@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use utoipa::ToSchema;
 
+use clade_store::BuildStatus;
+
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::sandbox::builds::{BuildRequest, BuildSource};
@@ -255,6 +257,34 @@ pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<
 pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<TemplateBuild>, ApiError> {
     let build = state.store.build(&caller.workspace.id, &id).await?.ok_or_else(|| ApiError::not_found("build not found"))?;
     Ok(Json(build.into()))
+}
+
+/// How long a cancel waits for the build to record its end.
+const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Cancels a queued or running build: its work stops (a builder VM is
+/// stopped, its scratch removed; no template is published) and it ends
+/// `failed` with the error `cancelled by request`. An SDK whose build call
+/// is aborted sends this.
+#[utoipa::path(delete, operation_id = "cancelTemplateBuild", path = "/v1/templates/builds/{id}", tag = "templates",
+    params(("id" = String, Path, description = "A build id")),
+    responses((status = 200, description = "Cancelled: the build as it ended", body = TemplateBuild),
+        (status = 404, description = "No such build in this workspace", body = ErrorBody),
+        (status = 409, description = "The build has already ended", body = ErrorBody)))]
+pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<TemplateBuild>, ApiError> {
+    let build = state.store.build(&caller.workspace.id, &id).await?.ok_or_else(|| ApiError::not_found("build not found"))?;
+    let ended = |status: BuildStatus| matches!(status, BuildStatus::Done | BuildStatus::Failed);
+    if ended(build.status) || !state.service.cancel_build(&id) {
+        return Err(ApiError::conflict(format!("build {id} has already ended ({})", build.status.as_str())));
+    }
+    let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
+    loop {
+        let build = state.store.build(&caller.workspace.id, &id).await?.ok_or_else(|| ApiError::not_found("build not found"))?;
+        if ended(build.status) || tokio::time::Instant::now() >= deadline {
+            return Ok(Json(build.into()));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

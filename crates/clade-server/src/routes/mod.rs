@@ -57,7 +57,7 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(templates::list))
         .routes(routes!(builds::build))
         .routes(routes!(builds::list))
-        .routes(routes!(builds::get))
+        .routes(routes!(builds::get, builds::cancel))
         .routes(routes!(builds::logs))
         .routes(routes!(templates::get, templates::delete))
         .routes(routes!(sandboxes::list, sandboxes::create))

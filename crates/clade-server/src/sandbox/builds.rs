@@ -36,6 +36,7 @@ use clade_proto::{Command, ExecRequest};
 use clade_store::{BuildRow, BuildStatus, TemplateRow, Workspace};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
 
 use super::images::TemplateChoice;
 use super::SandboxService;
@@ -156,7 +157,32 @@ impl BuildLog {
     }
 }
 
+/// The cancellation of each build queued or running on this host, by id.
+pub(super) type BuildCancels = std::sync::Mutex<std::collections::HashMap<String, CancellationToken>>;
+
+/// A build's scratch directory in the image cache, removed when the build
+/// is done with it, or when it is cancelled (its future dropped).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What a build cancelled by its owner ends with.
+const CANCELLED: &str = "cancelled by request";
+
 impl SandboxService {
+    /// Cancels build `id` of the workspace if it is queued or running on
+    /// this host: its work stops (a builder VM is stopped, its scratch
+    /// goes) and it ends `failed`, "cancelled by request". Whether it was
+    /// under way here.
+    pub fn cancel_build(&self, id: &str) -> bool {
+        let cancels = self.inner.build_cancels.lock().expect("build cancels lock");
+        cancels.get(id).inspect(|cancel| cancel.cancel()).is_some()
+    }
+
     /// At start-up: the builds this host ran when it stopped end `failed`
     /// (nothing half-made is published: an image is published whole, and
     /// the scratch files of the builds go).
@@ -203,8 +229,10 @@ impl SandboxService {
         };
         let service = self.clone();
         let (workspace, row) = (workspace.clone(), build.clone());
+        let cancel = CancellationToken::new();
+        self.inner.build_cancels.lock().expect("build cancels lock").insert(build.id.clone(), cancel.clone());
         tokio::spawn(async move {
-            service.run_build(workspace, row, request).await;
+            service.run_build(workspace, row, request, cancel).await;
             drop(admitted);
         });
         Ok(build)
@@ -257,20 +285,17 @@ impl SandboxService {
         Ok((build, admitted))
     }
 
-    async fn run_build(&self, workspace: Workspace, build: BuildRow, request: BuildRequest) {
+    async fn run_build(&self, workspace: Workspace, build: BuildRow, request: BuildRequest, cancel: CancellationToken) {
         let log = BuildLog { path: self.build_log_path(&build.id) };
         log.line(&format!("build {} of template {} ({})", build.id, build.name, build.mode));
-        let turns = self.inner.build_turns.clone();
-        let Ok(_turn) = turns.acquire_owned().await else { return };
-        if let Err(e) = self.store().set_build_status(&build.id, BuildStatus::Running, None, None).await {
-            tracing::warn!(build = %build.id, "recording a build as running: {}", chain(&e));
-        }
         let started = std::time::Instant::now();
-        let outcome = match &request.source {
-            BuildSource::Rootfs { tarball, scratch } => self.build_rootfs(&build, tarball, scratch, &log).await,
-            BuildSource::Dockerfile { text, context } => self.build_dockerfile(&workspace, &build, text, context, &log).await,
-            BuildSource::Image { reference } => self.build_image(&build, reference, &log).await,
+        // Cancelling drops the build's future: a builder VM stops with its
+        // handle, and the scratch of the build goes below.
+        let outcome = tokio::select! {
+            outcome = self.build_in_turn(&workspace, &build, &request, &log) => outcome,
+            () = cancel.cancelled() => Err(BuildFailure(CANCELLED.into())),
         };
+        self.inner.build_cancels.lock().expect("build cancels lock").remove(&build.id);
         request.source.discard();
         let finished = match outcome {
             Ok((image, config)) => self.publish_template(&build, &image, &config).await.map(|bytes| (bytes, image)),
@@ -288,6 +313,26 @@ impl SandboxService {
         };
         if let Err(e) = recorded {
             tracing::error!(build = %build.id, "recording a build's end: {}", chain(&e));
+        }
+    }
+
+    /// Waits for a build turn, then makes the build's image.
+    async fn build_in_turn(
+        &self,
+        workspace: &Workspace,
+        build: &BuildRow,
+        request: &BuildRequest,
+        log: &BuildLog,
+    ) -> Result<(GuestImage, TemplateConfig), BuildFailure> {
+        let turns = self.inner.build_turns.clone();
+        let _turn = turns.acquire_owned().await.map_err(|_| BuildFailure("the server is stopping".into()))?;
+        if let Err(e) = self.store().set_build_status(&build.id, BuildStatus::Running, None, None).await {
+            tracing::warn!(build = %build.id, "recording a build as running: {}", chain(&e));
+        }
+        match &request.source {
+            BuildSource::Rootfs { tarball, scratch } => self.build_rootfs(build, tarball, scratch, log).await,
+            BuildSource::Dockerfile { text, context } => self.build_dockerfile(workspace, build, text, context, log).await,
+            BuildSource::Image { reference } => self.build_image(build, reference, log).await,
         }
     }
 
@@ -387,10 +432,11 @@ impl SandboxService {
             log.line(&format!("image {} already made from {}", image.name, resolved.digest));
             return Ok((image, resolved.config));
         }
-        let scratch = images.scratch_dir("pull")?;
+        let scratch = Scratch(images.scratch_dir("pull")?);
         let made = async {
+            let scratch = &scratch.0;
             let said = log.clone();
-            let layers = registry.fetch_layers(reference, &resolved, &scratch, |line| said.line(&line)).await?;
+            let layers = registry.fetch_layers(reference, &resolved, scratch, |line| said.line(&line)).await?;
             log.line("applying the layers and adding Clade's agent");
             let (scratch, defaults) = (scratch.clone(), TemplateConfig::from_image(&resolved.config).defaults());
             let image = tokio::task::spawn_blocking(move || {
@@ -404,7 +450,7 @@ impl SandboxService {
             Ok::<_, BuildFailure>(image)
         }
         .await;
-        let _ = std::fs::remove_dir_all(&scratch);
+        drop(scratch);
         let image = made?;
         log.line(&format!("image {} assembled", image.name));
         Ok((image, resolved.config))
@@ -496,14 +542,14 @@ impl SandboxService {
                     let _ = vm.agent().run(ExecRequest::new(Command::Argv(vec!["sync".into()]))).await;
                     vm.pause().await?;
                     let images = runtime.images();
-                    let scratch = images.scratch_dir("export")?;
-                    let ext4 = scratch.join("rootfs.ext4");
+                    let scratch = Scratch(images.scratch_dir("export")?);
+                    let ext4 = scratch.0.join("rootfs.ext4");
                     let exported = runtime.export_disk(&vm, &ext4, build.size_mb).await;
                     let published = match exported {
                         Ok(()) => images.publish_custom(&ImageStore::new_custom_key(), &ext4).map_err(BuildFailure::from),
                         Err(e) => Err(BuildFailure::from(e)),
                     };
-                    let _ = std::fs::remove_dir_all(&scratch);
+                    drop(scratch);
                     Ok::<_, BuildFailure>((published?, TemplateConfig { base: Some(parsed.from.clone()), ..config }))
                 }
                 .await

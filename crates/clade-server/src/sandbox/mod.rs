@@ -161,6 +161,8 @@ struct Inner {
     image_builds: images::ImageBuilds,
     /// Template builds under way at once on this host (`builds`).
     build_turns: Arc<tokio::sync::Semaphore>,
+    /// How to cancel each build queued or running on this host (`builds`).
+    build_cancels: builds::BuildCancels,
     /// Pulls the OCI images builds name.
     registry: crate::registry::Registry,
     /// Volume attachments of creates under way (`volumes`).
@@ -261,6 +263,7 @@ impl SandboxService {
             metrics: Default::default(),
             image_builds: Default::default(),
             build_turns: builds::build_turns(),
+            build_cancels: Default::default(),
             registry,
             pending_attachments: Default::default(),
         };
