@@ -1,9 +1,9 @@
 //! `clade fs …`: files of a sandbox, over the server's HTTP API. Reads and
 //! writes are binary-safe (raw bytes on stdout/stdin); guest paths are absolute.
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use tokio::io::AsyncWriteExt;
 
 use anyhow::Context;
 use clap::Subcommand;
@@ -39,26 +39,19 @@ pub enum FsCommand {
 
 pub async fn run(command: FsCommand, client: &Client, json_out: bool) -> anyhow::Result<ExitCode> {
     match command {
+        FsCommand::Read { id, path } if json_out => {
+            let data = client.bytes(client.request(Method::GET, &["sandboxes", &id, "fs"]).query(&[("path", &path)])).await?;
+            output::json(&json!({ "path": path, "bytes": data.len(), "content_base64": output::base64(&data) }));
+        }
         FsCommand::Read { id, path } => {
-            let data = read(client, &id, &path).await?;
-            if json_out {
-                output::json(&json!({ "path": path, "bytes": data.len(), "content_base64": output::base64(&data) }));
-            } else {
-                let mut stdout = std::io::stdout().lock();
-                stdout.write_all(&data)?;
-                stdout.flush()?;
-            }
+            let mut stdout = tokio::io::stdout();
+            download(client, &id, &path, &mut stdout).await?;
         }
         FsCommand::Write { id, path, content } => {
-            let data = match content {
-                Some(content) => content.into_bytes(),
-                None => {
-                    let mut data = Vec::new();
-                    std::io::stdin().lock().read_to_end(&mut data).context("reading stdin")?;
-                    data
-                }
+            let answer = match content {
+                Some(content) => write(client, &id, &path, reqwest::Body::from(content), None).await?,
+                None => write(client, &id, &path, streamed(tokio::io::stdin()), None).await?,
             };
-            let answer = write(client, &id, &path, data).await?;
             report_write(&answer, &path, json_out);
         }
         FsCommand::Ls { id, path } => {
@@ -86,40 +79,55 @@ pub async fn run(command: FsCommand, client: &Client, json_out: bool) -> anyhow:
             }
         }
         FsCommand::Upload { id, local, remote } => {
-            let data = std::fs::read(&local).with_context(|| format!("reading {}", local.display()))?;
-            let answer = write(client, &id, &remote, data).await?;
+            let file = tokio::fs::File::open(&local).await.with_context(|| format!("opening {}", local.display()))?;
+            let length = file.metadata().await.with_context(|| format!("reading {}", local.display()))?.len();
+            let answer = write(client, &id, &remote, streamed(file), Some(length)).await?;
             report_write(&answer, &remote, json_out);
         }
         FsCommand::Download { id, remote, local } => {
-            let data = read(client, &id, &remote).await?;
             let target = if local.is_dir() {
                 let name = remote.trim_end_matches('/').rsplit('/').next().filter(|n| !n.is_empty());
                 local.join(name.ok_or_else(|| anyhow::anyhow!("{remote:?} names no file"))?)
             } else {
                 local
             };
-            save(&target, &data)?;
+            let bytes = save(client, &id, &remote, &target).await?;
             if json_out {
-                output::json(&json!({ "path": remote, "local": target, "bytes": data.len() }));
+                output::json(&json!({ "path": remote, "local": target, "bytes": bytes }));
             } else {
-                println!("{remote} → {} ({})", target.display(), output::human_bytes(data.len() as u64));
+                println!("{remote} → {} ({})", target.display(), output::human_bytes(bytes));
             }
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
-async fn read(client: &Client, id: &str, path: &str) -> anyhow::Result<Vec<u8>> {
-    Ok(client.bytes(client.request(Method::GET, &["sandboxes", id, "fs"]).query(&[("path", path)])).await?)
+/// A reader as a request body, sent as it is read (files of any size).
+fn streamed(reader: impl tokio::io::AsyncRead + Send + 'static) -> reqwest::Body {
+    reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(reader))
 }
 
-async fn write(client: &Client, id: &str, path: &str, data: Vec<u8>) -> anyhow::Result<Value> {
-    let request = client
+/// Streams a sandbox's file into `sink`; the bytes written.
+async fn download(client: &Client, id: &str, path: &str, sink: &mut (impl tokio::io::AsyncWrite + Unpin)) -> anyhow::Result<u64> {
+    let mut response = client.send(client.request(Method::GET, &["sandboxes", id, "fs"]).query(&[("path", path)])).await?;
+    let mut written = 0u64;
+    while let Some(chunk) = response.chunk().await.with_context(|| format!("reading {path}"))? {
+        sink.write_all(&chunk).await?;
+        written += chunk.len() as u64;
+    }
+    sink.flush().await?;
+    Ok(written)
+}
+
+async fn write(client: &Client, id: &str, path: &str, body: reqwest::Body, length: Option<u64>) -> anyhow::Result<Value> {
+    let mut request = client
         .request(Method::PUT, &["sandboxes", id, "fs"])
         .query(&[("path", path)])
-        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-        .body(data);
-    Ok(client.json(request).await?)
+        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream");
+    if let Some(length) = length {
+        request = request.header(reqwest::header::CONTENT_LENGTH, length);
+    }
+    Ok(client.json(request.body(body)).await?)
 }
 
 fn report_write(answer: &Value, path: &str, json_out: bool) {
@@ -133,20 +141,24 @@ fn report_write(answer: &Value, path: &str, json_out: bool) {
 
 /// Writes a whole file: to a temporary file beside it, then renamed over it,
 /// so that a failed download never leaves half a file under the name.
-fn save(target: &Path, data: &[u8]) -> anyhow::Result<()> {
+/// Downloads a sandbox's file to `target` whole or not at all (a
+/// temporary file beside it, renamed once complete); the bytes written.
+async fn save(client: &Client, id: &str, remote: &str, target: &Path) -> anyhow::Result<u64> {
     let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = target.file_name().ok_or_else(|| anyhow::anyhow!("{} names no file", target.display()))?;
     let tmp = dir.join(format!(".{}.clade-download", name.to_string_lossy()));
-    let result = (|| -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, target)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    let result = async {
+        let mut file = tokio::fs::File::create(&tmp).await.with_context(|| format!("writing {}", target.display()))?;
+        let bytes = download(client, id, remote, &mut file).await?;
+        file.sync_all().await?;
+        tokio::fs::rename(&tmp, target).await.with_context(|| format!("writing {}", target.display()))?;
+        Ok(bytes)
     }
-    result.with_context(|| format!("writing {}", target.display()))
+    .await;
+    if result.is_err() {
+        let _ = tokio::fs::remove_file(&tmp).await;
+    }
+    result
 }
 
 fn kind(mode: &Value) -> String {
