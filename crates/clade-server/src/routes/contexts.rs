@@ -270,11 +270,16 @@ pub async fn run(
         // Held while the cell runs: the sandbox is in use.
         let _running = running;
         let sent = tx.clone();
-        let outcome = collect(reply, move |(name, data)| {
+        let collecting = collect(reply, move |(name, data)| {
             let sent = sent.clone();
             async move { sent.send(sse::event(&name, &data)).await.is_ok() }
-        })
-        .await;
+        });
+        // A quiet cell sends nothing that would find the client gone: its
+        // going is watched for, and drops the daemon's stream (the cell stops).
+        let outcome = tokio::select! {
+            outcome = collecting => outcome,
+            () = tx.closed() => return,
+        };
         let last = match outcome {
             Ok(execution) => sse::event("execution", &execution),
             Err(e) => sse::event("error", &json!({ "error": e.to_string() })),

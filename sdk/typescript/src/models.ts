@@ -1,0 +1,109 @@
+/**
+ * The SDK's public data types. Most are the generated interfaces of
+ * docs/openapi.json's schemas (camelCase); the rest shape what the API
+ * sends as free-form JSON (MIME bundles, stream events).
+ */
+
+import type * as api from './generated/openapi.js';
+
+export type SandboxInfo = api.Sandbox;
+export type SandboxDisk = api.SandboxDisk;
+export type SandboxPatch = api.SandboxPatch;
+export type ExecBody = api.ExecBody;
+export type ExecResult = api.ExecResult;
+export type Truncated = api.Truncated;
+export type FileEntry = api.FileEntry;
+export type DirListing = api.DirListing;
+export type WriteInfo = api.Written;
+export type Snapshot = api.Snapshot;
+export type Template = api.Template;
+export type TemplateBuild = api.TemplateBuild;
+export type Volume = api.Volume;
+export type VolumeAttachment = api.VolumeAttachment;
+export type Attachment = api.Attachment;
+export type NetworkPolicy = api.NetworkPolicy;
+export type NetworkStatus = api.NetworkStatus;
+export type TrafficCounters = api.TrafficCounters;
+export type Limits = api.Limits;
+export type LifecycleSettings = api.LifecycleSettings;
+export type LifecyclePatch = api.LifecyclePatch;
+export type LifecycleStatus = api.LifecycleStatus;
+export type PortInfo = api.PortInfo;
+export type PreviewToken = api.PreviewToken;
+export type SandboxEvent = api.Event;
+export type Me = api.Me;
+export type WorkspaceRef = api.WorkspaceRef;
+export type CodeContextInfo = api.CodeContext;
+export type PromoteResult = api.PromoteResult;
+export type ChildError = api.ChildError;
+export type Health = api.Health;
+export type Version = api.Version;
+/** An API key of the workspace (its secret `token` only in the answer of a create; `expiresAt` null: valid until revoked). */
+export type ApiKey = api.Token;
+/** What a key is created with: a label, and `expiresInDays` (1 to 3650; absent: valid until revoked). */
+export type CreateKeyParams = api.CreateToken;
+/**
+ * What a sandbox is created with; every field is optional (`base`, no
+ * metadata, the server's TTL, the internet and nothing private). A
+ * `persistent` sandbox is hibernated when idle instead of deleted, and is
+ * kept at the end of an `await using` block.
+ */
+export type CreateSandboxParams = api.CreateSandboxBody;
+/** What a volume is created with: its name and size (MiB, 16 to 65536; 256 by default). */
+export type CreateVolumeParams = api.CreateVolumeBody & { name: string };
+
+/** One event of a streamed command, in order: output chunks, then `exit` (or `error`). */
+export type ExecEvent =
+  | { type: 'stdout'; data: string }
+  | { type: 'stderr'; data: string }
+  | { type: 'exit'; exitCode: number }
+  | { type: 'error'; error: string };
+
+/**
+ * One rich result of a code cell (a display, or the last expression's
+ * value): a MIME bundle with the common formats decoded.
+ */
+export interface CodeResult {
+  /** `text/plain`. */
+  text?: string;
+  /** `text/html` (a DataFrame, for one). */
+  html?: string;
+  /** `text/markdown`. */
+  markdown?: string;
+  /** `image/svg+xml`. */
+  svg?: string;
+  /** `image/png`, decoded from base64. */
+  png?: Uint8Array;
+  /** `image/jpeg`, decoded from base64. */
+  jpeg?: Uint8Array;
+  /** `application/json`, parsed. */
+  json?: unknown;
+  /** `application/javascript`. */
+  javascript?: string;
+  /** The bundle as the server sent it: MIME type → string (images in base64). */
+  raw: Record<string, string>;
+  /** The MIME types it has. */
+  formats: string[];
+}
+
+/** A cell's outcome. */
+export interface Execution {
+  stdout: string;
+  stderr: string;
+  /** 0, or 1 when the cell raised or was interrupted (bash: its status). */
+  exitCode: number;
+  durationMs: number;
+  /** The formatted traceback (or `Name: value`) when the cell raised. */
+  error: string | null;
+  results: CodeResult[];
+  /** Output beyond the cell's limits was dropped. */
+  truncated: boolean;
+}
+
+/** One event of a streamed cell, in order; `execution` comes last. */
+export type CodeEvent =
+  | { type: 'stdout'; text: string }
+  | { type: 'stderr'; text: string }
+  | { type: 'result'; result: CodeResult }
+  | { type: 'error'; name: string; value: string; traceback: string }
+  | { type: 'execution'; execution: Execution };
