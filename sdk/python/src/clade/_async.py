@@ -1,0 +1,689 @@
+"""The client (`AsyncClade`) and the objects it hands out: sandboxes, their
+files, code contexts, and the workspace's resources. Requests are built by
+`_api` and sent by the transport; this module strings them together.
+
+This is the async client. `_sync.py` (`Clade`) is generated from it by
+scripts/generate_sync.py, which drops `async`/`await` and the `Async` of
+names: write code here that reads right both ways. A wait that is not a
+request goes through `_async_io` (`_sync_io` in the sync client)."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import TracebackType
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Type, Union
+
+import httpx
+
+from . import _api as api
+from . import _generated as gen
+from ._async_io import INTERRUPTIONS, run_blocking, run_shielded, sleep
+from ._async_transport import AsyncTransport, async_sse_events
+from ._errors import CommandFailedError, ConflictError, NotFoundError, StreamError
+from ._models import CodeEvent, Execution, ExecEvent, Exit, ForkTree, code_event, exec_event
+from ._retry import DEFAULT_MAX_RETRIES, RetryPolicy
+from ._settings import resolve_settings
+from ._streams import AsyncEvents, AsyncStream, event_json
+from ._transport import DEFAULT_TIMEOUT
+from ._uploads import CHUNK_SIZE, AsyncUploadSource, async_upload_body
+
+Destination = Union[str, "os.PathLike[str]", IO[bytes]]
+
+
+class AsyncClade:
+    """A client of a Clade server.
+
+    Settings come from the arguments, then `CLADE_API_URL` / `CLADE_API_KEY`,
+    then `~/.config/clade/config.json`. `timeout` (seconds) and
+    `max_retries` apply to every request; `with_options` changes them for
+    some calls."""
+
+    def __init__(
+        self,
+        api_key: Optional[str] = None,
+        api_url: Optional[str] = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        http_client: Optional[httpx.AsyncClient] = None,
+        _transport: Optional[AsyncTransport] = None,
+    ) -> None:
+        self._transport = _transport or AsyncTransport(
+            resolve_settings(api_url, api_key), timeout=timeout, retry=RetryPolicy(max_retries=max_retries), http=http_client
+        )
+        self.sandboxes = AsyncSandboxes(self._transport)
+        self.templates = AsyncTemplates(self._transport)
+        self.builds = AsyncBuilds(self._transport)
+        self.volumes = AsyncVolumes(self._transport)
+        self.snapshots = AsyncSnapshots(self._transport)
+        self.keys = AsyncKeys(self._transport)
+
+    @property
+    def base_url(self) -> str:
+        return self._transport.settings.base_url
+
+    def with_options(self, *, timeout: Optional[float] = None, max_retries: Optional[int] = None) -> AsyncClade:
+        """The same client (and connections) with another timeout or retry budget."""
+        return AsyncClade(_transport=self._transport.with_options(timeout=timeout, max_retries=max_retries))
+
+    async def me(self) -> gen.Me:
+        """The caller: its key and workspace."""
+        return await self._transport.request(api.me())
+
+    async def health(self) -> gen.Health:
+        return await self._transport.request(api.health())
+
+    async def version(self) -> gen.Version:
+        return await self._transport.request(api.version())
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncClade:
+        return self
+
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        await self.close()
+
+
+class AsyncSandboxes:
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(
+        self,
+        template: Optional[str] = None,
+        *,
+        metadata: Optional[Mapping[str, str]] = None,
+        ttl_seconds: Optional[int] = None,
+        persistent: Optional[bool] = None,
+        from_snapshot: Optional[str] = None,
+        network: Optional[gen.NetworkPolicy] = None,
+        volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
+        preview_auth: Optional[bool] = None,
+        limits: Optional[gen.Limits] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> AsyncSandbox:
+        """A new sandbox (from `template`, `base` by default, or `from_snapshot`).
+        Retried safely: the request carries an Idempotency-Key."""
+        attachments = None if volumes is None else [gen.VolumeAttachment(name=v) if isinstance(v, str) else v for v in volumes]
+        body = gen.CreateSandboxBody(
+            template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
+            persistent=persistent, from_snapshot=from_snapshot, network=network, volumes=attachments,
+            preview_auth=preview_auth, limits=limits,
+        )
+        return AsyncSandbox(self._transport, await self._transport.request(api.create_sandbox(body, idempotency_key)))
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        return AsyncSandbox(self._transport, await self._transport.request(api.get_sandbox(sandbox_id)))
+
+    async def list(self) -> List[AsyncSandbox]:
+        return [AsyncSandbox(self._transport, info) for info in await self._transport.request(api.list_sandboxes())]
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._transport.request(api.delete_sandbox(sandbox_id))
+
+
+class AsyncSandbox:
+    """A sandbox: a microVM to run commands and code in, with its files.
+
+    `async with sandbox:` deletes it at the end of the block (also after an
+    error) unless it was created persistent."""
+
+    def __init__(self, transport: AsyncTransport, info: gen.Sandbox) -> None:
+        self._transport = transport
+        #: What the server last said about the sandbox (`refresh()` asks again).
+        self.info = info
+        self.files = AsyncFiles(transport, info.id)
+        self.ports = AsyncPorts(transport, info.id)
+        self.network = AsyncNetwork(transport, info.id)
+        self.limits = AsyncLimits(transport, info.id)
+        self._default_contexts: Dict[str, AsyncCodeContext] = {}
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def status(self) -> str:
+        return self.info.status
+
+    @property
+    def metadata(self) -> Dict[str, str]:
+        return self.info.metadata
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, template={self.info.template!r}, status={self.status!r})"
+
+    def with_options(self, *, timeout: Optional[float] = None, max_retries: Optional[int] = None) -> AsyncSandbox:
+        return AsyncSandbox(self._transport.with_options(timeout=timeout, max_retries=max_retries), self.info)
+
+    async def refresh(self) -> gen.Sandbox:
+        self.info = await self._transport.request(api.get_sandbox(self.id))
+        return self.info
+
+    async def update(self, *, preview_auth: Optional[bool] = None) -> gen.Sandbox:
+        self.info = await self._transport.request(api.update_sandbox(self.id, preview_auth))
+        return self.info
+
+    async def delete(self) -> None:
+        await self._transport.request(api.delete_sandbox(self.id))
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if not self.info.persistent:
+            try:
+                # (Async: shielded, so that a cancelled task still deletes its sandbox.)
+                await run_shielded(self.delete)
+            except NotFoundError:
+                pass  # already gone (deleted in the block, or a promote's loser): what the block wanted
+
+    # Commands -------------------------------------------------------------
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        check: bool = False,
+        request_timeout: Optional[float] = None,
+    ) -> gen.ExecResult:
+        """Runs `sh -c cmd` as root and waits for it. `env` is added to the
+        sandbox's environment as given (not shell-expanded); `cwd` is an
+        absolute directory. `timeout`: seconds the command may run (the
+        server kills it after, a 504); `request_timeout`: seconds to wait for
+        the answer (the command's timeout and a margin by default) — past it
+        the connection is closed and the command killed. `check=True` raises
+        `CommandFailedError` on a non-zero exit."""
+        seconds, http_timeout = api.exec_timeouts(timeout, request_timeout)
+        result = await self._transport.request(api.exec_command(self.id, api.exec_body(cmd, seconds, env, cwd), http_timeout))
+        if check and result.exit_code != 0:
+            raise CommandFailedError(cmd, result.exit_code, result.stdout, result.stderr)
+        return result
+
+    def exec_stream(
+        self,
+        cmd: str,
+        *,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        request_timeout: Optional[float] = None,
+    ) -> AsyncStream[ExecEvent]:
+        """Runs `sh -c cmd`, yielding `Stdout` / `Stderr` chunks as they come,
+        then `Exit`. Leaving the loop early (or `aclose()`) kills the command."""
+        seconds, _ = api.exec_timeouts(timeout, None)
+        call = api.exec_stream(self.id, api.exec_body(cmd, seconds, env, cwd), request_timeout)
+
+        async def events() -> AsyncEvents[ExecEvent]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    event = exec_event(sse.event, event_json(sse))
+                    if event is not None:
+                        yield event
+                    if isinstance(event, Exit):
+                        return
+            raise StreamError("the command's stream ended before its exit code")
+
+        return AsyncStream(events())
+
+    # Code -----------------------------------------------------------------
+
+    async def create_code_context(self, language: str = "python", *, cwd: Optional[str] = None) -> AsyncCodeContext:
+        """A persistent interpreter (`python`, `javascript`, `typescript`, `bash`)."""
+        return AsyncCodeContext(self._transport, self.id, await self._transport.request(api.create_code_context(self.id, language, cwd)))
+
+    async def list_code_contexts(self) -> List[AsyncCodeContext]:
+        return [AsyncCodeContext(self._transport, self.id, info) for info in await self._transport.request(api.list_code_contexts(self.id))]
+
+    async def _context(self, language: str, context: Optional[AsyncCodeContext]) -> AsyncCodeContext:
+        if context is not None:
+            return context
+        if language not in self._default_contexts:
+            self._default_contexts[language] = await self.create_code_context(language)
+        return self._default_contexts[language]
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: Optional[AsyncCodeContext] = None,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+    ) -> Execution:
+        """Runs a cell in `context`, or in this sandbox's default context of
+        `language` (made on first use, so state carries from cell to cell)."""
+        return await (await self._context(language, context)).run(code, timeout=timeout, request_timeout=request_timeout)
+
+    def run_code_stream(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: Optional[AsyncCodeContext] = None,
+        timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+    ) -> AsyncStream[CodeEvent]:
+        async def events() -> AsyncEvents[CodeEvent]:
+            stream = (await self._context(language, context)).run_stream(code, timeout=timeout, request_timeout=request_timeout)
+            async with stream:
+                yield None
+                async for event in stream:
+                    yield event
+
+        return AsyncStream(events())
+
+    # Lifecycle ------------------------------------------------------------
+
+    async def pause(self) -> None:
+        await self._transport.request(api.pause(self.id))
+
+    async def resume(self) -> None:
+        await self._transport.request(api.resume(self.id))
+
+    async def hibernate(self) -> str:
+        return await self._transport.request(api.hibernate(self.id))
+
+    async def wake(self) -> str:
+        return await self._transport.request(api.wake(self.id))
+
+    async def stop(self) -> str:
+        return await self._transport.request(api.stop(self.id))
+
+    async def start(self) -> str:
+        return await self._transport.request(api.start(self.id))
+
+    async def get_lifecycle(self) -> gen.LifecycleSettings:
+        return await self._transport.request(api.get_lifecycle(self.id))
+
+    async def set_lifecycle(self, *, ttl_seconds: Optional[int] = None, persistent: Optional[bool] = None) -> gen.LifecycleSettings:
+        settings = await self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent))
+        self.info.persistent, self.info.ttl_seconds = settings.persistent, settings.ttl_seconds
+        return settings
+
+    # Forks and snapshots --------------------------------------------------
+
+    async def fork(self, count: int = 1, *, metadata: Optional[Mapping[str, str]] = None, idempotency_key: Optional[str] = None) -> List[AsyncSandbox]:
+        """`count` children (at most 16), each a copy of this sandbox as it is now."""
+        result = await self._transport.request(api.fork(self.id, count, metadata, idempotency_key))
+        return [AsyncSandbox(self._transport, child) for child in result.children]
+
+    async def fork_tree(
+        self, count: int = 2, *, metadata: Optional[Mapping[str, str]] = None, idempotency_key: Optional[str] = None
+    ) -> ForkTree[AsyncSandbox]:
+        """Children that `promote` can choose a winner among."""
+        result = await self._transport.request(api.fork_tree(self.id, count, metadata, idempotency_key))
+        children = [AsyncSandbox(self._transport, child) for child in result.children]
+        return ForkTree(result.tree_id, result.parent_id, result.at, children, result.errors)
+
+    async def promote(self, *, cleanup_siblings: Optional[bool] = None, tree_id: Optional[str] = None) -> gen.PromoteResult:
+        """Makes this child of a fork tree the winner (deleting its siblings with `cleanup_siblings`)."""
+        return await self._transport.request(api.promote(self.id, cleanup_siblings, tree_id))
+
+    async def snapshot(self, *, idempotency_key: Optional[str] = None) -> gen.Snapshot:
+        """Memory, disk and processes; `sandboxes.create(from_snapshot=...)` makes sandboxes from it."""
+        return await self._transport.request(api.create_snapshot(self.id, idempotency_key))
+
+    # Events, logs, previews -----------------------------------------------
+
+    async def events(self, *, tail: Optional[int] = None) -> List[gen.Event]:
+        return await self._transport.request(api.list_events(self.id, tail))
+
+    def stream_events(self, *, tail: Optional[int] = None) -> AsyncStream[gen.Event]:
+        """The events, then new ones as they happen, until the sandbox is deleted."""
+        call = api.follow_events(self.id, tail)
+
+        async def events() -> AsyncEvents[gen.Event]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    if sse.event == "event":
+                        yield gen.Event.from_json(event_json(sse))
+
+        return AsyncStream(events())
+
+    async def logs(self, *, stream: str = "both") -> str:
+        """The guest's console (`stdout`), the VMM's errors (`stderr`), or both."""
+        return await self._transport.request(api.logs(self.id, stream))
+
+    def stream_logs(self, *, stream: str = "both") -> AsyncStream[str]:
+        call = api.follow_logs(self.id, stream)
+
+        async def lines() -> AsyncEvents[str]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    if sse.event == "line":
+                        yield str(event_json(sse).get("line", ""))
+
+        return AsyncStream(lines())
+
+    def preview_url(self, port: int) -> str:
+        """The URL of `port` on the preview host, as the server makes it."""
+        return api.preview_url(self._transport.settings.base_url, self.id, port)
+
+    async def preview_token(self, port: Optional[int] = None, *, ttl_seconds: Optional[int] = None) -> gen.PreviewToken:
+        """A signed token for the preview host of `port` (every port when None)."""
+        return await self._transport.request(api.create_preview_token(self.id, port, ttl_seconds))
+
+
+class AsyncCodeContext:
+    """A persistent interpreter in a sandbox: variables live from cell to cell."""
+
+    def __init__(self, transport: AsyncTransport, sandbox_id: str, info: gen.CodeContext) -> None:
+        self._transport = transport
+        self.sandbox_id = sandbox_id
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def language(self) -> str:
+        return self.info.language
+
+    def __repr__(self) -> str:
+        return f"AsyncCodeContext(id={self.id!r}, language={self.language!r})"
+
+    async def run(self, code: str, *, timeout: Optional[float] = None, request_timeout: Optional[float] = None) -> Execution:
+        millis, http_timeout = api.code_timeouts(timeout, request_timeout)
+        return await self._transport.request(api.run_code(self.sandbox_id, self.id, code, millis, http_timeout))
+
+    def run_stream(self, code: str, *, timeout: Optional[float] = None, request_timeout: Optional[float] = None) -> AsyncStream[CodeEvent]:
+        """The cell's output and results as they come, then `CellDone`."""
+        millis, http_timeout = api.code_timeouts(timeout, request_timeout)
+        call = api.run_code_stream(self.sandbox_id, self.id, code, millis, http_timeout)
+
+        async def events() -> AsyncEvents[CodeEvent]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    event = code_event(sse.event, event_json(sse))
+                    if event is not None:
+                        yield event
+
+        return AsyncStream(events())
+
+    async def delete(self) -> None:
+        await self._transport.request(api.delete_code_context(self.sandbox_id, self.id))
+
+
+class AsyncFiles:
+    """A sandbox's files. Paths are absolute; transfers are streamed both ways."""
+
+    def __init__(self, transport: AsyncTransport, sandbox_id: str) -> None:
+        self._transport = transport
+        self._sandbox_id = sandbox_id
+
+    async def read(self, path: str, *, request_timeout: Optional[float] = None) -> bytes:
+        """The whole file in memory; `iter_chunks` or `download` for big ones."""
+        async with self._transport.stream(api.read_file(self._sandbox_id, path, request_timeout)) as response:
+            return await response.aread()
+
+    async def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    def iter_chunks(self, path: str, *, chunk_size: int = CHUNK_SIZE, request_timeout: Optional[float] = None) -> AsyncStream[bytes]:
+        """The file's bytes as they come."""
+        call = api.read_file(self._sandbox_id, path, request_timeout)
+
+        async def chunks() -> AsyncEvents[bytes]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for chunk in response.aiter_bytes(chunk_size):
+                    yield chunk
+
+        return AsyncStream(chunks())
+
+    async def download(self, path: str, destination: Destination, *, request_timeout: Optional[float] = None) -> int:
+        """Copies the file to a local path or a binary file object; returns its size."""
+        written = 0
+        async with self.iter_chunks(path, request_timeout=request_timeout) as chunks:
+            if isinstance(destination, (str, os.PathLike)):
+                with open(destination, "wb") as file:
+                    async for chunk in chunks:
+                        written += await run_blocking(file.write, chunk)
+            else:
+                async for chunk in chunks:
+                    written += destination.write(chunk)
+        return written
+
+    async def write(self, path: str, data: Union[bytes, str], *, request_timeout: Optional[float] = None) -> gen.Written:
+        """Writes the file (parent directories are made); `str` is written as UTF-8."""
+        content = data.encode() if isinstance(data, str) else bytes(data)
+        return await self._transport.request(api.write_file(self._sandbox_id, path, content, request_timeout))
+
+    async def upload(self, source: AsyncUploadSource, path: str, *, request_timeout: Optional[float] = None) -> gen.Written:
+        """Streams a local path, a binary file object, bytes or an iterable
+        of bytes into the sandbox's `path`, of any size. A body that can be
+        made again (not an iterator) is resent on a retry."""
+        body = async_upload_body(source)
+        call = api.write_file(self._sandbox_id, path, None, request_timeout)
+        call.headers.update(body.headers)
+        return await self._transport.request(call, body=body.make, replayable=body.replayable)
+
+    async def list(self, path: str) -> List[gen.FileEntry]:
+        return await self._transport.request(api.list_dir(self._sandbox_id, path))
+
+    async def stat(self, path: str) -> gen.FileEntry:
+        return await self._transport.request(api.stat_path(self._sandbox_id, path))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+            return True
+        except NotFoundError:
+            return False
+
+    async def remove(self, path: str) -> None:
+        """`rm -rf`: a missing path is fine."""
+        await self._transport.request(api.remove_path(self._sandbox_id, path))
+
+
+class AsyncPorts:
+    def __init__(self, transport: AsyncTransport, sandbox_id: str) -> None:
+        self._transport = transport
+        self._sandbox_id = sandbox_id
+
+    async def list(self) -> List[gen.PortInfo]:
+        """Labelled ports and ports something listens on, with their URLs."""
+        return await self._transport.request(api.list_ports(self._sandbox_id))
+
+    async def add(self, port: int, *, label: Optional[str] = None) -> gen.PortInfo:
+        return await self._transport.request(api.add_port(self._sandbox_id, port, label))
+
+    async def remove(self, port: int) -> None:
+        await self._transport.request(api.remove_port(self._sandbox_id, port))
+
+
+class AsyncNetwork:
+    def __init__(self, transport: AsyncTransport, sandbox_id: str) -> None:
+        self._transport = transport
+        self._sandbox_id = sandbox_id
+
+    async def get(self) -> gen.NetworkStatus:
+        return await self._transport.request(api.get_network(self._sandbox_id))
+
+    async def set(
+        self,
+        policy: Optional[gen.NetworkPolicy] = None,
+        *,
+        internet: Optional[bool] = None,
+        allow_cidrs: Optional[List[str]] = None,
+        deny_cidrs: Optional[List[str]] = None,
+        allow_domains: Optional[List[str]] = None,
+        max_connections: Optional[int] = None,
+    ) -> gen.NetworkStatus:
+        """Replaces the egress policy (live); absent fields take their defaults."""
+        policy = policy or gen.NetworkPolicy(
+            internet=internet, allow_cidrs=allow_cidrs, deny_cidrs=deny_cidrs, allow_domains=allow_domains, max_connections=max_connections
+        )
+        return await self._transport.request(api.set_network(self._sandbox_id, policy))
+
+
+class AsyncLimits:
+    def __init__(self, transport: AsyncTransport, sandbox_id: str) -> None:
+        self._transport = transport
+        self._sandbox_id = sandbox_id
+
+    async def get(self) -> gen.Limits:
+        return await self._transport.request(api.get_limits(self._sandbox_id))
+
+    async def set(self, *, memory_mb: Optional[int] = None, max_processes: Optional[int] = None) -> gen.Limits:
+        """Changes the limits of all its commands together; absent ones stay."""
+        return await self._transport.request(api.set_limits(self._sandbox_id, gen.Limits(memory_mb=memory_mb, max_processes=max_processes)))
+
+
+class AsyncTemplates:
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def list(self) -> List[gen.Template]:
+        return await self._transport.request(api.list_templates())
+
+    async def get(self, name: str) -> gen.Template:
+        return await self._transport.request(api.get_template(name))
+
+    async def delete(self, name: str) -> None:
+        await self._transport.request(api.delete_template(name))
+
+    async def build(
+        self,
+        name: str,
+        *,
+        dockerfile: Optional[str] = None,
+        context: Optional[Mapping[str, bytes]] = None,
+        image_ref: Optional[str] = None,
+        rootfs: Optional[Union[str, "os.PathLike[str]"]] = None,
+        size_mb: Optional[int] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        replace: Optional[bool] = None,
+    ) -> gen.TemplateBuild:
+        """Starts a build from a Dockerfile (and its context's files, by
+        relative path), an OCI image reference, or a root filesystem archive.
+        `builds.logs(build.id)` follows it; `builds.wait(build.id)` waits."""
+        file = open(rootfs, "rb") if rootfs is not None else None
+        try:
+            call = api.build_template(name, dockerfile=dockerfile, context=context, image_ref=image_ref, rootfs=file,
+                                      size_mb=size_mb, cpu=cpu, memory_mb=memory_mb, replace=replace)
+            return await self._transport.request(call, replayable=file is None)
+        finally:
+            if file is not None:
+                file.close()
+
+
+class AsyncBuilds:
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def list(self) -> List[gen.TemplateBuild]:
+        return await self._transport.request(api.list_builds())
+
+    async def get(self, build_id: str) -> gen.TemplateBuild:
+        return await self._transport.request(api.get_build(build_id))
+
+    def logs(self, build_id: str, *, follow: bool = True) -> AsyncStream[str]:
+        """The build's log lines; with `follow`, as they come until it ends."""
+        call = api.build_logs(build_id, follow)
+
+        async def lines() -> AsyncEvents[str]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    if sse.event == "done":
+                        return
+                    yield sse.data
+
+        return AsyncStream(lines())
+
+    async def cancel(self, build_id: str) -> gen.TemplateBuild:
+        """Stops a queued or running build (nothing is published): it ends
+        `failed`, its error `cancelled by request`. `ConflictError` if it had
+        already ended."""
+        return await self._transport.request(api.cancel_build(build_id))
+
+    async def wait(
+        self, build_id: str, *, timeout: float = 1800.0, poll_interval: float = 1.0, cancel_if_interrupted: bool = True
+    ) -> gen.TemplateBuild:
+        """The build once it is `done` or `failed` (or as it is after
+        `timeout` seconds). Interrupted (Ctrl-C, a cancelled task), the wait
+        cancels the build before it gives up, unless `cancel_if_interrupted`
+        is False."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                build = await self.get(build_id)
+                if build.status in ("done", "failed") or time.monotonic() > deadline:
+                    return build
+                await sleep(poll_interval)
+        except INTERRUPTIONS:
+            if cancel_if_interrupted:
+                await run_shielded(lambda: self._cancel_if_running(build_id))
+            raise
+
+    async def _cancel_if_running(self, build_id: str) -> None:
+        try:
+            await self.cancel(build_id)
+        except (ConflictError, NotFoundError):
+            pass  # it ended (or went) meanwhile: nothing to stop
+
+
+class AsyncVolumes:
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(self, name: str, *, size_mb: Optional[int] = None) -> gen.Volume:
+        return await self._transport.request(api.create_volume(name, size_mb))
+
+    async def list(self) -> List[gen.Volume]:
+        return await self._transport.request(api.list_volumes())
+
+    async def get(self, name: str) -> gen.Volume:
+        return await self._transport.request(api.get_volume(name))
+
+    async def resize(self, name: str, size_mb: int) -> gen.Volume:
+        """Grows a detached volume and its filesystem."""
+        return await self._transport.request(api.resize_volume(name, size_mb))
+
+    async def delete(self, name: str) -> None:
+        await self._transport.request(api.delete_volume(name))
+
+
+class AsyncSnapshots:
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def list(self, *, sandbox_id: Optional[str] = None) -> List[gen.Snapshot]:
+        return await self._transport.request(api.list_snapshots(sandbox_id))
+
+    async def get(self, snapshot_id: str) -> gen.Snapshot:
+        return await self._transport.request(api.get_snapshot(snapshot_id))
+
+    async def delete(self, snapshot_id: str) -> None:
+        await self._transport.request(api.delete_snapshot(snapshot_id))
+
+
+class AsyncKeys:
+    """The workspace's API keys."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def list(self) -> List[gen.Token]:
+        return await self._transport.request(api.list_tokens())
+
+    async def create(self, label: Optional[str] = None, *, expires_in_days: Optional[int] = None) -> gen.Token:
+        """A new key; its secret (`token`) is shown only in this answer."""
+        return await self._transport.request(api.create_token(label, expires_in_days))
+
+    async def revoke(self, prefix: str) -> None:
+        await self._transport.request(api.revoke_token(prefix))

@@ -1,0 +1,1232 @@
+"""Models of Clade's API, generated from docs/openapi.json by
+sdk/python/scripts/generate_models.py. Do not edit: run the script."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional
+
+
+class Model:
+    """What every model shares: its JSON form, without the unset fields."""
+
+    def to_json(self) -> Dict[str, Any]:
+        body: Dict[str, Any] = {}
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if value is not None:
+                body[field.metadata.get("json", field.name)] = _to_json(value)
+        return body
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Model):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_to_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_json(item) for key, item in value.items()}
+    return value
+
+
+@dataclasses.dataclass
+class AddPort(Model):
+    """A port to list, with its label."""
+
+    port: Optional[int] = None
+    label: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AddPort:
+        return cls(
+            port=data.get("port"),
+            label=data.get("label"),
+        )
+
+
+@dataclasses.dataclass
+class Attachment(Model):
+    """A sandbox that has the volume."""
+
+    sandbox_id: str
+    #: `rw` (its writer), `ro`, or `fork`: a fork child's or a snapshot's sandbox's private copy-on-write
+    #: copy, which `promote` makes the volume.
+    mode: str
+    mount_path: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Attachment:
+        return cls(
+            sandbox_id=data["sandbox_id"],
+            mode=data["mode"],
+            mount_path=data.get("mount_path"),
+        )
+
+
+@dataclasses.dataclass
+class ChildError(Model):
+    """A child of a fork-tree that did not start: its index among the
+    requested children (§3.9 `errors`).
+    """
+
+    index: int
+    #: Why, as the API would have answered it.
+    err: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ChildError:
+        return cls(
+            index=data["index"],
+            err=data["err"],
+        )
+
+
+@dataclasses.dataclass
+class CodeContext(Model):
+    """A code context."""
+
+    id: str
+    sandbox_id: str
+    language: str
+    #: RFC 3339.
+    created_at: str
+    #: Cells run so far (listing only).
+    cells: Optional[int] = None
+    #: False once its kernel died (listing only).
+    alive: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CodeContext:
+        return cls(
+            id=data["id"],
+            sandbox_id=data["sandbox_id"],
+            language=data["language"],
+            created_at=data["created_at"],
+            cells=data.get("cells"),
+            alive=data.get("alive"),
+        )
+
+
+@dataclasses.dataclass
+class CreateContextBody(Model):
+    """`CreateContextBody` in docs/openapi.json."""
+
+    #: `python` (default; also `py`, `python3`), `javascript` (`js`, `node`), `typescript` (`ts`) or `bash`
+    #: (`sh`, `shell`).
+    language: Optional[str] = None
+    #: The context's working directory (default: the image's, else the user's home).
+    cwd: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateContextBody:
+        return cls(
+            language=data.get("language"),
+            cwd=data.get("cwd"),
+        )
+
+
+@dataclasses.dataclass
+class CreateSandboxBody(Model):
+    """Every field is optional; an empty body creates a `base` sandbox."""
+
+    #: An image name (`GET /v1/templates`); `base` when absent or empty.
+    template: Optional[str] = None
+    #: String values only; keys starting with `secret.` are write-only.
+    metadata: Optional[Dict[str, str]] = None
+    #: Idle time after which the sandbox is deleted (0: never).
+    ttl_seconds: Optional[int] = None
+    persistent: Optional[bool] = None
+    #: A snapshot id to create the sandbox from.
+    from_snapshot: Optional[str] = None
+    network: Optional[NetworkPolicy] = None
+    #: Volumes (`POST /v1/volumes`) behind its disks, in order: `/dev/vdb`, `/dev/vdc`, … (at most 4).
+    volumes: Optional[List[VolumeAttachment]] = None
+    #: Preview hosts need a signed token (default: public, as in PandaStack).
+    preview_auth: Optional[bool] = None
+    limits: Optional[Limits] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateSandboxBody:
+        return cls(
+            template=data.get("template"),
+            metadata=None if data.get("metadata") is None else dict(data["metadata"]),
+            ttl_seconds=data.get("ttl_seconds"),
+            persistent=data.get("persistent"),
+            from_snapshot=data.get("from_snapshot"),
+            network=None if data.get("network") is None else NetworkPolicy.from_json(data["network"]),
+            volumes=None if data.get("volumes") is None else [VolumeAttachment.from_json(item) for item in data["volumes"]],
+            preview_auth=data.get("preview_auth"),
+            limits=None if data.get("limits") is None else Limits.from_json(data["limits"]),
+        )
+
+
+@dataclasses.dataclass
+class CreateToken(Model):
+    """`CreateToken` in docs/openapi.json."""
+
+    #: The key's name (`api` when absent), at most 200 bytes.
+    label: Optional[str] = None
+    #: The same as `label`, which wins.
+    name: Optional[str] = None
+    #: Days until the key stops working (1 to 3650); absent or null for a key valid until revoked.
+    expires_in_days: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateToken:
+        return cls(
+            label=data.get("label"),
+            name=data.get("name"),
+            expires_in_days=data.get("expires_in_days"),
+        )
+
+
+@dataclasses.dataclass
+class CreateVolumeBody(Model):
+    """`CreateVolumeBody` in docs/openapi.json."""
+
+    #: 1 to 63 letters, digits, `.`, `_` or `-`, starting with a letter or digit.
+    name: Optional[str] = None
+    #: 16 to 65536; 256 when absent.
+    size_mb: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateVolumeBody:
+        return cls(
+            name=data.get("name"),
+            size_mb=data.get("size_mb"),
+        )
+
+
+@dataclasses.dataclass
+class DirListing(Model):
+    """`DirListing` in docs/openapi.json."""
+
+    path: str
+    #: Sorted by name.
+    entries: List[FileEntry]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DirListing:
+        return cls(
+            path=data["path"],
+            entries=[FileEntry.from_json(item) for item in data["entries"]],
+        )
+
+
+@dataclasses.dataclass
+class ErrorBody(Model):
+    """The body of every error response (§2.4)."""
+
+    #: What went wrong; for a 4xx, also how to fix it. `unauthorized` for a 401.
+    error: str
+    #: The request's id, also in the `X-Request-Id` header.
+    request_id: str
+    #: Why a 401 was refused.
+    detail: Optional[str] = None
+    #: The workspace whose sandbox quota a 429 refers to.
+    workspace: Optional[str] = None
+    #: Why a 507 was refused (what the host lacks), as PandaStack's body has it.
+    reason: Optional[str] = None
+    #: What may help after a 507.
+    hint: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ErrorBody:
+        return cls(
+            error=data["error"],
+            request_id=data["request_id"],
+            detail=data.get("detail"),
+            workspace=data.get("workspace"),
+            reason=data.get("reason"),
+            hint=data.get("hint"),
+        )
+
+
+@dataclasses.dataclass
+class Event(Model):
+    """One entry of a sandbox's event log (§3.19)."""
+
+    #: RFC 3339.
+    time: str
+    sandbox_id: str
+    #: `created`, `exec`, `paused`, `resumed`, `hibernated`, `woken`, `adopted`, `lifecycle`, `failed`,
+    #: `reaped`, `deleted`…
+    type: str
+    #: What the event carries; its shape depends on `type`.
+    payload: Any
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Event:
+        return cls(
+            time=data["time"],
+            sandbox_id=data["sandbox_id"],
+            type=data["type"],
+            payload=data["payload"],
+        )
+
+
+@dataclasses.dataclass
+class Events(Model):
+    """`Events` in docs/openapi.json."""
+
+    events: List[Event]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Events:
+        return cls(
+            events=[Event.from_json(item) for item in data["events"]],
+        )
+
+
+@dataclasses.dataclass
+class ExecBody(Model):
+    """A shell command (`sh -c`) and its timeout."""
+
+    #: Required, not blank.
+    cmd: str
+    #: The server's default (300 s) when absent or 0; at most 86400.
+    timeout_seconds: Optional[int] = None
+    #: Variables added to (and overriding) the sandbox's environment.
+    env: Optional[Dict[str, str]] = None
+    #: An absolute working directory; the user's home when absent.
+    cwd: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ExecBody:
+        return cls(
+            cmd=data["cmd"],
+            timeout_seconds=data.get("timeout_seconds"),
+            env=None if data.get("env") is None else dict(data["env"]),
+            cwd=data.get("cwd"),
+        )
+
+
+@dataclasses.dataclass
+class ExecResult(Model):
+    """A finished command (§3.3)."""
+
+    stdout: str
+    stderr: str
+    #: The shell's exit code (128 + n for a signal).
+    exit_code: int
+    duration_ms: int
+    truncated: Optional[Truncated] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ExecResult:
+        return cls(
+            stdout=data["stdout"],
+            stderr=data["stderr"],
+            exit_code=data["exit_code"],
+            duration_ms=data["duration_ms"],
+            truncated=None if data.get("truncated") is None else Truncated.from_json(data["truncated"]),
+        )
+
+
+@dataclasses.dataclass
+class Execution(Model):
+    """A cell's outcome (§3.4)."""
+
+    stdout: str
+    stderr: str
+    #: 0, or 1 when the cell raised or was interrupted (bash: its status).
+    exit: int
+    exit_code: int
+    duration_ms: int
+    #: One MIME bundle per display, the last expression's value included (`text/plain`, `text/html`,
+    #: `text/markdown`, `image/png` and `image/jpeg` as base64, `image/svg+xml`, `application/json` as a
+    #: string).
+    results: List[Dict[str, Any]]
+    #: The formatted traceback (or `Name: value`) when the cell raised.
+    error: Optional[str] = None
+    #: Output beyond the cell's limits (1 MiB of text, 8 MiB of results) was dropped.
+    truncated: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Execution:
+        return cls(
+            stdout=data["stdout"],
+            stderr=data["stderr"],
+            exit=data["exit"],
+            exit_code=data["exit_code"],
+            duration_ms=data["duration_ms"],
+            results=[dict(item) for item in data["results"]],
+            error=data.get("error"),
+            truncated=data.get("truncated"),
+        )
+
+
+#: FileBytes: raw bytes (docs/openapi.json)
+FileBytes = bytes
+
+
+@dataclasses.dataclass
+class FileEntry(Model):
+    """A file, directory or link (§3.5)."""
+
+    name: str
+    path: str
+    is_dir: bool
+    size: int
+    #: `f` file, `d` directory, `l` symlink, `o` other.
+    mode: str
+    #: Octal, e.g. `0644`.
+    permissions: str
+    #: Unix seconds.
+    mtime: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileEntry:
+        return cls(
+            name=data["name"],
+            path=data["path"],
+            is_dir=data["is_dir"],
+            size=data["size"],
+            mode=data["mode"],
+            permissions=data["permissions"],
+            mtime=data["mtime"],
+        )
+
+
+@dataclasses.dataclass
+class ForkBody(Model):
+    """`ForkBody` in docs/openapi.json."""
+
+    #: The children's metadata (string values only).
+    metadata: Optional[Dict[str, str]] = None
+    #: How many children (fork: 1 when absent or 0; fork-tree: 2); at most 16.
+    count: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ForkBody:
+        return cls(
+            metadata=None if data.get("metadata") is None else dict(data["metadata"]),
+            count=data.get("count"),
+        )
+
+
+@dataclasses.dataclass
+class ForkResult(Model):
+    """The answer of a fork."""
+
+    #: The first child.
+    sandbox: Sandbox
+    children: List[Sandbox]
+    parent_id: str
+    #: RFC 3339: when the parent was captured.
+    at: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ForkResult:
+        return cls(
+            sandbox=Sandbox.from_json(data["sandbox"]),
+            children=[Sandbox.from_json(item) for item in data["children"]],
+            parent_id=data["parent_id"],
+            at=data["at"],
+        )
+
+
+@dataclasses.dataclass
+class ForkTreeResult(Model):
+    """The answer of a fork-tree."""
+
+    parent_id: str
+    #: RFC 3339: when the parent was captured.
+    at: str
+    children: List[Sandbox]
+    #: The children that failed to start (their `fork_index` is missing among `children`); the others run.
+    #: Empty when all started.
+    errors: List[ChildError]
+    tree_id: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ForkTreeResult:
+        return cls(
+            parent_id=data["parent_id"],
+            at=data["at"],
+            children=[Sandbox.from_json(item) for item in data["children"]],
+            errors=[ChildError.from_json(item) for item in data["errors"]],
+            tree_id=data.get("tree_id"),
+        )
+
+
+@dataclasses.dataclass
+class Health(Model):
+    """`Health` in docs/openapi.json."""
+
+    #: `ok`.
+    status: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Health:
+        return cls(
+            status=data["status"],
+        )
+
+
+@dataclasses.dataclass
+class KeyRef(Model):
+    """`KeyRef` in docs/openapi.json."""
+
+    id: str
+    prefix: str
+    name: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KeyRef:
+        return cls(
+            id=data["id"],
+            prefix=data["prefix"],
+            name=data["name"],
+        )
+
+
+@dataclasses.dataclass
+class LifecyclePatch(Model):
+    """At least one field."""
+
+    ttl_seconds: Optional[int] = None
+    persistent: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LifecyclePatch:
+        return cls(
+            ttl_seconds=data.get("ttl_seconds"),
+            persistent=data.get("persistent"),
+        )
+
+
+@dataclasses.dataclass
+class LifecycleSettings(Model):
+    """A sandbox's idle settings (§3.7)."""
+
+    #: Idle time after which a non-persistent sandbox is deleted (0: never).
+    ttl_seconds: int
+    #: A persistent sandbox is hibernated when idle instead of deleted.
+    persistent: bool
+    idle_seconds: int
+    status: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LifecycleSettings:
+        return cls(
+            ttl_seconds=data["ttl_seconds"],
+            persistent=data["persistent"],
+            idle_seconds=data["idle_seconds"],
+            status=data["status"],
+        )
+
+
+@dataclasses.dataclass
+class LifecycleStatus(Model):
+    """The state a lifecycle change left the sandbox in."""
+
+    #: `hibernated` or `running`.
+    status: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LifecycleStatus:
+        return cls(
+            status=data["status"],
+        )
+
+
+@dataclasses.dataclass
+class Limits(Model):
+    """Limits on every command of a sandbox together; an absent field is left
+    as it is. Defaults: the sandbox's memory less what its agent and kernel
+    keep (an eighth, 32–128 MiB), and 1024 processes.
+    """
+
+    #: Memory of all commands together, MiB (page cache included): at least 16, at most the sandbox's
+    #: memory less what its agent keeps. Beyond it, the guest's OOM killer ends one of the commands'
+    #: processes.
+    memory_mb: Optional[int] = None
+    #: Processes and threads of all commands together; beyond it `fork` fails (`EAGAIN`). At most the
+    #: guest's `kernel.pid_max` (32768 by default).
+    max_processes: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Limits:
+        return cls(
+            memory_mb=data.get("memory_mb"),
+            max_processes=data.get("max_processes"),
+        )
+
+
+@dataclasses.dataclass
+class Me(Model):
+    """The caller: its key and workspace (§3.1)."""
+
+    #: The key's id (there are no user accounts).
+    user_id: str
+    #: Always empty.
+    email: str
+    #: `token`.
+    auth_method: str
+    workspace: WorkspaceRef
+    current_org: WorkspaceRef
+    orgs: List[WorkspaceRef]
+    key: KeyRef
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Me:
+        return cls(
+            user_id=data["user_id"],
+            email=data["email"],
+            auth_method=data["auth_method"],
+            workspace=WorkspaceRef.from_json(data["workspace"]),
+            current_org=WorkspaceRef.from_json(data["current_org"]),
+            orgs=[WorkspaceRef.from_json(item) for item in data["orgs"]],
+            key=KeyRef.from_json(data["key"]),
+        )
+
+
+@dataclasses.dataclass
+class NetworkPolicy(Model):
+    """What a sandbox may reach. Every field is optional; absent fields take
+    their defaults (the internet yes; private ranges, the host, other
+    sandboxes and link-local addresses never, unless a CIDR allows a private range).
+    """
+
+    #: Whether addresses no list names are reachable (default true).
+    internet: Optional[bool] = None
+    #: IPv4 addresses or CIDRs that are reachable whatever else says (allow wins over deny).
+    allow_cidrs: Optional[List[str]] = None
+    #: IPv4 addresses or CIDRs that are refused.
+    deny_cidrs: Optional[List[str]] = None
+    #: Names (`example.com`) and wildcards (`*.example.com`, subdomains only): only these resolve, and only
+    #: the addresses they resolved to are reachable.
+    allow_domains: Optional[List[str]] = None
+    #: Most connections open at once (default 1024).
+    max_connections: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NetworkPolicy:
+        return cls(
+            internet=data.get("internet"),
+            allow_cidrs=None if data.get("allow_cidrs") is None else list(data["allow_cidrs"]),
+            deny_cidrs=None if data.get("deny_cidrs") is None else list(data["deny_cidrs"]),
+            allow_domains=None if data.get("allow_domains") is None else list(data["allow_domains"]),
+            max_connections=data.get("max_connections"),
+        )
+
+
+@dataclasses.dataclass
+class NetworkStatus(Model):
+    """`NetworkStatus` in docs/openapi.json."""
+
+    #: Whether the sandbox has a network (the server runs with networking).
+    enabled: bool
+    policy: Optional[NetworkPolicy] = None
+    traffic: Optional[TrafficCounters] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NetworkStatus:
+        return cls(
+            enabled=data["enabled"],
+            policy=None if data.get("policy") is None else NetworkPolicy.from_json(data["policy"]),
+            traffic=None if data.get("traffic") is None else TrafficCounters.from_json(data["traffic"]),
+        )
+
+
+@dataclasses.dataclass
+class PatchBody(Model):
+    """`PatchBody` in docs/openapi.json."""
+
+    #: The new size, at least the current one: volumes grow, never shrink.
+    size_mb: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PatchBody:
+        return cls(
+            size_mb=data.get("size_mb"),
+        )
+
+
+@dataclasses.dataclass
+class PortInfo(Model):
+    """A port of a sandbox (§3.10)."""
+
+    port: int
+    #: Whether something listens on it now.
+    listening: bool
+    #: `user` (added with a label) or `detected` (found listening).
+    source: str
+    #: The authenticated proxy: `/v1/sandboxes/{id}/proxy/{port}/`.
+    proxy_url: str
+    #: The preview host: `http://{port}-{id}.{suffix}` (public unless the sandbox has `preview_auth`).
+    preview_url: str
+    label: Optional[str] = None
+    #: The address it listens on (`0.0.0.0`, `127.0.0.1`, `::`…).
+    address: Optional[str] = None
+    #: The listening process's name.
+    process: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PortInfo:
+        return cls(
+            port=data["port"],
+            listening=data["listening"],
+            source=data["source"],
+            proxy_url=data["proxy_url"],
+            preview_url=data["preview_url"],
+            label=data.get("label"),
+            address=data.get("address"),
+            process=data.get("process"),
+        )
+
+
+@dataclasses.dataclass
+class PreviewToken(Model):
+    """A signed preview token."""
+
+    #: Accepted as `?clade_token=`, a `clade_token` cookie or an `X-Clade-Preview-Token` header.
+    token: str
+    #: RFC 3339.
+    expires_at: str
+    #: The port it opens; every port when absent.
+    port: Optional[int] = None
+    #: The preview URL with the token, for a token of one port.
+    url: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PreviewToken:
+        return cls(
+            token=data["token"],
+            expires_at=data["expires_at"],
+            port=data.get("port"),
+            url=data.get("url"),
+        )
+
+
+@dataclasses.dataclass
+class PreviewTokenBody(Model):
+    """What a token opens, and for how long."""
+
+    #: The one port the token opens; every port when absent.
+    port: Optional[int] = None
+    #: Seconds until it expires (3600 by default, 30 days at most). Also accepted as `ttl`.
+    ttl_seconds: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PreviewTokenBody:
+        return cls(
+            port=data.get("port"),
+            ttl_seconds=data.get("ttl_seconds"),
+        )
+
+
+@dataclasses.dataclass
+class PromoteBody(Model):
+    """`PromoteBody` in docs/openapi.json."""
+
+    #: Delete the winner's siblings.
+    cleanup_siblings: Optional[bool] = None
+    #: The tree; inferred from the winner when absent.
+    tree_id: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PromoteBody:
+        return cls(
+            cleanup_siblings=data.get("cleanup_siblings"),
+            tree_id=data.get("tree_id"),
+        )
+
+
+@dataclasses.dataclass
+class PromoteResult(Model):
+    """The answer of a promote."""
+
+    winner: str
+    tree_id: str
+    #: The siblings deleted (`cleanup_siblings`).
+    deleted: List[str]
+    #: Siblings that could not be deleted, with the reason.
+    failures: Dict[str, str]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PromoteResult:
+        return cls(
+            winner=data["winner"],
+            tree_id=data["tree_id"],
+            deleted=list(data["deleted"]),
+            failures=dict(data["failures"]),
+        )
+
+
+@dataclasses.dataclass
+class RunCodeBody(Model):
+    """`RunCodeBody` in docs/openapi.json."""
+
+    #: The cell. Required, not blank.
+    code: str
+    #: Interrupt the cell after this long (default 30000); the context keeps its state.
+    timeout_ms: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunCodeBody:
+        return cls(
+            code=data["code"],
+            timeout_ms=data.get("timeout_ms"),
+        )
+
+
+@dataclasses.dataclass
+class Sandbox(Model):
+    """A sandbox (§3.2)."""
+
+    id: str
+    template: str
+    cpu: int
+    memory_mb: int
+    #: `creating`, `running`, `paused`, `hibernated`, `failed`, `lost` (its host stopped answering while it
+    #: ran; see `state_reason`) or `deleted`.
+    status: str
+    #: RFC 3339.
+    created_at: str
+    #: Without the write-only `secret.` keys.
+    metadata: Dict[str, str]
+    persistent: bool
+    #: Idle time after which a non-persistent sandbox is deleted (0: never).
+    ttl_seconds: int
+    #: Its preview hosts need a token (`POST /v1/sandboxes/{id}/preview-token`); otherwise they are public.
+    preview_auth: bool
+    from_snapshot: Optional[str] = None
+    #: Why the sandbox is `failed`.
+    error: Optional[str] = None
+    #: How long the boot took (answers of create and fork only).
+    boot_ms: Optional[int] = None
+    #: `cold`, `standby`, `template` or `snapshot` (answers of create and fork only).
+    boot_mode: Optional[str] = None
+    disk: Optional[SandboxDisk] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Sandbox:
+        return cls(
+            id=data["id"],
+            template=data["template"],
+            cpu=data["cpu"],
+            memory_mb=data["memory_mb"],
+            status=data["status"],
+            created_at=data["created_at"],
+            metadata=dict(data["metadata"]),
+            persistent=data["persistent"],
+            ttl_seconds=data["ttl_seconds"],
+            preview_auth=data["preview_auth"],
+            from_snapshot=data.get("from_snapshot"),
+            error=data.get("error"),
+            boot_ms=data.get("boot_ms"),
+            boot_mode=data.get("boot_mode"),
+            disk=None if data.get("disk") is None else SandboxDisk.from_json(data["disk"]),
+        )
+
+
+@dataclasses.dataclass
+class SandboxDisk(Model):
+    """A sandbox's disk."""
+
+    #: What the guest sees.
+    size_bytes: int
+    #: What its own writes take on the host (files it deleted give theirs back).
+    used_bytes: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxDisk:
+        return cls(
+            size_bytes=data["size_bytes"],
+            used_bytes=data["used_bytes"],
+        )
+
+
+@dataclasses.dataclass
+class SandboxPatch(Model):
+    """The settings of a sandbox that can change; at least one field."""
+
+    #: Whether its preview hosts need a signed token.
+    preview_auth: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxPatch:
+        return cls(
+            preview_auth=data.get("preview_auth"),
+        )
+
+
+@dataclasses.dataclass
+class Snapshot(Model):
+    """A snapshot of a sandbox (§3.8)."""
+
+    id: str
+    #: The same as `id`.
+    snapshot_id: str
+    sandbox_id: str
+    template: str
+    size_bytes: int
+    #: RFC 3339.
+    created_at: str
+    #: The workspace's name.
+    workspace: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Snapshot:
+        return cls(
+            id=data["id"],
+            snapshot_id=data["snapshot_id"],
+            sandbox_id=data["sandbox_id"],
+            template=data["template"],
+            size_bytes=data["size_bytes"],
+            created_at=data["created_at"],
+            workspace=data["workspace"],
+        )
+
+
+@dataclasses.dataclass
+class Snapshots(Model):
+    """`Snapshots` in docs/openapi.json."""
+
+    snapshots: List[Snapshot]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Snapshots:
+        return cls(
+            snapshots=[Snapshot.from_json(item) for item in data["snapshots"]],
+        )
+
+
+@dataclasses.dataclass
+class SseEvent(Model):
+    """One event as the OpenAPI document describes a `text/event-stream`
+    answer (a schema only: [`event`] writes them).
+    """
+
+    #: `stdout`, `stderr`, then `exit` or `error` (exec/stream); `line` (logs); `event` (events).
+    event: str
+    #: One line of JSON: `{"chunk": "…"}`, `{"exit_code": N}`, `{"error": "…"}`, `{"line": "…"}`, an
+    #: `Event`.
+    data: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SseEvent:
+        return cls(
+            event=data["event"],
+            data=data["data"],
+        )
+
+
+@dataclasses.dataclass
+class Template(Model):
+    """A template a sandbox can be created from (§3.11)."""
+
+    name: str
+    #: vCPUs and memory of its sandboxes.
+    cpu: int
+    memory_mb: int
+    #: The root filesystem's apparent size when built on this host, else 0.
+    size_bytes: int
+    #: First-party, visible to every workspace (and not deletable).
+    is_global: bool
+    #: Built and cached on this host: a create from it does not wait for a build.
+    ready: bool
+    label: str
+    description: str
+    category: str
+    #: What a sandbox of it finds on PATH beyond a shell's basics.
+    tools: List[str]
+    #: `{"alias_of": NAME}` for an alias (the operator's `--template-alias`); for a workspace's own
+    #: template, what its build recorded (`build_id`, `env`, `workdir`, `user`, `ports`, `start_command`,
+    #: `labels`).
+    meta: Dict[str, Any]
+    #: The template it is built on; for an alias, the one it resolves to.
+    base: Optional[str] = None
+    #: The workspace a template of its own belongs to.
+    workspace: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Template:
+        return cls(
+            name=data["name"],
+            cpu=data["cpu"],
+            memory_mb=data["memory_mb"],
+            size_bytes=data["size_bytes"],
+            is_global=data["is_global"],
+            ready=data["ready"],
+            label=data["label"],
+            description=data["description"],
+            category=data["category"],
+            tools=list(data["tools"]),
+            meta=dict(data["meta"]),
+            base=data.get("base"),
+            workspace=data.get("workspace"),
+        )
+
+
+@dataclasses.dataclass
+class TemplateBuild(Model):
+    """A template build (§3.11)."""
+
+    id: str
+    #: The template it makes.
+    name: str
+    #: `queued`, `running`, then `done` or `failed`.
+    status: str
+    #: RFC 3339.
+    started_at: str
+    size_mb: int
+    cpu: int
+    memory_mb: int
+    #: `rootfs` (a root filesystem or an image archive), `image` (an OCI reference pulled) or `dockerfile`.
+    mode: str
+    owner_workspace: str
+    error: Optional[str] = None
+    ended_at: Optional[str] = None
+    #: The finished image's size.
+    bytes: Optional[int] = None
+    image_ref: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TemplateBuild:
+        return cls(
+            id=data["id"],
+            name=data["name"],
+            status=data["status"],
+            started_at=data["started_at"],
+            size_mb=data["size_mb"],
+            cpu=data["cpu"],
+            memory_mb=data["memory_mb"],
+            mode=data["mode"],
+            owner_workspace=data["owner_workspace"],
+            error=data.get("error"),
+            ended_at=data.get("ended_at"),
+            bytes=data.get("bytes"),
+            image_ref=data.get("image_ref"),
+        )
+
+
+@dataclasses.dataclass
+class Token(Model):
+    """An API key of the workspace, without its secret (§3.17)."""
+
+    id: str
+    #: `clade_` and the key's first hex digits; what `DELETE` takes.
+    prefix: str
+    label: str
+    #: The same as `label`.
+    name: str
+    #: RFC 3339.
+    created_at: str
+    #: RFC 3339, or null if never used. Recorded at most once a minute.
+    last_used_at: Optional[str] = None
+    #: RFC 3339: when the key stops working (401 after); null for a key valid until revoked.
+    expires_at: Optional[str] = None
+    #: The secret: only in the answer of the create.
+    token: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Token:
+        return cls(
+            id=data["id"],
+            prefix=data["prefix"],
+            label=data["label"],
+            name=data["name"],
+            created_at=data["created_at"],
+            last_used_at=data.get("last_used_at"),
+            expires_at=data.get("expires_at"),
+            token=data.get("token"),
+        )
+
+
+@dataclasses.dataclass
+class Tokens(Model):
+    """`Tokens` in docs/openapi.json."""
+
+    items: List[Token]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Tokens:
+        return cls(
+            items=[Token.from_json(item) for item in data["items"]],
+        )
+
+
+@dataclasses.dataclass
+class TrafficCounters(Model):
+    """Bytes and packets through the sandbox's interface since its network
+    was set up (a wake starts them again).
+    """
+
+    tx_bytes: int
+    tx_packets: int
+    rx_bytes: int
+    rx_packets: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TrafficCounters:
+        return cls(
+            tx_bytes=data["tx_bytes"],
+            tx_packets=data["tx_packets"],
+            rx_bytes=data["rx_bytes"],
+            rx_packets=data["rx_packets"],
+        )
+
+
+@dataclasses.dataclass
+class Truncated(Model):
+    """`Truncated` in docs/openapi.json."""
+
+    limit_bytes: int
+    stdout_dropped: int
+    stderr_dropped: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Truncated:
+        return cls(
+            limit_bytes=data["limit_bytes"],
+            stdout_dropped=data["stdout_dropped"],
+            stderr_dropped=data["stderr_dropped"],
+        )
+
+
+@dataclasses.dataclass
+class Version(Model):
+    """`Version` in docs/openapi.json."""
+
+    #: `clade`.
+    name: str
+    version: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Version:
+        return cls(
+            name=data["name"],
+            version=data["version"],
+        )
+
+
+@dataclasses.dataclass
+class Volume(Model):
+    """A named disk that outlives sandboxes (§3.12)."""
+
+    name: str
+    #: What the guest's filesystem sees.
+    size_mb: int
+    size_bytes: int
+    #: RFC 3339.
+    created_at: str
+    attachments: List[Attachment]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Volume:
+        return cls(
+            name=data["name"],
+            size_mb=data["size_mb"],
+            size_bytes=data["size_bytes"],
+            created_at=data["created_at"],
+            attachments=[Attachment.from_json(item) for item in data["attachments"]],
+        )
+
+
+@dataclasses.dataclass
+class VolumeAttachment(Model):
+    """A volume in a sandbox create's `volumes`."""
+
+    name: str
+    #: Attached read-only: the guest's kernel refuses writes (default false).
+    read_only: Optional[bool] = None
+    #: An absolute path the guest mounts it at before the sandbox is handed over; without one, the disk is
+    #: there to mount (`mount /dev/vdb /mnt`).
+    mount_path: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VolumeAttachment:
+        return cls(
+            name=data["name"],
+            read_only=data.get("read_only"),
+            mount_path=data.get("mount_path"),
+        )
+
+
+@dataclasses.dataclass
+class WorkspaceRef(Model):
+    """`WorkspaceRef` in docs/openapi.json."""
+
+    id: str
+    name: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WorkspaceRef:
+        return cls(
+            id=data["id"],
+            name=data["name"],
+        )
+
+
+@dataclasses.dataclass
+class Written(Model):
+    """`Written` in docs/openapi.json."""
+
+    path: str
+    bytes: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Written:
+        return cls(
+            path=data["path"],
+            bytes=data["bytes"],
+        )
+
+
+MODELS = {
+    "AddPort": AddPort,
+    "Attachment": Attachment,
+    "ChildError": ChildError,
+    "CodeContext": CodeContext,
+    "CreateContextBody": CreateContextBody,
+    "CreateSandboxBody": CreateSandboxBody,
+    "CreateToken": CreateToken,
+    "CreateVolumeBody": CreateVolumeBody,
+    "DirListing": DirListing,
+    "ErrorBody": ErrorBody,
+    "Event": Event,
+    "Events": Events,
+    "ExecBody": ExecBody,
+    "ExecResult": ExecResult,
+    "Execution": Execution,
+    "FileEntry": FileEntry,
+    "ForkBody": ForkBody,
+    "ForkResult": ForkResult,
+    "ForkTreeResult": ForkTreeResult,
+    "Health": Health,
+    "KeyRef": KeyRef,
+    "LifecyclePatch": LifecyclePatch,
+    "LifecycleSettings": LifecycleSettings,
+    "LifecycleStatus": LifecycleStatus,
+    "Limits": Limits,
+    "Me": Me,
+    "NetworkPolicy": NetworkPolicy,
+    "NetworkStatus": NetworkStatus,
+    "PatchBody": PatchBody,
+    "PortInfo": PortInfo,
+    "PreviewToken": PreviewToken,
+    "PreviewTokenBody": PreviewTokenBody,
+    "PromoteBody": PromoteBody,
+    "PromoteResult": PromoteResult,
+    "RunCodeBody": RunCodeBody,
+    "Sandbox": Sandbox,
+    "SandboxDisk": SandboxDisk,
+    "SandboxPatch": SandboxPatch,
+    "Snapshot": Snapshot,
+    "Snapshots": Snapshots,
+    "SseEvent": SseEvent,
+    "Template": Template,
+    "TemplateBuild": TemplateBuild,
+    "Token": Token,
+    "Tokens": Tokens,
+    "TrafficCounters": TrafficCounters,
+    "Truncated": Truncated,
+    "Version": Version,
+    "Volume": Volume,
+    "VolumeAttachment": VolumeAttachment,
+    "WorkspaceRef": WorkspaceRef,
+    "Written": Written,
+}
