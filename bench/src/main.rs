@@ -10,11 +10,13 @@
 //!   cargo run --release -p clade-bench -- proxy [--requests 200]
 //!   cargo run --release -p clade-bench -- cluster [--forks 10] [--wakes 5]
 //!   cargo run --release -p clade-bench -- volumes [--rounds 15] [--dd-passes 3]
+//!   cargo run --release -p clade-bench -- files [--mib 1024]
 
 mod api;
 mod burst;
 mod cluster;
 mod contexts;
+mod files;
 mod host;
 mod images;
 mod net;
@@ -85,6 +87,8 @@ enum Bench {
     /// Volumes: create → first exec with none, one, three and one mounted,
     /// interleaved; `dd` throughput on a mounted volume against the root disk.
     Volumes(volumes::VolumesArgs),
+    /// A large file up to a sandbox and back through the API: rates, and the server's memory meanwhile.
+    Files(files::FilesArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -105,6 +109,7 @@ fn main() -> anyhow::Result<()> {
             Bench::Net(args) => net::run(args).await,
             Bench::Proxy(args) => proxy::run(args).await,
             Bench::Volumes(args) => volumes::run(args).await,
+            Bench::Files(args) => files::run(args).await,
             Bench::Vm { boots, execs, file_mib } => vm(boots, execs, file_mib).await,
             Bench::Snapshot { creates, density, only } => snapshot(creates, density, only).await,
         }

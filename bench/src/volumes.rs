@@ -222,7 +222,7 @@ async fn throughput(api: &Api, passes: usize) -> anyhow::Result<Throughput> {
 }
 
 /// Runs a `dd` command line; dd's rate in MB/s.
-async fn dd(api: &Api, id: &str, cmd: &str) -> anyhow::Result<f64> {
+pub(crate) async fn dd(api: &Api, id: &str, cmd: &str) -> anyhow::Result<f64> {
     let (status, body) =
         api.call(Method::POST, &format!("sandboxes/{id}/exec"), Some(json!({ "cmd": cmd, "timeout_seconds": 600 }))).await?;
     anyhow::ensure!(status == StatusCode::OK && body["exit_code"] == 0, "`{cmd}` in {id}: HTTP {status}: {body}");

@@ -9,6 +9,7 @@ mod fs;
 mod hosts;
 mod images;
 mod keys;
+mod mcp;
 mod output;
 mod ports;
 mod sandbox;
@@ -99,6 +100,14 @@ enum Command {
         #[command(subcommand)]
         command: volumes::VolumeCommand,
     },
+    /// Serve MCP (Model Context Protocol) over stdio for desktop clients and
+    /// agent SDKs: sandboxes as tools, on the server the client settings name
+    /// (flags > CLADE_API_URL/CLADE_API_KEY > ~/.config/clade/config.json).
+    /// Sandboxes the session made go when stdin closes, unless persistent.
+    Mcp {
+        #[command(flatten)]
+        api: config::ApiArgs,
+    },
     /// Print the server's OpenAPI 3.1 document (docs/openapi.json; also served at GET /openapi.json).
     Openapi,
 }
@@ -107,7 +116,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // A server's log is its record of what happened; a command's is only for trouble.
     let serves = matches!(cli.command, Command::Server(_) | Command::Host { command: hosts::HostCommand::Run(_), .. });
-    let default_log = if serves { "info" } else { "warn" };
+    // rmcp narrates every MCP session at info, and warns of each newer
+    // client's version probe it refuses by design (ADR 28): only its errors.
+    let default_log = if serves { "info,rmcp=error" } else { "warn,rmcp=error" };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG").unwrap_or_else(|_| default_log.into()))
         .with_writer(std::io::stderr)
@@ -141,6 +152,7 @@ fn main() -> ExitCode {
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
             Command::Template { api, command } => templates::run(command, &client(&api)?, api.json).await,
             Command::Volume { api, command } => volumes::run(command, &client(&api)?, api.json).await,
+            Command::Mcp { api } => mcp::run(&api).await,
             Command::Openapi => {
                 print!("{}", clade_server::openapi::document());
                 Ok(ExitCode::SUCCESS)

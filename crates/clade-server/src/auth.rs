@@ -24,7 +24,7 @@ pub struct Caller {
 /// The key of a request: `Authorization: Bearer <key>`, else `X-API-Key:
 /// <key>`, else `?access_token=<key>` (for clients that cannot set headers:
 /// EventSource, WebSocket).
-fn presented_key(parts: &Parts) -> Option<String> {
+pub(crate) fn presented_key(parts: &Parts) -> Option<String> {
     let bearer = parts.headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
         let (scheme, token) = v.trim().split_once(' ')?;
         scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_string())
@@ -54,6 +54,16 @@ impl FromRequestParts<AppState> for Caller {
 /// The caller of a request by the API key it presents, counted against its
 /// workspace's rate limit.
 pub(crate) async fn authenticate(store: &Store, limiter: &RateLimiter, parts: &Parts) -> Result<Caller, ApiError> {
+    let caller = identify(store, parts).await?;
+    // Per workspace, once per request (§2.6).
+    limiter.check(&caller.workspace)?;
+    Ok(caller)
+}
+
+/// The caller of a request by the API key it presents, not counted against
+/// any rate limit: for a request whose work is counted elsewhere (an MCP
+/// request: each API call its tools make is counted, ADR 28).
+pub(crate) async fn identify(store: &Store, parts: &Parts) -> Result<Caller, ApiError> {
     let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
     let key = match store.authenticate(&presented).await? {
         KeyCheck::Valid(key) => key,
@@ -68,8 +78,6 @@ pub(crate) async fn authenticate(store: &Store, limiter: &RateLimiter, parts: &P
         .workspace(&key.workspace_id)
         .await?
         .ok_or_else(|| ApiError::internal("internal error", format!("key {} has no workspace", key.id)))?;
-    // Per workspace, once per request (§2.6).
-    limiter.check(&workspace)?;
     Ok(Caller { key, workspace })
 }
 

@@ -174,6 +174,9 @@ pub struct AppState {
     pub previews: Arc<preview::Previews>,
     /// On a host (`clade host`): the cluster secret every request must carry.
     pub cluster: Option<cluster::ClusterSecret>,
+    /// Where this server's own API answers it (`http://127.0.0.1:PORT` for
+    /// a wildcard listen address): its MCP sessions call the API there.
+    pub own_url: Arc<str>,
 }
 
 /// A server accepting requests.
@@ -237,6 +240,7 @@ impl Server {
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
         let reaper = service.start_reaper();
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
+        let (listener, addr) = bind(config.listen).await?;
         let state = AppState {
             store,
             service,
@@ -245,8 +249,8 @@ impl Server {
             stopping: CancellationToken::new(),
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
             cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
+            own_url: own_url(addr).into(),
         };
-        let (listener, addr) = bind(config.listen).await?;
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
         let serving = Serving::start(listener, routes::router(state.clone()));
@@ -309,6 +313,17 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError
     let listener = TcpListener::bind(addr).await.map_err(listen)?;
     let bound = listener.local_addr().map_err(listen)?;
     Ok((listener, bound))
+}
+
+/// The URL a server bound to `addr` reaches itself at: a wildcard address
+/// (`0.0.0.0`, `::`) becomes the loopback of its family.
+pub(crate) fn own_url(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
 }
 
 /// An app being served until it is stopped.

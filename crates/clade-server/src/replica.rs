@@ -105,7 +105,7 @@ impl Replica {
             stopping: CancellationToken::new(),
         };
         let (listener, addr) = crate::bind(config.listen).await?;
-        let serving = crate::Serving::start(listener, router(state.clone()));
+        let serving = crate::Serving::start(listener, router(state.clone(), &crate::own_url(addr)));
         let sweep = tokio::spawn(sweep_expired_hosts(store));
         tracing::info!(%addr, "clade server (replica, no VMs) listening");
         Ok(Self { addr, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim() })
@@ -159,8 +159,9 @@ async fn sweep_expired_hosts(store: Store) {
 }
 
 /// The API's routes, each sent to a host, but for the replica's own
-/// `/healthz` and `/metrics`; preview hosts are told apart first.
-fn router(state: ReplicaState) -> Router {
+/// `/healthz`, `/metrics` and MCP endpoints (whose sessions call this
+/// replica at `own_url`, ADR 28); preview hosts are told apart first.
+fn router(state: ReplicaState, own_url: &str) -> Router {
     let (_, document) = crate::routes::api().split_for_parts();
     let idempotency = Idempotency {
         store: state.store.clone(),
@@ -176,6 +177,7 @@ fn router(state: ReplicaState) -> Router {
     let api = api
         .route(crate::routes::PROXY_ROOT_SLASH, any(forward))
         .route(crate::routes::PROXY_DEEP_PATH, any(forward))
+        .merge(crate::routes::mcp::router(own_url, state.stopping.child_token(), state.store.clone()))
         .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
         .with_state(state.clone());
     let app = crate::http::with_middleware(api).layer(axum::middleware::from_fn_with_state(state.clone(), track));

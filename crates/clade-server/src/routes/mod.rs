@@ -12,6 +12,7 @@ mod internal;
 pub(crate) mod lifecycle;
 pub(crate) mod limits;
 pub(crate) mod logs;
+pub(crate) mod mcp;
 pub(crate) mod meta;
 pub(crate) mod metrics;
 pub(crate) mod network;
@@ -168,10 +169,11 @@ pub fn router(state: AppState) -> Router {
         limiter: state.limiter.clone(),
         routes: Arc::new(idempotency::routes_with_keys(&document)),
     };
-    // A host of a cluster also answers its peers (ADR 22).
+    // A host of a cluster also answers its peers (ADR 22); a server that
+    // takes API keys also serves MCP (ADR 28).
     let api = match state.cluster {
         Some(_) => api.merge(internal::router()),
-        None => api,
+        None => api.merge(mcp::router(&state.own_url, state.stopping.child_token(), state.store.clone())),
     };
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
