@@ -1,9 +1,12 @@
 //! An HTTP client of a Clade server (the PandaStack wire API): requests
-//! with the key, the flat error envelope turned into [`ClientError::Api`],
-//! and a reader of server-sent events.
+//! with the key and the flat error envelope turned into [`ClientError::Api`].
+//! The envelope's message and the reader of server-sent events are
+//! `clade_mcp::api`'s, which talks to the same API.
 
 use reqwest::{Method, RequestBuilder, Response, Url};
 use serde_json::Value;
+
+pub use clade_mcp::api::{error_message, SseReader};
 
 use crate::config::Endpoint;
 
@@ -93,120 +96,9 @@ impl Client {
     }
 }
 
-/// The message of an error answer: the envelope's `error` (then `message`,
-/// `detail`), else the text, else the status.
-pub(crate) fn error_message(status: u16, text: &str) -> String {
-    if let Ok(Value::Object(body)) = serde_json::from_str::<Value>(text) {
-        let field = |k: &str| body.get(k).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
-        let detail = field("detail");
-        if let Some(error) = field("error").or_else(|| field("message")) {
-            // 401's `error` is the bare word the SDKs match; the detail says why.
-            return match detail {
-                Some(detail) if error == "unauthorized" => format!("unauthorized: {detail}"),
-                _ => error,
-            };
-        }
-        if let Some(detail) = detail {
-            return detail;
-        }
-    }
-    let text = text.trim();
-    if text.is_empty() {
-        format!("the server answered HTTP {status}")
-    } else {
-        text.chars().take(500).collect()
-    }
-}
-
-/// One server-sent event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SseEvent {
-    pub event: String,
-    pub data: String,
-}
-
-/// Reads server-sent events off a response as they arrive.
-pub struct SseReader {
-    response: Response,
-    buffer: Vec<u8>,
-    done: bool,
-}
-
-impl SseReader {
-    pub fn new(response: Response) -> Self {
-        Self { response, buffer: Vec::new(), done: false }
-    }
-
-    /// The next event; `None` when the server ended the stream.
-    pub async fn next(&mut self) -> Result<Option<SseEvent>, ClientError> {
-        loop {
-            if let Some((event, rest)) = split_event(&self.buffer) {
-                self.buffer = rest;
-                match event {
-                    Some(event) => return Ok(Some(event)),
-                    None => continue, // a comment (keep-alive) or an empty block
-                }
-            }
-            if self.done {
-                return Ok(None);
-            }
-            match self.response.chunk().await.map_err(ClientError::Body)? {
-                Some(chunk) => self.buffer.extend_from_slice(&chunk),
-                None => {
-                    self.done = true;
-                    // A last event without its blank line still counts.
-                    if !self.buffer.iter().all(u8::is_ascii_whitespace) {
-                        self.buffer.extend_from_slice(b"\n\n");
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Splits the first complete block (ended by a blank line) off `buffer`.
-fn split_event(buffer: &[u8]) -> Option<(Option<SseEvent>, Vec<u8>)> {
-    let end = buffer.windows(2).position(|w| w == b"\n\n")?;
-    let block = String::from_utf8_lossy(&buffer[..end]).replace('\r', "");
-    let rest = buffer[end + 2..].to_vec();
-    let mut event = String::from("message");
-    let mut data: Vec<&str> = Vec::new();
-    for line in block.lines() {
-        let (field, value) = line.split_once(':').unwrap_or((line, ""));
-        let value = value.strip_prefix(' ').unwrap_or(value);
-        match field {
-            "event" => event = value.to_string(),
-            "data" => data.push(value),
-            _ => {} // comments (`: ping`), id, retry
-        }
-    }
-    let parsed = (!data.is_empty()).then(|| SseEvent { event, data: data.join("\n") });
-    Some((parsed, rest))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn error_messages_come_from_the_envelope() {
-        assert_eq!(error_message(404, r#"{"error":"sandbox x not found","request_id":"r"}"#), "sandbox x not found");
-        assert_eq!(error_message(401, r#"{"error":"unauthorized","detail":"invalid api token"}"#), "unauthorized: invalid api token");
-        assert_eq!(error_message(502, "bad gateway"), "bad gateway");
-        assert_eq!(error_message(500, ""), "the server answered HTTP 500");
-    }
-
-    #[test]
-    fn events_split_on_blank_lines_and_skip_comments() {
-        let input = b": ping\n\nevent: stdout\ndata: {\"chunk\":\"a\"}\n\nevent: exit\ndata: {\"exit_code\":3}\n\npartial";
-        let (first, rest) = split_event(input).unwrap();
-        assert_eq!(first, None);
-        let (second, rest) = split_event(&rest).unwrap();
-        assert_eq!(second, Some(SseEvent { event: "stdout".into(), data: r#"{"chunk":"a"}"#.into() }));
-        let (third, rest) = split_event(&rest).unwrap();
-        assert_eq!(third.unwrap().event, "exit");
-        assert!(split_event(&rest).is_none());
-    }
 
     #[test]
     fn urls_keep_a_prefix_and_drop_a_v1_suffix() {

@@ -11,7 +11,7 @@ use base64::Engine as _;
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use crate::client::{Client, SseReader};
+use crate::client::{Client, ClientError, SseReader};
 use crate::output;
 
 /// What `run-code` was asked.
@@ -75,7 +75,7 @@ async fn run_cell(client: &Client, args: &RunCodeArgs, context: &str, code: &str
         .json(&body);
     let mut events = SseReader::new(client.send(request).await?);
     let mut images = 0usize;
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ClientError::Body)? {
         let data: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
         match event.event.as_str() {
             "stdout" if !json_out => {

@@ -394,7 +394,7 @@ async fn exec(client: &Client, id: &str, timeout: Option<u64>, args: &[String], 
         Ok(v) => v["chunk"].as_str().map_or_else(|| data.to_string(), str::to_string),
         Err(_) => data.to_string(),
     };
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ClientError::Body)? {
         match event.event.as_str() {
             "stdout" => {
                 let text = chunk(&event.data);
@@ -467,7 +467,7 @@ async fn events(client: &Client, id: &str, follow: bool, tail: Option<u32>, json
         return Ok(());
     }
     let mut events = SseReader::new(client.send(request.header(reqwest::header::ACCEPT, "text/event-stream")).await?);
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ClientError::Body)? {
         let parsed: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
         writeln!(stdout, "{}", if json_out { parsed.to_string() } else { event_line(&parsed) })?;
         stdout.flush()?;
@@ -496,7 +496,7 @@ async fn logs(client: &Client, id: &str, follow: bool, stream: &str, json_out: b
         .header(reqwest::header::ACCEPT, "text/event-stream");
     let mut events = SseReader::new(client.send(request).await?);
     let mut stdout = std::io::stdout().lock();
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ClientError::Body)? {
         let parsed: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
         if let Some(error) = parsed["error"].as_str() {
             anyhow::bail!("{error}");

@@ -10,7 +10,7 @@ use clap::Subcommand;
 use reqwest::Method;
 use serde_json::Value;
 
-use crate::client::{Client, SseReader};
+use crate::client::{Client, ClientError, SseReader};
 use crate::output;
 
 #[derive(Subcommand)]
@@ -191,7 +191,7 @@ async fn follow_log(client: &Client, id: &str, follow: bool) -> anyhow::Result<(
         request = request.query(&[("follow", "1")]);
     }
     let mut events = SseReader::new(client.send(request).await?);
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ClientError::Body)? {
         if event.event == "done" {
             break;
         }

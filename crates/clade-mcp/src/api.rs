@@ -79,16 +79,21 @@ impl Api {
     }
 }
 
-/// The message of an error answer: the envelope's `error` (with a 401's
-/// `detail`), else the text, else the status.
-pub(crate) fn error_message(status: u16, text: &str) -> String {
+/// The message of an error answer: the envelope's `error` (then `message`,
+/// `detail`), else the text, else the status. The CLI's too.
+pub fn error_message(status: u16, text: &str) -> String {
     if let Ok(Value::Object(body)) = serde_json::from_str::<Value>(text) {
         let field = |k: &str| body.get(k).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
+        let detail = field("detail");
         if let Some(error) = field("error").or_else(|| field("message")) {
-            return match field("detail") {
+            // 401's `error` is the bare word the SDKs match; the detail says why.
+            return match detail {
                 Some(detail) if error == "unauthorized" => format!("unauthorized: {detail}"),
                 _ => error,
             };
+        }
+        if let Some(detail) = detail {
+            return detail;
         }
     }
     let text = text.trim();
@@ -106,7 +111,7 @@ pub struct SseEvent {
     pub data: String,
 }
 
-/// Reads server-sent events off a response as they arrive.
+/// Reads server-sent events off a response as they arrive (the CLI's too).
 pub struct SseReader {
     response: Response,
     buffer: Vec<u8>,
@@ -119,7 +124,7 @@ impl SseReader {
     }
 
     /// The next event; `None` when the server ended the stream.
-    pub async fn next(&mut self) -> Result<Option<SseEvent>, ToolError> {
+    pub async fn next(&mut self) -> Result<Option<SseEvent>, reqwest::Error> {
         loop {
             if let Some((event, rest)) = split_event(&self.buffer) {
                 self.buffer = rest;
@@ -131,10 +136,11 @@ impl SseReader {
             if self.done {
                 return Ok(None);
             }
-            match self.response.chunk().await.map_err(ToolError::Body)? {
+            match self.response.chunk().await? {
                 Some(chunk) => self.buffer.extend_from_slice(&chunk),
                 None => {
                     self.done = true;
+                    // A last event without its blank line still counts.
                     if !self.buffer.iter().all(u8::is_ascii_whitespace) {
                         self.buffer.extend_from_slice(b"\n\n");
                     }
@@ -172,16 +178,21 @@ mod tests {
     fn error_messages_keep_the_servers_words() {
         assert_eq!(error_message(404, r#"{"error":"sandbox x not found","request_id":"r"}"#), "sandbox x not found");
         assert_eq!(error_message(401, r#"{"error":"unauthorized","detail":"invalid api token"}"#), "unauthorized: invalid api token");
+        assert_eq!(error_message(422, r#"{"detail":"no such field"}"#), "no such field");
+        assert_eq!(error_message(502, "bad gateway"), "bad gateway");
         assert_eq!(error_message(500, ""), "the server answered HTTP 500");
     }
 
     #[test]
     fn events_split_on_blank_lines_and_skip_comments() {
-        let (first, rest) = split_event(b": ping\n\nevent: stdout\ndata: {\"chunk\":\"a\"}\n\n").unwrap();
+        let input = b": ping\n\nevent: stdout\ndata: {\"chunk\":\"a\"}\n\nevent: exit\ndata: {\"exit_code\":3}\n\npartial";
+        let (first, rest) = split_event(input).unwrap();
         assert_eq!(first, None);
         let (second, rest) = split_event(&rest).unwrap();
         assert_eq!(second, Some(SseEvent { event: "stdout".into(), data: r#"{"chunk":"a"}"#.into() }));
-        assert!(rest.is_empty());
+        let (third, rest) = split_event(&rest).unwrap();
+        assert_eq!(third.unwrap().event, "exit");
+        assert!(split_event(&rest).is_none());
     }
 
     #[test]

@@ -482,7 +482,7 @@ async fn run_command(call: &mut Call<'_>, args: RunCommand) -> Result<CallToolRe
         .header(reqwest::header::ACCEPT, "text/event-stream")
         .json(&body);
     let mut events = SseReader::new(call.api.send(request).await?);
-    while let Some(event) = events.next().await? {
+    while let Some(event) = events.next().await.map_err(ToolError::Body)? {
         let data: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
         match event.event.as_str() {
             "stdout" | "stderr" => {

@@ -54,16 +54,16 @@ impl FromRequestParts<AppState> for Caller {
 /// The caller of a request by the API key it presents, counted against its
 /// workspace's rate limit.
 pub(crate) async fn authenticate(store: &Store, limiter: &RateLimiter, parts: &Parts) -> Result<Caller, ApiError> {
-    let caller = identify(store, parts).await?;
+    let (caller, _) = identify(store, parts).await?;
     // Per workspace, once per request (§2.6).
     limiter.check(&caller.workspace)?;
     Ok(caller)
 }
 
-/// The caller of a request by the API key it presents, not counted against
-/// any rate limit: for a request whose work is counted elsewhere (an MCP
-/// request: each API call its tools make is counted, ADR 28).
-pub(crate) async fn identify(store: &Store, parts: &Parts) -> Result<Caller, ApiError> {
+/// The caller of a request by the API key it presents, and that key, not
+/// counted against any rate limit: for a request whose work is counted
+/// elsewhere (an MCP request: each API call its tools make is counted, ADR 28).
+pub(crate) async fn identify(store: &Store, parts: &Parts) -> Result<(Caller, String), ApiError> {
     let presented = presented_key(parts).ok_or_else(|| ApiError::Unauthorized("missing bearer token".into()))?;
     let key = match store.authenticate(&presented).await? {
         KeyCheck::Valid(key) => key,
@@ -78,7 +78,7 @@ pub(crate) async fn identify(store: &Store, parts: &Parts) -> Result<Caller, Api
         .workspace(&key.workspace_id)
         .await?
         .ok_or_else(|| ApiError::internal("internal error", format!("key {} has no workspace", key.id)))?;
-    Ok(Caller { key, workspace })
+    Ok((Caller { key, workspace }, presented))
 }
 
 /// Whether a request presents an API key at all.

@@ -1,14 +1,21 @@
 //! What every request goes through, whatever its route: a request id, the
 //! error envelope for responses the handlers did not make (rejections,
 //! 404/405 of the router), and a panic turned into a 500 instead of a
-//! dropped connection. Also the body readers with explicit size limits.
+//! dropped connection; a request body a handler did not read to its end is
+//! read away after the answer (so the client sees the answer, not a reset).
+//! Also the body readers with explicit size limits.
 
-use axum::body::Body;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, HttpBody as _};
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use http_body_util::BodyExt as _;
 use serde::de::DeserializeOwned;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -19,8 +26,12 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Largest JSON request body.
 pub const JSON_BODY_LIMIT: usize = 1 << 20;
 
+/// Most of an unread request body read away after the answer, and for how long.
+const LINGER_BYTES: u64 = 64 << 20;
+const LINGER_TIME: Duration = Duration::from_secs(10);
+
 /// Wraps a router in the layers every route shares (outermost first:
-/// request id, error envelope, panic catcher).
+/// unread bodies read away, request id, error envelope, panic catcher).
 pub fn with_middleware<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
     router
         .fallback(
@@ -36,6 +47,60 @@ pub fn with_middleware<S: Clone + Send + Sync + 'static>(router: Router<S>) -> R
         }))
         .layer(middleware::from_fn(envelope_other_errors))
         .layer(middleware::from_fn(request_id))
+        .layer(middleware::from_fn(linger_on_unread_bodies))
+}
+
+/// A 413 (or any early answer) is given before the client has sent its
+/// whole body. If the connection then closed with bytes unread, the kernel
+/// would reset it and the client, still writing, would see a broken pipe
+/// instead of the answer; so an unread body is read away (up to
+/// [`LINGER_BYTES`], within [`LINGER_TIME`]) the way web servers linger.
+async fn linger_on_unread_bodies(request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    next.run(Request::from_parts(parts, Body::new(Lingering { inner: Some(body) }))).await
+}
+
+/// A request body that, dropped before its end, is read to its end in the background.
+struct Lingering {
+    inner: Option<Body>,
+}
+
+impl axum::body::HttpBody for Lingering {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let Some(inner) = self.inner.as_mut() else { return Poll::Ready(None) };
+        let frame = Pin::new(inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None | Some(Err(_)))) {
+            self.inner = None;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(|inner| inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.as_ref().map(|inner| inner.size_hint()).unwrap_or_else(|| http_body::SizeHint::with_exact(0))
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        let Some(mut body) = self.inner.take().filter(|body| !body.is_end_stream()) else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(tokio::time::timeout(LINGER_TIME, async move {
+            let mut read = 0u64;
+            while let Some(Ok(frame)) = body.frame().await {
+                read += frame.data_ref().map_or(0, |data| data.len() as u64);
+                if read > LINGER_BYTES {
+                    break;
+                }
+            }
+        }));
+    }
 }
 
 async fn request_id(request: Request, next: Next) -> Response {
@@ -205,6 +270,26 @@ mod tests {
         let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
         let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(body["error"], "the JSON body is larger than the limit of 1 MiB");
+    }
+
+    /// A client that writes its whole body before it reads gets the 413,
+    /// not a reset: the server reads the body it refused away.
+    #[tokio::test]
+    async fn a_refused_body_is_read_away_so_the_client_sees_the_answer() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app()).await });
+        let body = vec![b' '; 8 << 20];
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!("POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len());
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&body).await.expect("the whole body is taken");
+        let mut answer = vec![0; 4096];
+        let n = stream.read(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("larger than the limit of 1 MiB"), "{answer}");
     }
 
     /// Every route's body goes through `JsonBody`: its structs are objects or nothing.

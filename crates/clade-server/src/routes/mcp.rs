@@ -12,8 +12,6 @@ use axum::Router;
 use clade_store::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::ApiError;
-
 /// The MCP endpoints of a server whose API answers at `own_url`, each
 /// behind [`admit`]; their streams end when `stopping` is cancelled.
 pub(crate) fn router<S: Clone + Send + Sync + 'static>(own_url: &str, stopping: CancellationToken, store: Store) -> Router<S> {
@@ -34,12 +32,9 @@ pub(crate) fn router<S: Clone + Send + Sync + 'static>(own_url: &str, stopping: 
 /// counted against the rate limit: the API calls its tools make are, each.
 async fn admit(State(store): State<Store>, request: Request, next: Next) -> Response {
     let (mut parts, body) = request.into_parts();
-    let caller = match crate::auth::identify(&store, &parts).await {
-        Ok(caller) => caller,
+    let (caller, key) = match crate::auth::identify(&store, &parts).await {
+        Ok(identified) => identified,
         Err(e) => return e.into_response(),
-    };
-    let Some(key) = crate::auth::presented_key(&parts) else {
-        return ApiError::Unauthorized("missing bearer token".into()).into_response();
     };
     parts.extensions.insert(clade_mcp::Caller { key, workspace: caller.workspace.id.clone() });
     next.run(Request::from_parts(parts, body)).await
