@@ -7,6 +7,21 @@ use clade_host::HostConfig;
 use clade_store::Store;
 use clap::Subcommand;
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum KeyFormatArg {
+    Clade,
+    E2b,
+}
+
+impl From<KeyFormatArg> for clade_store::KeyFormat {
+    fn from(format: KeyFormatArg) -> Self {
+        match format {
+            KeyFormatArg::Clade => Self::Clade,
+            KeyFormatArg::E2b => Self::E2b,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 pub enum KeysCommand {
     /// Make a key; prints it alone on the last line (it is shown only this once).
@@ -20,6 +35,10 @@ pub enum KeysCommand {
         /// Days until the key stops working (1 to 3650); valid until revoked without.
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=3650))]
         expires_in_days: Option<u16>,
+        /// How the key is spelled: `clade` (`clade_…`) or `e2b` (`e2b_` and
+        /// 40 hex digits, what E2B's SDKs expect in `E2B_API_KEY`).
+        #[arg(long, value_enum, default_value = "clade")]
+        format: KeyFormatArg,
     },
     /// List the keys (every workspace, or one).
     List {
@@ -35,10 +54,10 @@ pub async fn run(command: KeysCommand, database_url: Option<String>, host: HostC
     let url = database_url.unwrap_or_else(|| Store::default_url(&host.data_dir));
     let store = Store::open(&url).await?;
     match command {
-        KeysCommand::Create { workspace, name, expires_in_days } => {
+        KeysCommand::Create { workspace, name, expires_in_days, format } => {
             let workspace = store.ensure_workspace(&workspace).await?;
             let expires_at = expires_in_days.map(|days| clade_store::now_ms() + i64::from(days) * 86_400_000);
-            let new = store.create_key_expiring(&workspace.id, &name, expires_at).await?;
+            let new = store.create_key_in_format(&workspace.id, &name, expires_at, format.into()).await?;
             let until = expires_at.map(|at| format!(", expires {}", crate::output::utc_time(at))).unwrap_or_default();
             eprintln!("created key {} ({}) in workspace {}{until}", new.key.id, new.key.prefix, workspace.name);
             println!("{}", new.secret);

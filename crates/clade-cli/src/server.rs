@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clade_host::HostConfig;
 use clade_server::cluster::ClusterSecret;
 use clade_server::replica::{Replica, ReplicaConfig};
+use clade_server::tls::TlsSource;
 use clade_server::{auth::admin_key_path, Server, ServerConfig};
 use clap::Args;
 use tokio::signal::unix::{signal, SignalKind};
@@ -43,6 +44,44 @@ pub struct ServerArgs {
     /// IP address, which needs no DNS). Env: CLADE_PREVIEW_SUFFIX.
     #[arg(long, env = "CLADE_PREVIEW_SUFFIX", default_value = "")]
     preview_suffix: String,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// HTTPS, which E2B's SDKs use for `https://api.DOMAIN` and
+/// `https://{port}-{id}.DOMAIN`. Without these flags: plain HTTP.
+#[derive(Args)]
+pub struct TlsArgs {
+    /// Serve HTTPS with this certificate chain (PEM), such as a wildcard
+    /// certificate for `*.DOMAIN`; with --tls-key. Env: CLADE_TLS_CERT.
+    #[arg(long, env = "CLADE_TLS_CERT", value_name = "PATH", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert. Env: CLADE_TLS_KEY.
+    #[arg(long, env = "CLADE_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve HTTPS with a certificate of the server's own CA, made once
+    /// under DATA_DIR/tls/ (clients trust its ca.pem: SSL_CERT_FILE for
+    /// Python, NODE_EXTRA_CA_CERTS for Node). It names localhost,
+    /// *.localhost, 127.0.0.1, ::1, --preview-suffix and *.SUFFIX, and the
+    /// --tls-name names. Env: CLADE_TLS_SELF_SIGNED.
+    #[arg(long, env = "CLADE_TLS_SELF_SIGNED", conflicts_with_all = ["tls_cert", "tls_key"])]
+    tls_self_signed: bool,
+    /// Another name for the certificate of --tls-self-signed (repeatable; a
+    /// DNS name, *.NAME or an IP address). Env: CLADE_TLS_NAMES
+    /// (comma-separated).
+    #[arg(long = "tls-name", env = "CLADE_TLS_NAMES", value_name = "NAME", value_delimiter = ',', requires = "tls_self_signed")]
+    tls_names: Vec<String>,
+}
+
+impl TlsArgs {
+    fn source(&self) -> Option<TlsSource> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsSource::Files { cert: cert.clone(), key: key.clone() }),
+            _ if self.tls_self_signed => Some(TlsSource::SelfSigned { names: self.tls_names.clone() }),
+            // clap requires --tls-cert and --tls-key together.
+            _ => None,
+        }
+    }
 }
 
 /// What a machine that runs VMs is given (`clade server`, `clade host run`).
@@ -180,11 +219,13 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     config.database_url = args.database_url;
     args.machine.apply(&mut config, "clade server");
     config.preview_suffix = args.preview_suffix;
+    config.tls = args.tls.source();
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         show_admin_key(key, &data_dir);
     }
-    eprintln!("clade server: listening on http://{}", server.addr());
+    show_tls_ca(server.tls_ca());
+    eprintln!("clade server: listening on {}", server.url());
     server.run_until(stop_signal()?).await;
     Ok(ExitCode::SUCCESS)
 }
@@ -203,11 +244,12 @@ async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitC
         limits,
         preview_suffix: args.preview_suffix,
     };
-    let replica = Replica::start(config).await?;
+    let replica = Replica::start_with_tls(config, args.tls.source().as_ref()).await?;
     if let Some(key) = replica.admin_key() {
         show_admin_key(key, &host.data_dir);
     }
-    eprintln!("clade server: listening on http://{} (no VMs: sandboxes run on the hosts of its database)", replica.addr());
+    show_tls_ca(replica.tls_ca());
+    eprintln!("clade server: listening on {} (no VMs: sandboxes run on the hosts of its database)", replica.url());
     replica.run_until(stop_signal()?).await;
     Ok(ExitCode::SUCCESS)
 }
@@ -219,6 +261,12 @@ fn show_admin_key(key: &str, data_dir: &Path) {
         admin_key_path(data_dir).display()
     );
     println!("{key}");
+}
+
+fn show_tls_ca(ca: Option<&Path>) {
+    if let Some(ca) = ca {
+        eprintln!("clade server: TLS with the CA at {} (trust it: SSL_CERT_FILE / NODE_EXTRA_CA_CERTS)", ca.display());
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

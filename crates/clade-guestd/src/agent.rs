@@ -139,8 +139,18 @@ impl Agent {
         &self.image_defaults
     }
 
+    /// Merges a post-restore hook's variables into the default environment:
+    /// a wake's hook names none and changes nothing; a copy's (fork, a
+    /// create from a snapshot) replaces `CLADE_SANDBOX_ID` and keeps the
+    /// variables its source was created with.
     pub(crate) fn set_default_env(&self, env: Vec<(String, String)>) {
-        *self.default_env.lock().expect("env lock") = env;
+        let mut default_env = self.default_env.lock().expect("env lock");
+        for (name, value) in env {
+            match default_env.iter_mut().find(|(existing, _)| *existing == name) {
+                Some(slot) => slot.1 = value,
+                None => default_env.push((name, value)),
+            }
+        }
     }
 }
 

@@ -171,6 +171,13 @@ pub fn content_length(headers: &axum::http::HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
+/// RFC 3339 UTC with milliseconds, from Unix milliseconds (clamped to the
+/// years RFC 3339 can write: 1970 to 9999).
+pub fn rfc3339(unix_ms: i64) -> String {
+    let ms = unix_ms.clamp(0, 253_402_300_799_999) as u64;
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
+}
+
 /// `1 MiB`, `64 MiB`, `512 B`.
 pub fn human_bytes(n: u64) -> String {
     match n {

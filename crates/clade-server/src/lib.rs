@@ -21,6 +21,8 @@
 //!   port-forward): the connection, the rewritten request, the upgrade.
 //! - [`preview`]: preview hosts (`{port}-{id}.{suffix}`) and their signed tokens.
 //! - [`routes`]: the endpoints, one file per resource.
+//! - [`tls`]: the certificate of HTTPS (an operator's, or one of the
+//!   server's own CA) and the listener that shakes hands.
 //! - [`openapi`]: the OpenAPI document, generated from the routes' types (in `routes`, which owns the route list).
 //!
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
@@ -28,6 +30,7 @@
 pub mod auth;
 pub mod cluster;
 pub mod dockerfile;
+pub mod e2b;
 pub mod error;
 mod forward;
 mod host_api;
@@ -44,6 +47,7 @@ pub use routes::openapi;
 pub mod sandbox;
 pub mod sse;
 mod strict_json;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -53,7 +57,6 @@ use std::time::Duration;
 use clade_host::{HostConfig, VmRuntime};
 use clade_store::{Store, StoreError};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 pub use sandbox::SandboxSettings;
@@ -111,6 +114,8 @@ pub struct ServerConfig {
     /// its database only (cluster secret, no API keys). None: one process
     /// is the whole system.
     pub cluster: Option<cluster::HostMembership>,
+    /// Serve HTTPS with this certificate; none: plain HTTP.
+    pub tls: Option<tls::TlsSource>,
 }
 
 impl ServerConfig {
@@ -125,6 +130,7 @@ impl ServerConfig {
             preview_suffix: String::new(),
             host_lease: Duration::from_secs(15),
             cluster: None,
+            tls: None,
         }
     }
 
@@ -157,6 +163,8 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    #[error("setting up TLS")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// What the handlers share.
@@ -183,6 +191,10 @@ pub struct AppState {
 #[derive(Debug)]
 pub struct Server {
     addr: SocketAddr,
+    /// `https://` with TLS, `http://` without.
+    url: String,
+    /// The CA clients must trust, when the server made its own.
+    tls_ca: Option<PathBuf>,
     admin_key: Option<String>,
     state: AppState,
     serving: Serving,
@@ -220,6 +232,8 @@ impl Server {
     pub async fn start(config: ServerConfig) -> Result<Self, ServerError> {
         let data_dir = config.host.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        // Before anything starts: a bad certificate stops the start at once.
+        let tls = config.tls.as_ref().map(|source| tls::Tls::load(source, &data_dir, &config.preview_suffix)).transpose()?;
         let store = Store::open(&config.database_url()).await?;
         // A cluster's first start is its first replica's: users never reach a host.
         let admin_key = match config.cluster {
@@ -240,7 +254,8 @@ impl Server {
         let mut registration = sandbox::host::this_machine(host_id.clone(), config.sandboxes.max_running_per_host);
         let reaper = service.start_reaper();
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
-        let (listener, addr) = bind(config.listen).await?;
+        let endpoint = Endpoint::bind(config.listen, tls.as_ref()).await?;
+        let addr = endpoint.addr;
         let state = AppState {
             store,
             service,
@@ -249,18 +264,30 @@ impl Server {
             stopping: CancellationToken::new(),
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
             cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
-            own_url: own_url(addr).into(),
+            own_url: endpoint.own_url().into(),
         };
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
-        let serving = Serving::start(listener, routes::router(state.clone()));
-        tracing::info!(%addr, "clade server listening");
+        let url = endpoint.url();
+        let serving = Serving::start(endpoint, routes::router(state.clone()));
+        tracing::info!(%url, "clade server listening");
         let heap_trim = start_heap_trim();
-        Ok(Self { addr, admin_key, state, serving, reaper, lease, heap_trim, standby, host_id })
+        let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
+        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `https://ADDR` with TLS, `http://ADDR` without.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The CA certificate clients must trust (`--tls-self-signed`).
+    pub fn tls_ca(&self) -> Option<&std::path::Path> {
+        self.tls_ca.as_deref()
     }
 
     /// The admin key, when this start created it (the first start).
@@ -307,6 +334,53 @@ impl Server {
     }
 }
 
+/// Where a server or replica takes requests, bound but not yet serving.
+struct Endpoint {
+    listener: TcpListener,
+    addr: SocketAddr,
+    tls: Option<TlsEndpoint>,
+}
+
+/// With TLS: the handshakes' configuration, and a plain HTTP listener on
+/// loopback for the server's own calls (`AppState::own_url`).
+///
+/// Those calls (MCP sessions, the E2B control plane: reqwest clients of
+/// `clade-mcp` and `e2b`) cannot go through TLS as they are: an
+/// operator's certificate names the public domain, not 127.0.0.1, and a
+/// server-made CA would have to be added to each of those clients. A
+/// loopback listener that serves the same app, with the same keys checked,
+/// keeps them as they are; it is told to no one and reached only from
+/// this machine, as a plain `--listen 127.0.0.1:…` server is.
+struct TlsEndpoint {
+    tls: tls::Tls,
+    loopback: TcpListener,
+    loopback_addr: SocketAddr,
+}
+
+impl Endpoint {
+    async fn bind(addr: SocketAddr, tls: Option<&tls::Tls>) -> Result<Self, ServerError> {
+        let (listener, bound) = bind(addr).await?;
+        let tls = match tls {
+            None => None,
+            Some(tls) => {
+                let (loopback, loopback_addr) = bind(SocketAddr::new(loopback(bound.ip()), 0)).await?;
+                Some(TlsEndpoint { tls: tls.clone(), loopback, loopback_addr })
+            }
+        };
+        Ok(Self { listener, addr: bound, tls })
+    }
+
+    /// Where this server's own API calls reach it.
+    fn own_url(&self) -> String {
+        own_url(self.tls.as_ref().map_or(self.addr, |tls| tls.loopback_addr))
+    }
+
+    fn url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+}
+
 /// Binds the listener of a server or replica: it and the address it got.
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
     let listen = |source| ServerError::Listen { addr, source };
@@ -315,44 +389,61 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError
     Ok((listener, bound))
 }
 
+/// The loopback address of `ip`'s family.
+fn loopback(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V4(_) => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V6(_) => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+    }
+}
+
 /// The URL a server bound to `addr` reaches itself at: a wildcard address
 /// (`0.0.0.0`, `::`) becomes the loopback of its family.
 pub(crate) fn own_url(addr: SocketAddr) -> String {
-    let ip = match addr.ip() {
-        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
+    let ip = if addr.ip().is_unspecified() { loopback(addr.ip()) } else { addr.ip() };
     format!("http://{}", SocketAddr::new(ip, addr.port()))
 }
 
-/// An app being served until it is stopped.
+/// An app being served until it is stopped: on the listener, and with TLS
+/// on the loopback listener too.
 #[derive(Debug)]
 struct Serving {
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
 
 impl Serving {
-    fn start(listener: TcpListener, app: axum::Router) -> Self {
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
-        Self { stop, task }
+    fn start(endpoint: Endpoint, app: axum::Router) -> Self {
+        let stop = CancellationToken::new();
+        let tasks = match endpoint.tls {
+            None => vec![serve(endpoint.listener, app, &stop)],
+            Some(TlsEndpoint { tls, loopback, .. }) => {
+                vec![serve(tls.listener(endpoint.listener), app.clone(), &stop), serve(loopback, app, &stop)]
+            }
+        };
+        Self { stop, tasks }
     }
 
     /// Stops accepting requests and waits for those in flight to finish.
     async fn stop(self, what: &str) {
-        let _ = self.stop.send(());
-        match self.task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!("{what}: {e}"),
-            Err(e) => tracing::error!("{what} task: {e}"),
+        self.stop.cancel();
+        for task in self.tasks {
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!("{what}: {e}"),
+                Err(e) => tracing::error!("{what} task: {e}"),
+            }
         }
     }
+}
+
+/// Serves `app` on `listener` until `stop` is cancelled, then lets the
+/// requests in flight finish.
+fn serve<L>(listener: L, app: axum::Router, stop: &CancellationToken) -> tokio::task::JoinHandle<std::io::Result<()>>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let stopped = stop.clone().cancelled_owned();
+    tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stopped).await })
 }

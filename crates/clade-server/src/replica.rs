@@ -81,6 +81,10 @@ struct ReplicaState {
 #[derive(Debug)]
 pub struct Replica {
     addr: SocketAddr,
+    /// `https://` with TLS, `http://` without.
+    url: String,
+    /// The CA clients must trust, when the replica made its own.
+    tls_ca: Option<PathBuf>,
     admin_key: Option<String>,
     state: ReplicaState,
     serving: crate::Serving,
@@ -92,8 +96,16 @@ impl Replica {
     /// Opens the database (the first start of the cluster makes workspace
     /// `default` and its admin key) and starts serving.
     pub async fn start(config: ReplicaConfig) -> Result<Self, ServerError> {
+        Self::start_with_tls(config, None).await
+    }
+
+    /// As [`start`](Self::start), serving HTTPS with `tls` (as
+    /// `ServerConfig::tls`; the CA of `--tls-self-signed` is under the
+    /// replica's data directory).
+    pub async fn start_with_tls(config: ReplicaConfig, tls: Option<&crate::tls::TlsSource>) -> Result<Self, ServerError> {
         let data_dir = config.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let tls = tls.map(|source| crate::tls::Tls::load(source, &data_dir, &config.preview_suffix)).transpose()?;
         let store = Store::open(&config.database_url).await?;
         let admin_key = crate::auth::first_start(&store, &data_dir).await?;
         let state = ReplicaState {
@@ -104,15 +116,28 @@ impl Replica {
             metrics: Arc::default(),
             stopping: CancellationToken::new(),
         };
-        let (listener, addr) = crate::bind(config.listen).await?;
-        let serving = crate::Serving::start(listener, router(state.clone(), &crate::own_url(addr)));
+        let endpoint = crate::Endpoint::bind(config.listen, tls.as_ref()).await?;
+        let (addr, url) = (endpoint.addr, endpoint.url());
+        let app = router(state.clone(), &endpoint.own_url());
+        let serving = crate::Serving::start(endpoint, app);
         let sweep = tokio::spawn(sweep_expired_hosts(store));
-        tracing::info!(%addr, "clade server (replica, no VMs) listening");
-        Ok(Self { addr, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim() })
+        tracing::info!(%url, "clade server (replica, no VMs) listening");
+        let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
+        Ok(Self { addr, url, tls_ca, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim() })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `https://ADDR` with TLS, `http://ADDR` without.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The CA certificate clients must trust (`--tls-self-signed`).
+    pub fn tls_ca(&self) -> Option<&std::path::Path> {
+        self.tls_ca.as_deref()
     }
 
     /// The admin key, when this start created it (the cluster's first start).
@@ -178,6 +203,7 @@ fn router(state: ReplicaState, own_url: &str) -> Router {
         .route(crate::routes::PROXY_ROOT_SLASH, any(forward))
         .route(crate::routes::PROXY_DEEP_PATH, any(forward))
         .merge(crate::routes::mcp::router(own_url, state.stopping.child_token(), state.store.clone()))
+        .merge(crate::e2b::control::router(&state.store, &state.previews, own_url))
         .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
         .with_state(state.clone());
     let app = crate::http::with_middleware(api).layer(axum::middleware::from_fn_with_state(state.clone(), track));
@@ -203,12 +229,19 @@ async fn track(State(state): State<ReplicaState>, request: Request, next: Next) 
     crate::routes::counted(&state.metrics, request, next).await
 }
 
-/// A preview host's request goes, as it came, to its sandbox's host.
+/// A preview host's request, or one of E2B's data plane (its sandbox named
+/// by a header), goes as it came to its sandbox's host.
 async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next: Next) -> Response {
     let host = request.headers().get(header::HOST).and_then(|v| v.to_str().ok()).map(str::to_string);
-    let Some(Ok(preview)) = host.and_then(|h| state.previews.recognise(&h)) else { return next.run(request).await };
+    let sandbox_id = match crate::e2b::named_sandbox(request.headers()) {
+        Some(id) => id,
+        None => match host.and_then(|h| state.previews.recognise(&h)) {
+            Some(Ok(preview)) => preview.sandbox_id,
+            _ => return next.run(request).await,
+        },
+    };
     let answer = async {
-        let row = state.store.sandbox_by_id(&preview.sandbox_id).await?;
+        let row = state.store.sandbox_by_id(&sandbox_id).await?;
         let (mut parts, body) = request.into_parts();
         let client_upgrade = upgrade_protocol(&parts.headers).and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
         let outgoing = Outgoing { parts, caller: None, held: None, keep_credentials: true };

@@ -61,6 +61,36 @@ pub enum KeyCheck {
     Unknown,
 }
 
+/// How a new key's secret is spelled. Either kind is the same key to the
+/// server; E2B's SDKs expect `e2b_` and 40 hex digits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyFormat {
+    /// `clade_` and 64 hex digits.
+    #[default]
+    Clade,
+    /// `e2b_` and 40 hex digits (160 random bits).
+    E2b,
+}
+
+impl KeyFormat {
+    fn secret(self) -> String {
+        match self {
+            Self::Clade => format!("{KEY_PREFIX}{}", random_hex(32)),
+            Self::E2b => format!("{E2B_KEY_PREFIX}{}", random_hex(20)),
+        }
+    }
+
+    fn prefix_len(self) -> usize {
+        match self {
+            Self::Clade => KEY_PREFIX.len(),
+            Self::E2b => E2B_KEY_PREFIX.len(),
+        }
+    }
+}
+
+/// The prefix of keys in [`KeyFormat::E2b`].
+pub const E2B_KEY_PREFIX: &str = "e2b_";
+
 /// A key just made: the only time its secret is known.
 #[derive(Debug, Clone)]
 pub struct NewKey {
@@ -83,14 +113,25 @@ impl Store {
     /// A key that stops working at `expires_at` (unix milliseconds), or
     /// valid until revoked when `None`.
     pub async fn create_key_expiring(&self, workspace_id: &str, name: &str, expires_at: Option<UnixMillis>) -> Result<NewKey, StoreError> {
+        self.create_key_in_format(workspace_id, name, expires_at, KeyFormat::Clade).await
+    }
+
+    /// A key spelled as `format` says, expiring as [`Self::create_key_expiring`].
+    pub async fn create_key_in_format(
+        &self,
+        workspace_id: &str,
+        name: &str,
+        expires_at: Option<UnixMillis>,
+        format: KeyFormat,
+    ) -> Result<NewKey, StoreError> {
         // A prefix collision (1 in 2^48 per pair) just draws again.
         for _ in 0..3 {
-            let secret = format!("{KEY_PREFIX}{}", random_hex(32));
+            let secret = format.secret();
             let key = ApiKey {
                 id: format!("key_{}", random_hex(8)),
                 workspace_id: workspace_id.to_string(),
                 name: name.to_string(),
-                prefix: secret[..KEY_PREFIX.len() + DISPLAY_DIGITS].to_string(),
+                prefix: secret[..format.prefix_len() + DISPLAY_DIGITS].to_string(),
                 created_at: now_ms(),
                 last_used_at: None,
                 revoked_at: None,
@@ -119,7 +160,7 @@ impl Store {
 
     /// What the key with this secret is; a valid one is marked as used now.
     pub async fn authenticate(&self, secret: &str) -> Result<KeyCheck, StoreError> {
-        if !secret.starts_with(KEY_PREFIX) {
+        if !secret.starts_with(KEY_PREFIX) && !secret.starts_with(E2B_KEY_PREFIX) {
             return Ok(KeyCheck::Unknown);
         }
         let row = sqlx::query(&format!("SELECT {COLUMNS} FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL"))

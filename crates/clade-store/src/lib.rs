@@ -30,7 +30,7 @@ use sqlx::AnyPool;
 pub use events::Event;
 pub use hosts::{HostLoad, HostRegistration, HostRow, HostState};
 pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};
-pub use keys::{ApiKey, KeyCheck, NewKey, KEY_PREFIX};
+pub use keys::{ApiKey, KeyCheck, KeyFormat, NewKey, E2B_KEY_PREFIX, KEY_PREFIX};
 pub use ports::PortLabel;
 pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
 pub use snapshots::SnapshotRow;

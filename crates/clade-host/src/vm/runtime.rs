@@ -391,7 +391,7 @@ impl VmRuntime {
             // would read 1970 and find every TLS certificate not yet valid. The
             // hook that follows a restore sets it (and adds host entropy);
             // the booted identity is kept.
-            run_restore_hook(&agent, restore_request(&id, false), timeout).await?;
+            run_restore_hook(&agent, RestoreRequest { env: spec.env.clone(), ..restore_request(&id, false) }, timeout).await?;
             record.phase = Phase::Running;
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             Ok(Vm::attach(self, record.clone(), dir.clone(), qmp, agent, exit_rx, spec.watchdog, BootKind::Cold))
@@ -454,6 +454,7 @@ impl VmRuntime {
             super::volumes::announce_sizes(&qmp, &record.volumes).await?;
             let hook = RestoreRequest {
                 volumes: super::volumes::guest_requests(&record.volumes, self.boot_timeout()),
+                env: spec.env.clone(),
                 ..restore_request(&id, true)
             };
             run_restore_hook(&agent, hook, self.boot_timeout()).await?;

@@ -40,6 +40,9 @@ pub struct VmSpec {
     pub network: Option<EgressPolicy>,
     /// Volumes behind its disk slots, in order (`/dev/vdb`, …).
     pub volumes: Vec<super::volumes::VolumeRequest>,
+    /// The default environment of its commands (a template create's; a
+    /// command's own env wins).
+    pub env: Vec<(String, String)>,
 }
 
 impl VmSpec {
@@ -54,6 +57,7 @@ impl VmSpec {
             tag: None,
             network: None,
             volumes: Vec::new(),
+            env: Vec::new(),
         }
     }
 }

@@ -91,11 +91,7 @@ impl ExecBody {
             Some(t) => t as u64,
         };
         let env: Vec<(String, String)> = self.env.unwrap_or_default().into_iter().collect();
-        if let Some((name, _)) = env.iter().find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0')) {
-            return Err(ApiError::bad_request(format!(
-                "env: invalid variable {name:?} (a name is not empty and has no '=' or NUL; a value has no NUL)"
-            )));
-        }
+        check_env(&env)?;
         if let Some(cwd) = self.cwd.as_deref().filter(|cwd| !cwd.starts_with('/') || cwd.contains('\0')) {
             return Err(ApiError::bad_request(format!("cwd must be an absolute path, got {cwd:?}")));
         }
@@ -188,4 +184,15 @@ pub async fn exec(
         stderr_dropped: status.stderr_dropped,
     });
     Ok(Json(ExecResult { stdout: output.stdout_str(), stderr: output.stderr_str(), exit_code, duration_ms, truncated }))
+}
+
+/// Variables a command or a sandbox may be given: a name is not empty and
+/// has no `=` or NUL; a value has no NUL.
+pub(super) fn check_env(env: &[(String, String)]) -> Result<(), ApiError> {
+    match env.iter().find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0')) {
+        Some((name, _)) => Err(ApiError::bad_request(format!(
+            "env: invalid variable {name:?} (a name is not empty and has no '=' or NUL; a value has no NUL)"
+        ))),
+        None => Ok(()),
+    }
 }

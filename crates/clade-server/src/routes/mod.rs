@@ -173,7 +173,9 @@ pub fn router(state: AppState) -> Router {
     // takes API keys also serves MCP (ADR 28).
     let api = match state.cluster {
         Some(_) => api.merge(internal::router()),
-        None => api.merge(mcp::router(&state.own_url, state.stopping.child_token(), state.store.clone())),
+        None => api
+            .merge(mcp::router(&state.own_url, state.stopping.child_token(), state.store.clone()))
+            .merge(crate::e2b::control::router(&state.store, &state.previews, &state.own_url)),
     };
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
@@ -186,14 +188,14 @@ pub fn router(state: AppState) -> Router {
     let app = crate::http::with_middleware(router).layer(axum::middleware::from_fn_with_state(state.clone(), track));
     // Outermost, around the routing itself (a router's own layers run after
     // it chose a route): preview hosts are told apart before any route is.
-    Router::new().fallback_service(app).layer(axum::middleware::map_request_with_state(state, preview::route_host))
+    // Before that, E2B's data plane (its sandbox and port by header or host).
+    Router::new()
+        .fallback_service(app)
+        .layer(axum::middleware::map_request_with_state(state.clone(), preview::route_host))
+        .layer(axum::middleware::from_fn_with_state(crate::e2b::DataPlane::new(state), crate::e2b::route))
 }
 
-/// RFC 3339 UTC with milliseconds, from Unix milliseconds.
-pub(crate) fn rfc3339(unix_ms: i64) -> String {
-    let time = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
-    humantime::format_rfc3339_millis(time).to_string()
-}
+pub(crate) use crate::http::rfc3339;
 
 #[cfg(test)]
 mod tests {

@@ -128,6 +128,10 @@ pub struct CreateBody {
     /// Limits of its commands (default: its memory less what its agent
     /// keeps, 1024 processes); see `PUT /v1/sandboxes/{id}/limits`.
     limits: Option<super::limits::Limits>,
+    /// The default environment of its commands (a command's own `env` wins);
+    /// not with `from_snapshot`, which keeps the snapshot's.
+    #[schema(value_type = Option<BTreeMap<String, String>>)]
+    env: Option<BTreeMap<String, String>>,
     // `cpu` and `memory_mb` are deprecated in the SDK and ignored (§3.2).
 }
 
@@ -153,6 +157,8 @@ impl CreateBody {
                 _ => return Err(ApiError::bad_request(format!("metadata values must be strings (key {key:?})"))),
             }
         }
+        let env = self.env.unwrap_or_default().into_iter().collect::<Vec<_>>();
+        super::exec::check_env(&env)?;
         let from_snapshot = self.from_snapshot.filter(|s| !s.is_empty());
         let network = self.network.as_ref().map(super::network::NetworkPolicy::to_egress).transpose()?;
         Ok(CreateParams {
@@ -166,6 +172,7 @@ impl CreateBody {
             limits: self.limits.map(super::limits::Limits::to_user_limits).filter(|l| *l != Default::default()),
             idempotency_key: None,
             volumes,
+            env,
         })
     }
 }

@@ -76,6 +76,9 @@ pub struct CreateToken {
     /// key valid until revoked.
     #[schema(value_type = Option<u32>, minimum = 1, maximum = 3650)]
     expires_in_days: Option<serde_json::Value>,
+    /// How the key is spelled: `clade` (default, `clade_…`) or `e2b` (`e2b_`
+    /// and 40 hex digits, for E2B's SDKs).
+    format: Option<String>,
 }
 
 /// The longest lifetime a key may be given: ten years.
@@ -100,7 +103,12 @@ pub async fn create(State(state): State<AppState>, caller: Caller, JsonBody(body
     if name.len() > 200 {
         return Err(ApiError::bad_request("label is longer than 200 bytes"));
     }
-    let new = state.store.create_key_expiring(&caller.workspace.id, &name, expires_at).await?;
+    let format = match body.format.as_deref() {
+        None | Some("clade") => clade_store::KeyFormat::Clade,
+        Some("e2b") => clade_store::KeyFormat::E2b,
+        Some(other) => return Err(ApiError::bad_request(format!("format must be clade or e2b, got {other:?}"))),
+    };
+    let new = state.store.create_key_in_format(&caller.workspace.id, &name, expires_at, format).await?;
     Ok(Json(Token { token: Some(new.secret), ..Token::new(&new.key) }))
 }
 

@@ -33,6 +33,8 @@ pub struct CreateParams {
     pub idempotency_key: Option<String>,
     /// Volumes behind its disk slots, in order (`/dev/vdb`, …).
     pub volumes: Vec<super::VolumeSpec>,
+    /// The default environment of its commands (a template create's).
+    pub env: Vec<(String, String)>,
 }
 
 /// The template of a create that names none.
@@ -61,6 +63,11 @@ impl SandboxService {
         let mut params = params;
         let (volumes, _claim) = self.claim_volumes(&workspace.id, &params.volumes).await?;
         let vm = match &params.from_snapshot {
+            Some(_) if !params.env.is_empty() => {
+                return Err(ApiError::bad_request(
+                    "env cannot be given with from_snapshot: a sandbox made from a snapshot has the snapshot's environment",
+                ));
+            }
             Some(_) if !volumes.is_empty() => {
                 return Err(ApiError::bad_request(
                     "volumes cannot be given with from_snapshot: a sandbox made from a snapshot has the snapshot's volumes, as of the snapshot",
@@ -88,7 +95,7 @@ impl SandboxService {
                 // The row names what the sandbox runs: an alias's image (a
                 // workspace's own template keeps its name).
                 params.template = choice.name().to_string();
-                self.create_vm(&choice, params.network.clone(), volumes).await?
+                self.create_vm(&choice, params.network.clone(), volumes, params.env.clone()).await?
             }
         };
         if let Some(limits) = params.limits {
@@ -110,9 +117,11 @@ impl SandboxService {
         choice: &super::images::TemplateChoice,
         network: Option<EgressPolicy>,
         volumes: Vec<clade_host::vm::VolumeRequest>,
+        env: Vec<(String, String)>,
     ) -> Result<clade_host::Vm, ApiError> {
         let image = self.image_of(choice).await?;
-        let mut spec = VmSpec { network: self.runtime().network().map(|_| network.unwrap_or_default()), volumes, ..self.vm_spec(image) };
+        let network = self.runtime().network().map(|_| network.unwrap_or_default());
+        let mut spec = VmSpec { network, volumes, env, ..self.vm_spec(image) };
         if let super::images::TemplateChoice::Own(own) = choice {
             (spec.vcpus, spec.memory_mb) = (own.cpu, own.memory_mb);
         }

@@ -19,4 +19,5 @@ mod standby;
 mod stream;
 mod support;
 mod terminal;
+mod tls;
 mod transfers;

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use clade_store::{KeyCheck, NewSandbox, SandboxState, SnapshotRow, Store, StoreError, KEY_PREFIX};
+use clade_store::{KeyCheck, KeyFormat, NewSandbox, SandboxState, SnapshotRow, Store, StoreError, E2B_KEY_PREFIX, KEY_PREFIX};
 use clade_testkit::pg::TestDb;
 
 #[tokio::test]
@@ -69,11 +69,18 @@ async fn keys_are_stored_hashed_authenticate_and_revoke() {
             store.revoke_key(Some(&ws.id), &key.key.id).await.unwrap();
         }
 
+        // A key spelled as E2B's SDKs expect is the same kind of key.
+        let e2b = store.create_key_in_format(&ws.id, "e2b", None, KeyFormat::E2b).await.unwrap();
+        assert!(e2b.secret.starts_with(E2B_KEY_PREFIX) && e2b.secret.len() == E2B_KEY_PREFIX.len() + 40, "{}", e2b.secret);
+        assert!(e2b.secret[E2B_KEY_PREFIX.len()..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(matches!(store.authenticate(&e2b.secret).await.unwrap(), KeyCheck::Valid(found) if found.id == e2b.key.id));
+        store.revoke_key(Some(&ws.id), &e2b.key.id).await.unwrap();
+
         let listed = store.list_keys(Some(&ws.id)).await.unwrap();
-        assert_eq!(listed.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["admin", "ci", "later", "past"]);
+        assert_eq!(listed.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["admin", "ci", "later", "past", "e2b"]);
         assert!(listed[1].is_revoked() && !listed[0].is_revoked());
         assert!(store.list_keys(Some(&other.id)).await.unwrap().is_empty());
-        assert_eq!(store.key_count().await.unwrap(), 4);
+        assert_eq!(store.key_count().await.unwrap(), 5);
         store.close().await;
     }
 }

@@ -144,6 +144,9 @@ class CreateSandboxBody(Model):
     #: Preview hosts need a signed token (default: public, as in PandaStack).
     preview_auth: Optional[bool] = None
     limits: Optional[Limits] = None
+    #: The default environment of its commands (a command's own `env` wins); not with `from_snapshot`,
+    #: which keeps the snapshot's.
+    env: Optional[Dict[str, str]] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CreateSandboxBody:
@@ -157,6 +160,7 @@ class CreateSandboxBody(Model):
             volumes=None if data.get("volumes") is None else [VolumeAttachment.from_json(item) for item in data["volumes"]],
             preview_auth=data.get("preview_auth"),
             limits=None if data.get("limits") is None else Limits.from_json(data["limits"]),
+            env=None if data.get("env") is None else dict(data["env"]),
         )
 
 
@@ -170,6 +174,9 @@ class CreateToken(Model):
     name: Optional[str] = None
     #: Days until the key stops working (1 to 3650); absent or null for a key valid until revoked.
     expires_in_days: Optional[int] = None
+    #: How the key is spelled: `clade` (default, `clade_…`) or `e2b` (`e2b_` and 40 hex digits, for E2B's
+    #: SDKs).
+    format: Optional[str] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CreateToken:
@@ -177,6 +184,7 @@ class CreateToken(Model):
             label=data.get("label"),
             name=data.get("name"),
             expires_in_days=data.get("expires_in_days"),
+            format=data.get("format"),
         )
 
 

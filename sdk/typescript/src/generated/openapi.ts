@@ -96,6 +96,11 @@ export interface CreateSandboxBody {
    * keeps, 1024 processes); see `PUT /v1/sandboxes/{id}/limits`.
    */
   limits?: null | Limits;
+  /**
+   * The default environment of its commands (a command's own `env` wins);
+   * not with `from_snapshot`, which keeps the snapshot's.
+   */
+  env?: Record<string, string> | null;
 }
 
 export interface CreateToken {
@@ -110,6 +115,11 @@ export interface CreateToken {
    * Wire name: `expires_in_days`.
    */
   expiresInDays?: number | null;
+  /**
+   * How the key is spelled: `clade` (default, `clade_…`) or `e2b` (`e2b_`
+   * and 40 hex digits, for E2B's SDKs).
+   */
+  format?: string | null;
 }
 
 export interface CreateVolumeBody {
@@ -906,11 +916,13 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     volumes: { wire: 'volumes', ref: 'VolumeAttachment', array: true },
     previewAuth: { wire: 'preview_auth' },
     limits: { wire: 'limits', ref: 'Limits' },
+    env: { wire: 'env' },
   },
   CreateToken: {
     label: { wire: 'label' },
     name: { wire: 'name' },
     expiresInDays: { wire: 'expires_in_days' },
+    format: { wire: 'format' },
   },
   CreateVolumeBody: {
     name: { wire: 'name' },

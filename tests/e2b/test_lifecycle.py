@@ -1,0 +1,94 @@
+"""A sandbox's life through E2B's control plane: a timeout set short ends
+it (Clade counts the timeout from the sandbox's last use), a pause keeps
+its files and its running processes until a connect resumes it, and a
+snapshot makes new sandboxes that start with the source's files."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
+
+from conftest import REQUEST_TIMEOUT, RUN, list_all, new_sandbox, own_sandbox, wait_for
+
+# A timeout short enough to wait for; the reaper runs every 30 s.
+SHORT_TIMEOUT = 10
+# How long the end of a short timeout may take to show.
+GONE_WITHIN = SHORT_TIMEOUT + 30 + 90
+# How long a command may take around a pause or resume (a restore under TCG).
+COMMAND_TIMEOUT = 120
+
+
+def listed_ids(**query) -> set:
+    """This run's sandboxes in the list. Listing is not a use of a sandbox,
+    so it does not put its timeout off."""
+    return {info.sandbox_id for info in list_all(SandboxQuery(metadata={"run": RUN}, **query))}
+
+
+def test_a_short_timeout_ends_an_unused_sandbox(e2b):
+    with own_sandbox(metadata={"purpose": "timeout"}) as sandbox:
+        assert sandbox.commands.run("echo used", timeout=COMMAND_TIMEOUT).stdout == "used\n"
+        sandbox.set_timeout(SHORT_TIMEOUT)
+        started = time.monotonic()
+        wait_for(lambda: sandbox.sandbox_id not in listed_ids(), timeout=GONE_WITHIN, interval=3,
+                 what=f"the sandbox gone {SHORT_TIMEOUT} s after its last use")
+        print(f"gone {time.monotonic() - started:.0f} s after set_timeout({SHORT_TIMEOUT})")
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.connect(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT)
+        assert sandbox.kill() is False
+
+
+def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
+    with own_sandbox(metadata={"purpose": "pause"}) as sandbox:
+        sandbox.files.write("/home/user/kept.txt", "before the pause")
+        # A process of its own session, so that it is nobody's stream: only
+        # the sandbox's memory keeps it (a cold boot would not have it).
+        started = sandbox.commands.run(
+            "setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $!", timeout=COMMAND_TIMEOUT)
+        pid = int(started.stdout.strip())
+        assert sandbox.commands.run(f"kill -0 {pid}", timeout=COMMAND_TIMEOUT).exit_code == 0
+
+        assert sandbox.pause() is True
+        assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.PAUSED
+        assert sandbox.sandbox_id in listed_ids(state=[SandboxState.PAUSED])
+        assert sandbox.sandbox_id not in listed_ids(state=[SandboxState.RUNNING])
+        # Pausing what is paused already says so.
+        assert sandbox.pause() is False
+
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        assert resumed.sandbox_id == sandbox.sandbox_id
+        assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.RUNNING
+        assert resumed.files.read("/home/user/kept.txt") == "before the pause"
+        cmdline = resumed.commands.run(f"tr '\\0' ' ' < /proc/{pid}/cmdline", timeout=COMMAND_TIMEOUT).stdout
+        assert cmdline.strip() == "sleep 3600", cmdline
+        # The handle made before the pause works again too.
+        assert sandbox.commands.run("echo awake", timeout=COMMAND_TIMEOUT).stdout == "awake\n"
+
+
+def test_a_snapshot_starts_new_sandboxes_with_the_sources_files(e2b):
+    with own_sandbox(metadata={"purpose": "snapshot-source"}) as source:
+        source.files.write("/home/user/snapshotted.txt", "in the snapshot")
+        snapshot = source.create_snapshot()
+        assert snapshot.snapshot_id
+        try:
+            # The source goes on after it.
+            source.files.write("/home/user/after.txt", "not in the snapshot")
+            assert source.commands.run("cat /home/user/snapshotted.txt", timeout=COMMAND_TIMEOUT).stdout \
+                == "in the snapshot"
+            listed = Sandbox.list_snapshots(sandbox_id=source.sandbox_id, request_timeout=REQUEST_TIMEOUT).next_items()
+            assert snapshot.snapshot_id in {s.snapshot_id for s in listed}, listed
+
+            child = new_sandbox(metadata={"purpose": "from-snapshot"}, template=snapshot.snapshot_id)
+            try:
+                assert child.sandbox_id != source.sandbox_id
+                assert child.files.read("/home/user/snapshotted.txt") == "in the snapshot"
+                assert not child.files.exists("/home/user/after.txt")
+                # The two are apart from here on.
+                child.files.write("/home/user/snapshotted.txt", "changed in the child")
+                assert source.files.read("/home/user/snapshotted.txt") == "in the snapshot"
+            finally:
+                child.kill()
+        finally:
+            assert Sandbox.delete_snapshot(snapshot.snapshot_id, request_timeout=REQUEST_TIMEOUT) is True
+        assert Sandbox.delete_snapshot(snapshot.snapshot_id, request_timeout=REQUEST_TIMEOUT) is False
