@@ -48,7 +48,7 @@ IMAGE_BUILD_TIMEOUT = 1800
 # Tags every sandbox of this run, so that listing by metadata finds only ours.
 RUN = uuid.uuid4().hex[:12]
 # What the SDKs read from the environment; set for the session, restored after.
-E2B_VARIABLES = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG", "E2B_HTTP_VERSION")
+E2B_VARIABLES = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG", "E2B_HTTP_VERSION", "SSL_CERT_FILE")
 
 
 # The modules in the order that makes a failure easiest to read: the
@@ -125,7 +125,10 @@ def server() -> Iterator[CladeServer]:
     reason = missing_requirement("the E2B suite")
     if reason:
         skip_or_fail(reason)
-    server = CladeServer("e2b", args=["--standby-horizon", "30"]).start()
+    # Over TLS with the server's own CA, as an E2B user's SDK reaches E2B:
+    # HTTPS, and HTTP/2 by ALPN for envd's Connect calls (the JS suite
+    # covers plain HTTP/1.1).
+    server = CladeServer("e2b", args=["--standby-horizon", "30"], tls=True).start()
     try:
         yield server
     finally:
@@ -142,6 +145,8 @@ def e2b(server: CladeServer) -> Iterator[str]:
     for name in E2B_VARIABLES:
         os.environ.pop(name, None)
     os.environ.update(E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=key)
+    if server.ca_path is not None:
+        os.environ["SSL_CERT_FILE"] = str(server.ca_path)
     try:
         yield key
     finally:

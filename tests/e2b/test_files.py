@@ -44,6 +44,10 @@ def test_text_and_bytes_are_written_and_read_back(sandbox, workdir):
     owner = sandbox.commands.run(f"stat -c %U {workdir}/nested/hello.txt", timeout=REQUEST_TIMEOUT).stdout
     assert owner == "user\n"
 
+    # Compressed both ways (`Content-Encoding: gzip` up, `Accept-Encoding: gzip` down).
+    sandbox.files.write(f"{workdir}/zipped.bin", every_byte * 64, gzip=True)
+    assert sandbox.files.read(f"{workdir}/zipped.bin", format="bytes", gzip=True) == every_byte * 64
+
     with pytest.raises(FileNotFoundException):
         sandbox.files.read(f"{workdir}/missing.txt")
 

@@ -7,6 +7,9 @@ or envd access token is refused."""
 from __future__ import annotations
 
 import json
+import socket
+import ssl
+import time
 import urllib.error
 import urllib.request
 from typing import Dict, Tuple
@@ -116,3 +119,35 @@ def test_envd_wants_the_sandboxs_access_token(server, e2b, sandbox):
         assert status == 401, (wrong, status, body)
     # Health needs no token (the SDK probes it after a failed request).
     assert envd_get(server, "/health", routing)[0] in (200, 204)
+
+
+def test_hosts_name_a_sandbox_and_its_other_ports_are_its_own_servers(server, e2b, sandbox):
+    """The data plane by host (`{port}-{id}.{domain}`) as well as by header,
+    and a port other than envd's reaching the sandbox's own server; over
+    TLS, HTTP/2 is offered by ALPN (the SDK's Connect calls use it)."""
+    token = {"X-Access-Token": sandbox._envd_access_token}  # what the SDK sends on each envd call
+    status, _ = envd_get(server, "/health", {"Host": f"49983-{sandbox.sandbox_id}.localhost", **token})
+    assert status == 204
+    status, body = envd_get(server, "/envs", {"Host": f"49983-{sandbox.sandbox_id}.localhost"})
+    assert status == 401, body
+
+    sandbox.files.write("/tmp/www/index.html", "served by the sandbox\n")
+    sandbox.commands.run("python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp/www", background=True)
+    by_header = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    host = sandbox.get_host(8000)
+    assert host == f"8000-{sandbox.sandbox_id}.localhost", host
+    for headers in (by_header, {"Host": host}):
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = envd_get(server, "/index.html", headers)
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert (status, body) == (200, "served by the sandbox\n"), headers
+
+    if server.url.startswith("https://"):
+        context = ssl.create_default_context(cafile=str(server.ca_path))
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                assert tls.selected_alpn_protocol() == "h2"

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -129,7 +130,7 @@ class CladeServer:
 
     def __init__(self, suite: str, name: str = "main", args: Optional[List[str]] = None,
                  env: Optional[Dict[str, str]] = None, copy_binaries: bool = False,
-                 artifacts: Optional[Path] = None) -> None:
+                 artifacts: Optional[Path] = None, tls: bool = False) -> None:
         self.name = name
         self.workdir = Path(tempfile.mkdtemp(prefix=f"clade-{suite}-{name}-"))
         self.data_dir = self.workdir / "data" if copy_binaries else self.workdir
@@ -147,9 +148,12 @@ class CladeServer:
             self.bin = BIN
             if "CLADE_GUESTD" not in self.env and guestd.is_file():
                 self.env["CLADE_GUESTD"] = str(guestd)
-        self.args = list(args or [])
+        # With `tls` the server serves HTTPS with a CA of its own
+        # (`--tls-self-signed`), which `ca_path` names once it has started.
+        self.args = [*(args or []), *(["--tls-self-signed"] if tls else [])]
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.ca_path = self.data_dir / "tls" / "ca.pem" if tls else None
         self.proc: Optional["subprocess.Popen[bytes]"] = None
         self.admin_key = ""
         self.keys: List[str] = []
@@ -176,9 +180,17 @@ class CladeServer:
             self.keys.append(self.admin_key)
         return self
 
+    def _tls_context(self) -> Optional[ssl.SSLContext]:
+        """Trusts the server's own CA (and nothing else) when it serves TLS."""
+        if self.ca_path is None or not self.ca_path.is_file():
+            return None
+        return ssl.create_default_context(cafile=str(self.ca_path))
+
     def healthy(self) -> bool:
+        if self.ca_path is not None and not self.ca_path.is_file():
+            return False
         try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as answer:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2, context=self._tls_context()) as answer:
                 status: int = answer.status
         except _HTTP_ERRORS:
             return False
@@ -206,7 +218,7 @@ class CladeServer:
         for name, value in (headers or {}).items():
             request.add_header(name, value)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._tls_context()) as answer:
                 status: int = answer.status
                 text: str = answer.read().decode(errors="replace")
         except urllib.error.HTTPError as e:

@@ -242,9 +242,11 @@ async fn serve_upload(envd: Envd, target: Target, token: AccessToken, request: R
     let query = FileQuery::parse(request.uri())?;
     check_access(request.headers(), &query, Operation::Write, &token.0, unix_now())?;
     let encoding = request.headers().get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase());
-    if let Some(encoding) = encoding.filter(|e| !e.is_empty() && e != "identity") {
-        return Err(bad_request(format!("Content-Encoding {encoding:?} is not supported here: upload the file uncompressed")));
-    }
+    let gzipped = match encoding.as_deref() {
+        None | Some("" | "identity") => false,
+        Some("gzip") => true,
+        Some(other) => return Err(bad_request(format!("Content-Encoding {other:?} is not supported here: send gzip or nothing"))),
+    };
     let content_type = request.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let media_type = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     let limit = envd.app.limits.fs_write_bytes;
@@ -255,7 +257,7 @@ async fn serve_upload(envd: Envd, target: Target, token: AccessToken, request: R
     if media_type == "application/octet-stream" {
         let path = query.path.as_deref().ok_or_else(|| bad_request("path query parameter is required for raw body upload"))?;
         let path = guest.resolve(path).map_err(bad_request)?;
-        let written = put_file(&guest, &path, request.into_body().into_data_stream(), limit).await?;
+        let written = put_file(&guest, &path, body_of(request, gzipped), limit).await?;
         return Ok(vec![written]);
     }
     if !media_type.starts_with("multipart/") {
@@ -264,7 +266,7 @@ async fn serve_upload(envd: Envd, target: Target, token: AccessToken, request: R
         )));
     }
     let boundary = multer::parse_boundary(&content_type).map_err(|e| bad_request(format!("error parsing multipart form: {e}")))?;
-    let mut multipart = multer::Multipart::new(request.into_body().into_data_stream(), boundary);
+    let mut multipart = multer::Multipart::new(body_of(request, gzipped), boundary);
     let mut written: Vec<WriteInfo> = Vec::new();
     while let Some(field) = multipart.next_field().await.map_err(|e| bad_request(format!("error reading form: {e}")))? {
         if field.name() != Some("file") {
@@ -284,6 +286,40 @@ async fn serve_upload(envd: Envd, target: Target, token: AccessToken, request: R
         written.push(put_file(&guest, &path, field, limit).await?);
     }
     Ok(written)
+}
+
+/// A request's body as it comes, inflated as it comes when it is gzipped
+/// (the SDKs' `gzip=True` uploads: `Content-Encoding: gzip`).
+fn body_of(request: Request, gzipped: bool) -> futures::stream::BoxStream<'static, Result<Bytes, std::io::Error>> {
+    let raw = request.into_body().into_data_stream().map(|chunk| chunk.map_err(std::io::Error::other));
+    if !gzipped {
+        return raw.boxed();
+    }
+    let inflating = futures::stream::unfold((raw, Some(flate2::write::GzDecoder::new(Vec::new()))), |(mut raw, decoder)| async move {
+        let mut decoder = decoder?;
+        loop {
+            match raw.next().await {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = std::io::Write::write_all(&mut decoder, &chunk) {
+                        return Some((Err(e), (raw, None)));
+                    }
+                    let inflated = std::mem::take(decoder.get_mut());
+                    if !inflated.is_empty() {
+                        return Some((Ok(Bytes::from(inflated)), (raw, Some(decoder))));
+                    }
+                }
+                Some(Err(e)) => return Some((Err(e), (raw, None))),
+                None => {
+                    return match decoder.finish() {
+                        Ok(rest) if rest.is_empty() => None,
+                        Ok(rest) => Some((Ok(Bytes::from(rest)), (raw, None))),
+                        Err(e) => Some((Err(e), (raw, None))),
+                    };
+                }
+            }
+        }
+    });
+    inflating.boxed()
 }
 
 fn too_large(limit: u64) -> E2bError {
