@@ -171,6 +171,66 @@ pub fn content_length(headers: &axum::http::HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
+/// Most of a file whose size says 0 (`/proc`, `/sys`) that is read whole.
+const PSEUDO_FILE_CAP: u64 = 64 << 20;
+
+/// A guest file opened for reading as an `application/octet-stream`
+/// answer, for `/v1`'s files and E2B's `/files`. `limit`: the server's read
+/// cap; `held` (e.g. the sandbox's `Running`) is kept until the last byte
+/// is sent.
+pub async fn file_answer<H: Send + 'static>(
+    mut read: clade_host::agent::FileRead,
+    path: &str,
+    limit: Option<u64>,
+    held: H,
+) -> Result<Response, ApiError> {
+    let too_large = |cap: u64| ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {}", human_bytes(cap)));
+    if let Some(limit) = limit.filter(|&limit| read.stat.size > limit) {
+        return Err(too_large(limit));
+    }
+    let reading = |e: clade_host::AgentError| crate::error::agent_error("reading the file", e, Some(path));
+    let octet_stream = [(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"))];
+    // A file whose size says 0 may be a `/proc` or `/sys` file, which has
+    // its bytes only as it is read, may stop giving them midway, and is
+    // small: read whole before answering, so that any failure is an error
+    // answer, not a broken body.
+    if read.stat.size == 0 {
+        let cap = limit.unwrap_or(PSEUDO_FILE_CAP);
+        let mut data = Vec::new();
+        while let Some(chunk) = read.next_chunk().await.map_err(reading)? {
+            data.extend_from_slice(&chunk);
+            if data.len() as u64 > cap {
+                return Err(too_large(cap));
+            }
+        }
+        return Ok((octet_stream, data).into_response());
+    }
+    // A regular file streams: its size is the answer's length, and what is
+    // sent (a file that grows meanwhile is read as it was). The first chunk
+    // comes before the answer's head, so that a file the guest cannot read
+    // at all is an error answer too.
+    let length = read.stat.size;
+    let first = read.next_chunk().await.map_err(reading)?;
+    let chunks = futures::stream::try_unfold((read, Some(first), 0u64, held), move |(mut read, pending, sent, held)| async move {
+        if sent >= length {
+            return Ok(None);
+        }
+        let next = match pending {
+            Some(first) => first,
+            None => read.next_chunk().await.map_err(std::io::Error::other)?,
+        };
+        let Some(mut chunk) = next else {
+            return Err(std::io::Error::other(format!("the file shrank to {sent} of {length} bytes")));
+        };
+        chunk.truncate((length - sent).min(chunk.len() as u64) as usize);
+        let sent = sent + chunk.len() as u64;
+        Ok(Some((bytes::Bytes::from(chunk), (read, None, sent, held))))
+    });
+    let mut response = (octet_stream, Body::from_stream(chunks)).into_response();
+    response.headers_mut().insert(header::CONTENT_LENGTH, length.into());
+    Ok(response)
+}
+
 /// RFC 3339 UTC with milliseconds, from Unix milliseconds (clamped to the
 /// years RFC 3339 can write: 1970 to 9999).
 pub fn rfc3339(unix_ms: i64) -> String {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use base64::Engine as _;
@@ -32,9 +32,6 @@ use super::{AccessToken, E2bError, Envd, Target};
 use crate::error::agent_error;
 use crate::http::{content_length, human_bytes};
 
-/// The most of a file whose size says 0 (a `/proc` or `/sys` file) a
-/// download takes when the server sets no read cap.
-const PSEUDO_FILE_CAP: u64 = 64 << 20;
 /// How long `/envs` may take.
 const ENVS_TIMEOUT_MS: u64 = 10_000;
 /// Between the two readings of `/proc/stat` that give `/metrics` its CPU use.
@@ -158,7 +155,7 @@ async fn serve_download(envd: Envd, target: Target, token: AccessToken, request:
     let path = guest.resolve(query.path.as_deref().unwrap_or("")).map_err(bad_request)?;
     // The guest judges what the path resolves to (links followed): only a
     // regular file is read; a device, FIFO or socket may never end.
-    let mut read = match guest.agent().open_read(&path).await {
+    let read = match guest.agent().open_read(&path).await {
         Ok(read) => read,
         Err(e) if is_kind(&e, ErrorKind::IsADirectory) => return Err(bad_request(format!("path '{path}' is a directory"))),
         Err(e) if is_kind(&e, ErrorKind::NotFound) => {
@@ -166,52 +163,7 @@ async fn serve_download(envd: Envd, target: Target, token: AccessToken, request:
         }
         Err(e) => return Err(agent_error("reading the file", e, Some(&path)).into()),
     };
-    let limit = envd.app.limits.fs_read_bytes;
-    let too_large =
-        |cap: u64| E2bError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("{path} is larger than the read limit of {}", human_bytes(cap)));
-    if let Some(limit) = limit.filter(|&limit| read.stat.size > limit) {
-        return Err(too_large(limit));
-    }
-    let octet_stream = [(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"))];
-    // A file whose size says 0 may be a `/proc` file, which has its bytes
-    // only as it is read and may stop giving them midway: read whole first,
-    // so that a failure is an error answer, not a broken body.
-    if read.stat.size == 0 {
-        let cap = limit.unwrap_or(PSEUDO_FILE_CAP);
-        let mut data = Vec::new();
-        while let Some(chunk) = read.next_chunk().await.map_err(|e| E2bError::from(agent_error("reading the file", e, Some(&path))))? {
-            data.extend_from_slice(&chunk);
-            if data.len() as u64 > cap {
-                return Err(too_large(cap));
-            }
-        }
-        return Ok((octet_stream, data).into_response());
-    }
-    // A regular file streams, its size the answer's length. The first chunk
-    // comes before the answer's head, so that a file the guest cannot read
-    // at all is an error answer too. The sandbox stays held running until
-    // the last byte is sent.
-    let length = read.stat.size;
-    let first = read.next_chunk().await.map_err(|e| E2bError::from(agent_error("reading the file", e, Some(&path))))?;
-    let held = guest.running;
-    let chunks = futures::stream::try_unfold((read, Some(first), 0u64, held), move |(mut read, pending, sent, held)| async move {
-        if sent >= length {
-            return Ok(None);
-        }
-        let next = match pending {
-            Some(first) => first,
-            None => read.next_chunk().await.map_err(std::io::Error::other)?,
-        };
-        let Some(mut chunk) = next else {
-            return Err(std::io::Error::other(format!("the file shrank to {sent} of {length} bytes")));
-        };
-        chunk.truncate((length - sent).min(chunk.len() as u64) as usize);
-        let sent = sent + chunk.len() as u64;
-        Ok(Some((Bytes::from(chunk), (read, None, sent, held))))
-    });
-    let mut response = (octet_stream, axum::body::Body::from_stream(chunks)).into_response();
-    response.headers_mut().insert(header::CONTENT_LENGTH, length.into());
-    Ok(response)
+    Ok(crate::http::file_answer(read, &path, envd.app.limits.fs_read_bytes, guest.running).await?)
 }
 
 /// An entry of `POST /files`' answer.
@@ -527,12 +479,12 @@ mod tests {
         );
         // The token.
         let mut with_token = HeaderMap::new();
-        with_token.insert("x-access-token", HeaderValue::from_static("secret"));
+        with_token.insert("x-access-token", axum::http::HeaderValue::from_static("secret"));
         assert!(check_access(&with_token, &query(path, None, None, None), Operation::Read, token, now).is_ok());
         // A wrong token fails even beside a good signature.
         let good = url_signature(path, Operation::Read, "", token, None);
         let mut wrong_token = HeaderMap::new();
-        wrong_token.insert("x-access-token", HeaderValue::from_static("nope"));
+        wrong_token.insert("x-access-token", axum::http::HeaderValue::from_static("nope"));
         assert!(check_access(&wrong_token, &query(path, None, Some(good.clone()), None), Operation::Read, token, now).is_err());
         // A good signature, for this operation only.
         assert!(check_access(&none, &query(path, None, Some(good.clone()), None), Operation::Read, token, now).is_ok());

@@ -297,10 +297,21 @@ async fn resolve(
     if let Some(id) = record.defaults.get(language) {
         return Ok(record.kernel_of(id).to_string());
     }
+    start_default(state, running, sandbox, &mut record, language).await
+}
+
+/// Starts `language`'s default context and records it (under the record's lock).
+async fn start_default(
+    state: &AppState,
+    running: &Running,
+    sandbox: &SandboxRow,
+    record: &mut Record,
+    language: &'static str,
+) -> Result<String, E2bError> {
     let kernel = start_context(state, running, sandbox, language, Some(DEFAULT_CWD)).await?;
     record.contexts.insert(kernel.clone(), Known { cwd: DEFAULT_CWD.to_string(), kernel: None });
     record.defaults.insert(language.to_string(), kernel.clone());
-    write_record(running, &record).await?;
+    write_record(running, record).await?;
     Ok(kernel)
 }
 
@@ -325,11 +336,7 @@ async fn replace_default(
         // A dead kernel's context is still listed by the daemon: end it.
         let _ = daemon_json(state, running, Method::DELETE, &format!("/contexts/{stale}"), None).await;
     }
-    let kernel = start_context(state, running, sandbox, language, Some(DEFAULT_CWD)).await?;
-    record.contexts.insert(kernel.clone(), Known { cwd: DEFAULT_CWD.to_string(), kernel: None });
-    record.defaults.insert(language.to_string(), kernel.clone());
-    write_record(running, &record).await?;
-    Ok(kernel)
+    start_default(state, running, sandbox, &mut record, language).await
 }
 
 /// Starts a cell: its event stream, or the daemon's refusal (a daemon that

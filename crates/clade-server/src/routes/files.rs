@@ -4,8 +4,8 @@
 //! memory stays flat. A server may cap them (`Limits`: 413 naming the cap).
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -25,7 +25,6 @@ use crate::AppState;
 
 /// The most of a file whose size says 0 (a `/proc` or `/sys` file) a read
 /// takes when the server sets no read cap.
-const PSEUDO_FILE_CAP: u64 = 64 << 20;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -144,52 +143,7 @@ pub async fn read(
         }
         Err(e) => return Err(agent_error("reading the file", e, Some(&path))),
     };
-    let limit = state.limits.fs_read_bytes;
-    if limit.is_some_and(|limit| read.stat.size > limit) {
-        let limit = human_bytes(limit.unwrap_or_default());
-        return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {limit}")));
-    }
-    // A file whose size says 0 may be a `/proc` or `/sys` file, which has
-    // its bytes only as it is read, may stop giving them midway, and is
-    // small: read whole before answering, so that any failure is an error
-    // answer, not a broken body.
-    let mut read = read;
-    if read.stat.size == 0 {
-        let cap = limit.unwrap_or(PSEUDO_FILE_CAP);
-        let mut data = Vec::new();
-        while let Some(chunk) = read.next_chunk().await.map_err(|e| agent_error("reading the file", e, Some(&path)))? {
-            data.extend_from_slice(&chunk);
-            if data.len() as u64 > cap {
-                return Err(ApiError::PayloadTooLarge(format!("{path} is larger than the read limit of {}", human_bytes(cap))));
-            }
-        }
-        return Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response());
-    }
-    // A regular file streams: its size is the answer's length, and what is
-    // sent (a file that grows meanwhile is read as it was). The first chunk
-    // comes before the answer's head, so that a file the guest cannot read
-    // at all is an error answer too.
-    let length = read.stat.size;
-    let first = read.next_chunk().await.map_err(|e| agent_error("reading the file", e, Some(&path)))?;
-    let chunks = futures::stream::try_unfold((read, Some(first), 0u64), move |(mut read, pending, sent)| async move {
-        if sent >= length {
-            return Ok(None);
-        }
-        let next = match pending {
-            Some(first) => first,
-            None => read.next_chunk().await.map_err(std::io::Error::other)?,
-        };
-        let Some(mut chunk) = next else {
-            return Err(std::io::Error::other(format!("the file shrank to {sent} of {length} bytes")));
-        };
-        chunk.truncate((length - sent).min(chunk.len() as u64) as usize);
-        let sent = sent + chunk.len() as u64;
-        Ok(Some((bytes::Bytes::from(chunk), (read, None, sent))))
-    });
-    let mut response = Response::new(axum::body::Body::from_stream(chunks));
-    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/octet-stream"));
-    response.headers_mut().insert(header::CONTENT_LENGTH, length.into());
-    Ok(response)
+    crate::http::file_answer(read, &path, state.limits.fs_read_bytes, ()).await
 }
 
 #[utoipa::path(put, operation_id = "writeFile", path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path, description = "A sandbox id"), PathQuery),
