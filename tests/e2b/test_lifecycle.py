@@ -48,6 +48,9 @@ def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
             "setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $!", timeout=COMMAND_TIMEOUT)
         pid = int(started.stdout.strip())
         assert sandbox.commands.run(f"kill -0 {pid}", timeout=COMMAND_TIMEOUT).exit_code == 0
+        # And a background command whose stream is still open: it runs on
+        # through the pause, as on E2B.
+        streamed = sandbox.commands.run("sleep 3601", background=True, timeout=0)
 
         assert sandbox.pause() is True
         assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.PAUSED
@@ -62,6 +65,8 @@ def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
         assert resumed.files.read("/home/user/kept.txt") == "before the pause"
         cmdline = resumed.commands.run(f"tr '\\0' ' ' < /proc/{pid}/cmdline", timeout=COMMAND_TIMEOUT).stdout
         assert cmdline.strip() == "sleep 3600", cmdline
+        cmdline = resumed.commands.run(f"tr '\\0' ' ' < /proc/{streamed.pid}/cmdline", timeout=COMMAND_TIMEOUT).stdout
+        assert cmdline.strip() == "sleep 3601", cmdline
         # The handle made before the pause works again too.
         assert sandbox.commands.run("echo awake", timeout=COMMAND_TIMEOUT).stdout == "awake\n"
 

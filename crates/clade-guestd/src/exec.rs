@@ -372,6 +372,10 @@ struct Supervisor {
     killed: bool,
     /// Whether the host's side of the substream is still open.
     host_open: bool,
+    /// Whether the agent's session with the host has ended.
+    session_over: bool,
+    /// The command runs on when the host goes ([`ExecRequest::outlives_host`]).
+    outlives_host: bool,
 }
 
 impl Supervisor {
@@ -410,10 +414,11 @@ impl Supervisor {
         }
     }
 
-    /// A host that goes away cancels what it started.
+    /// A host that goes away cancels what it started, unless it asked the
+    /// command to outlive it.
     fn on_host_gone(&mut self) {
         self.host_open = false;
-        if !self.killed {
+        if !self.killed && !self.outlives_host {
             self.kill(KillReason { cancelled: true, ..self.reason });
         }
     }
@@ -423,7 +428,10 @@ impl Supervisor {
     }
 
     fn on_session_end(&mut self) {
-        self.kill(KillReason { cancelled: true, ..self.reason });
+        self.session_over = true;
+        if !self.outlives_host {
+            self.kill(KillReason { cancelled: true, ..self.reason });
+        }
     }
 
     fn kill(&mut self, reason: KillReason) {
@@ -452,8 +460,17 @@ where
     let (output, stdin, terminal) = Output::start(io, req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT), &frames);
     let (mut host_rx, host_reader) = read_host_frames(rd);
 
-    let mut supervisor =
-        Supervisor { pgid: Pid::from_raw(pid), cgroup, stdin, terminal, reason: KillReason::default(), killed: false, host_open: true };
+    let mut supervisor = Supervisor {
+        pgid: Pid::from_raw(pid),
+        cgroup,
+        stdin,
+        terminal,
+        reason: KillReason::default(),
+        killed: false,
+        host_open: true,
+        session_over: false,
+        outlives_host: req.outlives_host,
+    };
     let timeout = req.timeout_ms.map(Duration::from_millis);
     let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(100 * 365 * 86400)));
     tokio::pin!(deadline);
@@ -462,7 +479,7 @@ where
             status = &mut exit => break status.ok(),
             frame = host_rx.recv(), if supervisor.host_open => supervisor.on_host_frame(frame.flatten()),
             _ = &mut deadline, if timeout.is_some() && !supervisor.killed => supervisor.on_deadline(),
-            _ = session.cancelled(), if !supervisor.killed => supervisor.on_session_end(),
+            _ = session.cancelled(), if !supervisor.killed && !supervisor.session_over => supervisor.on_session_end(),
         }
     };
     supervisor.on_exit();
@@ -912,6 +929,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_command_that_outlives_its_host_runs_on_when_the_substream_and_the_session_go() {
+        let h = Harness::start().await;
+        let request = ExecRequest { outlives_host: true, ..shell("sleep 1000.131 & sleep 1000.131") };
+        let mut s = h.open(&Request::Exec(request)).await;
+        started(&mut s).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(s);
+        h.shutdown().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!crate::testing::processes_with("sleep 1000.131").is_empty(), "the command runs on");
+        for pid in crate::testing::processes_with("sleep 1000.131") {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        assert_no_survivors("sleep 1000.131").await;
+    }
+
+    #[tokio::test]
     async fn ending_the_session_kills_its_execs() {
         let h = Harness::start().await;
         let mut s = h.open(&Request::Exec(shell("sleep 1000.126"))).await;
@@ -1171,6 +1205,8 @@ mod tests {
             reason: KillReason::default(),
             killed: false,
             host_open: true,
+            session_over: false,
+            outlives_host: false,
         }
     }
 

@@ -133,6 +133,11 @@ pub struct ExecRequest {
     pub output_limit: Option<u64>,
     /// Runs on a pseudo-terminal of this size: stdout carries the terminal's output.
     pub pty: Option<PtySize>,
+    /// Keeps running when the host goes away (the substream or the whole
+    /// session closes: a pause, a snapshot, a lost connection) instead of
+    /// being killed; its output is then read and dropped. E2B's processes
+    /// outlive their clients; a `Cancel` or a signal still ends it.
+    pub outlives_host: bool,
 }
 
 /// Output a command may send per stream when the request names no limit.
@@ -141,7 +146,17 @@ pub const DEFAULT_OUTPUT_LIMIT: u64 = 64 << 20;
 impl ExecRequest {
     /// A request with defaults for everything but the command.
     pub fn new(command: Command) -> Self {
-        Self { command, env: Vec::new(), cwd: None, user: None, stdin: false, timeout_ms: None, output_limit: None, pty: None }
+        Self {
+            command,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            stdin: false,
+            timeout_ms: None,
+            output_limit: None,
+            pty: None,
+            outlives_host: false,
+        }
     }
 }
 

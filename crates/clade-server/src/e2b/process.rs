@@ -12,12 +12,13 @@
 //! time. A process that has ended stays in the table for
 //! [`RETAIN_ENDED`], so that a late `Connect` still gets its tail and its end.
 //!
-//! The sandbox is held (`Running`) only while a stream follows a process or
-//! a call is served, never for a process's whole life, so that an idle
-//! sandbox can still be paused or hibernated. That ends the agent session
-//! and with it every process it ran: the guest kills what its host stopped
-//! talking to. Such a process ends with an `unavailable` stream error (the
-//! SDKs then probe the sandbox's health), not with an exit.
+//! The sandbox is held (`Running`) only while a call is served (a start, an
+//! input, a signal), never while a stream follows a process, so that a
+//! sandbox can be paused or hibernated under a client that follows one (as
+//! E2B's SDKs do a background command's). That ends the agent's session:
+//! the processes run on in the guest (`ExecRequest::outlives_host`), and
+//! their streams here end with an `unavailable` error (the SDKs then probe
+//! the sandbox's health), not with an exit; they are no longer listed.
 //!
 //! It must not touch the other envd services or the sandbox's lifecycle.
 
@@ -752,11 +753,10 @@ impl StreamLimits {
     }
 }
 
-/// Sends `start`, the backlog, then each update until the end; holds the
-/// sandbox (`running`) meanwhile. A client that goes away only detaches.
-async fn stream_events(limits: StreamLimits, sender: StreamSender, pid: u32, following: Following, running: Option<Running>) {
+/// Sends `start`, the backlog, then each update until the end. A client
+/// that goes away only detaches.
+async fn stream_events(limits: StreamLimits, sender: StreamSender, pid: u32, following: Following) {
     let result = forward(&limits, &sender, pid, following).await;
-    drop(running);
     if let Some(result) = result {
         sender.finish(result).await;
     }
@@ -836,8 +836,9 @@ async fn start(envd: Envd, target: Target, headers: HeaderMap, body: Body) -> Re
     };
     match launch(&envd, &target, request).await {
         Ok((process, following, running)) => {
+            drop(running);
             let (sender, response) = connect::stream_response();
-            tokio::spawn(stream_events(limits, sender, process.pid, following, Some(running)));
+            tokio::spawn(stream_events(limits, sender, process.pid, following));
             response
         }
         Err(error) => connect::stream_error(error),
@@ -876,6 +877,9 @@ async fn launch(envd: &Envd, target: &Target, request: StartRequest) -> Result<(
         timeout_ms: None,
         output_limit: Some(OUTPUT_LIMIT),
         pty,
+        // A pause or a snapshot closes the agent's connection: the process
+        // runs on (its output from then on is not seen), as on E2B.
+        outlives_host: true,
     };
     let session = agent.exec(exec).await.map_err(|error| start_error(&config, error))?;
     let process = Arc::new(Process {
@@ -960,18 +964,16 @@ async fn follow(envd: Envd, target: Target, headers: HeaderMap, body: Body) -> R
         Ok(process) => process,
         Err(error) => return connect::stream_error(error),
     };
-    // An ended process needs nothing of the sandbox (and must not wake it).
-    let running = if process.feed.has_ended() {
-        None
-    } else {
-        match hold_sandbox(&envd, &target).await {
-            Ok(running) => Some(running),
-            Err(error) => return connect::stream_error(error),
+    // A running one's sandbox is woken if it sleeps (and counts as used),
+    // not held; an ended one needs nothing of it (and must not wake it).
+    if !process.feed.has_ended() {
+        if let Err(error) = hold_sandbox(&envd, &target).await {
+            return connect::stream_error(error);
         }
-    };
+    }
     let following = process.feed.follow(request.replay.unwrap_or(false));
     let (sender, response) = connect::stream_response();
-    tokio::spawn(stream_events(limits, sender, process.pid, following, running));
+    tokio::spawn(stream_events(limits, sender, process.pid, following));
     response
 }
 
