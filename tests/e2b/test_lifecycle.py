@@ -56,11 +56,18 @@ def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
         assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.PAUSED
         assert sandbox.sandbox_id in listed_ids(state=[SandboxState.PAUSED])
         assert sandbox.sandbox_id not in listed_ids(state=[SandboxState.RUNNING])
-        # Pausing what is paused already says so.
+        # Pausing what is paused already says so; its envd's health probe
+        # fails (and wakes nothing).
         assert sandbox.pause() is False
+        assert sandbox.is_running(request_timeout=REQUEST_TIMEOUT) is False
+        assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.PAUSED
 
         resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
-        assert resumed.sandbox_id == sandbox.sandbox_id
+        assert resumed.sandbox_id == sandbox.sandbox_id and resumed.is_running(request_timeout=REQUEST_TIMEOUT)
+        # A connect never shortens a sandbox's time.
+        Sandbox.connect(sandbox.sandbox_id, timeout=5, request_timeout=REQUEST_TIMEOUT)
+        info = Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT)
+        assert (info.end_at - info.started_at).total_seconds() > 600, info
         assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.RUNNING
         assert resumed.files.read("/home/user/kept.txt") == "before the pause"
         cmdline = resumed.commands.run(f"tr '\\0' ' ' < /proc/{pid}/cmdline", timeout=COMMAND_TIMEOUT).stdout

@@ -151,3 +151,9 @@ def test_hosts_name_a_sandbox_and_its_other_ports_are_its_own_servers(server, e2
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
             with context.wrap_socket(raw, server_hostname="localhost") as tls:
                 assert tls.selected_alpn_protocol() == "h2"
+
+
+def test_e2b_routes_clade_does_not_serve_answer_in_e2bs_shape(server, e2b):
+    status, body = envd_get(server, "/templates/aliases/base", {"X-API-KEY": e2b})
+    answer = json.loads(body)
+    assert (status, answer["code"]) == (404, 404) and "does not serve" in answer["message"], body

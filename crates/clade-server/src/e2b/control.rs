@@ -23,7 +23,7 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
+use axum::routing::{any, delete, get, post, put};
 use axum::{Json, Router};
 use clade_mcp::api::Api;
 use clade_mcp::ToolError;
@@ -78,11 +78,32 @@ pub(crate) fn router<S: Clone + Send + Sync + 'static>(store: &Store, previews: 
         .route("/sandboxes/{id}/logs", get(logs))
         .route("/v2/sandboxes/{id}/logs", get(logs))
         .route("/snapshots", get(list_snapshots))
-        .route("/templates/{id}", delete(delete_template))
+        .route("/templates/{id}", delete(delete_template).fallback(not_served))
+        // E2B's routes Clade does not serve answer in E2B's shape (its SDKs
+        // read `code` of any error), not in the `/v1` envelope.
+        .route("/templates", any(not_served))
+        .route("/templates/{id}/{*rest}", any(not_served))
+        .route("/v2/templates", any(not_served))
+        .route("/v2/templates/{*rest}", any(not_served))
+        .route("/v3/templates", any(not_served))
+        .route("/v3/templates/{*rest}", any(not_served))
+        .route("/secrets", any(not_served))
+        .route("/secrets/{*rest}", any(not_served))
+        .route("/volumes", any(not_served))
+        .route("/volumes/{*rest}", any(not_served))
         .with_state(Control { store: store.clone(), previews: previews.clone(), api })
 }
 
 type Answer = Result<Response, E2bError>;
+
+/// One of E2B's routes that Clade does not serve (template builds, secrets,
+/// E2B's volumes: docs/e2b-compat.md).
+async fn not_served(request: Request) -> E2bError {
+    E2bError::new(
+        StatusCode::NOT_FOUND,
+        format!("{} {} is an E2B route Clade does not serve (docs/e2b-compat.md)", request.method(), request.uri().path()),
+    )
+}
 
 impl From<ToolError> for E2bError {
     fn from(error: ToolError) -> Self {
@@ -403,8 +424,13 @@ async fn connect(State(control): State<Control>, Path(id): Path<String>, request
     if paused {
         api.json(api.request(Method::POST, &["sandboxes", &id, "wake"])).await?;
     }
+    // Connect only ever lengthens a sandbox's time (as on E2B): a shorter
+    // `timeout` than it has leaves it as it is.
     if let Some(timeout) = seconds(&body, "timeout")? {
-        api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&json!({ "ttl_seconds": timeout }))).await?;
+        let ttl = sandbox["ttl_seconds"].as_u64().unwrap_or(0);
+        if ttl != 0 && timeout > ttl {
+            api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&json!({ "ttl_seconds": timeout }))).await?;
+        }
     }
     let answer = control.sandbox(&headers, &sandbox).await?;
     Ok(match paused {

@@ -205,6 +205,12 @@ pub async fn route(State(plane): State<DataPlane>, mut request: Request, next: N
     };
     let expected = access_token(key, &sandbox.id);
     let path = request.uri().path();
+    // A paused sandbox's envd does not answer its health probe (the SDKs'
+    // `is_running()`), and the probe wakes nothing; any other call wakes it.
+    let asleep = matches!(sandbox.state, clade_store::SandboxState::Hibernated | clade_store::SandboxState::Paused);
+    if path == "/health" && asleep {
+        return sandbox_gone(&id);
+    }
     // envd's health and signed file URLs need no token; the files route checks a signature itself.
     let open = path == "/health" || (path == "/files" && request.uri().query().is_some_and(|q| q.contains("signature=")));
     if !open && !presents_token(request.headers(), &expected) {
