@@ -178,8 +178,8 @@ def list_tokens() -> Call[List[gen.Token]]:
     return Call("listTokens", "GET", "/v1/me/tokens", lambda r: gen.Tokens.from_json(r.json()).items)
 
 
-def create_token(label: Optional[str], expires_in_days: Optional[int]) -> Call[gen.Token]:
-    body = gen.CreateToken(label=label, expires_in_days=expires_in_days).to_json()
+def create_token(label: Optional[str], expires_in_days: Optional[int], format: Optional[str] = None) -> Call[gen.Token]:
+    body = gen.CreateToken(label=label, expires_in_days=expires_in_days, format=format).to_json()
     return Call("createToken", "POST", "/v1/me/tokens", _json(gen.Token.from_json), json=body)
 
 

@@ -103,6 +103,7 @@ class AsyncSandboxes:
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
         preview_auth: Optional[bool] = None,
         limits: Optional[gen.Limits] = None,
+        env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
     ) -> AsyncSandbox:
         """A new sandbox (from `template`, `base` by default, or `from_snapshot`).
@@ -111,7 +112,7 @@ class AsyncSandboxes:
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
             persistent=persistent, from_snapshot=from_snapshot, network=network, volumes=attachments,
-            preview_auth=preview_auth, limits=limits,
+            preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
         return AsyncSandbox(self._transport, await self._transport.request(api.create_sandbox(body, idempotency_key)))
 
@@ -681,9 +682,12 @@ class AsyncKeys:
     async def list(self) -> List[gen.Token]:
         return await self._transport.request(api.list_tokens())
 
-    async def create(self, label: Optional[str] = None, *, expires_in_days: Optional[int] = None) -> gen.Token:
-        """A new key; its secret (`token`) is shown only in this answer."""
-        return await self._transport.request(api.create_token(label, expires_in_days))
+    async def create(
+        self, label: Optional[str] = None, *, expires_in_days: Optional[int] = None, format: Optional[str] = None,
+    ) -> gen.Token:
+        """A new key; its secret (`token`) is shown only in this answer.
+        `format="e2b"` spells it as E2B's SDKs expect (`e2b_…`)."""
+        return await self._transport.request(api.create_token(label, expires_in_days, format))
 
     async def revoke(self, prefix: str) -> None:
         await self._transport.request(api.revoke_token(prefix))

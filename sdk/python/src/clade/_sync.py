@@ -101,6 +101,7 @@ class Sandboxes:
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
         preview_auth: Optional[bool] = None,
         limits: Optional[gen.Limits] = None,
+        env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
     ) -> Sandbox:
         """A new sandbox (from `template`, `base` by default, or `from_snapshot`).
@@ -109,7 +110,7 @@ class Sandboxes:
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
             persistent=persistent, from_snapshot=from_snapshot, network=network, volumes=attachments,
-            preview_auth=preview_auth, limits=limits,
+            preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
         return Sandbox(self._transport, self._transport.request(api.create_sandbox(body, idempotency_key)))
 
@@ -679,9 +680,12 @@ class Keys:
     def list(self) -> List[gen.Token]:
         return self._transport.request(api.list_tokens())
 
-    def create(self, label: Optional[str] = None, *, expires_in_days: Optional[int] = None) -> gen.Token:
-        """A new key; its secret (`token`) is shown only in this answer."""
-        return self._transport.request(api.create_token(label, expires_in_days))
+    def create(
+        self, label: Optional[str] = None, *, expires_in_days: Optional[int] = None, format: Optional[str] = None,
+    ) -> gen.Token:
+        """A new key; its secret (`token`) is shown only in this answer.
+        `format="e2b"` spells it as E2B's SDKs expect (`e2b_…`)."""
+        return self._transport.request(api.create_token(label, expires_in_days, format))
 
     def revoke(self, prefix: str) -> None:
         self._transport.request(api.revoke_token(prefix))
