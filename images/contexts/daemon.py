@@ -208,6 +208,35 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
+def process_running(pid: int) -> bool:
+    """False once pid has exited (a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether pid ignores SIGINT (its SigIgn mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def signal_quietly(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
 def renice_process(pid: int, value: int, idle: bool = False) -> None:
     """Sets the nice value of every thread of pid (Linux nice is per thread),
     and its policy: SCHED_IDLE when `idle` (it runs only when nothing else
@@ -1287,6 +1316,7 @@ class BashContext(ChildContext):
         timed_out = False
         stage = 0  # 1: SIGINT sent, 2: commands killed
         next_stage = None
+        signalled: set[int] = set()  # the group when the SIGINT went out
         died = False
         try:
             try:
@@ -1299,12 +1329,10 @@ class BashContext(ChildContext):
                 scan(stream)
             while not died and not (done["stdout"] and done["stderr"]):
                 now = time.monotonic()
-                if deadline is not None and stage == 0 and now >= deadline:
-                    timed_out = True
+                if stage == 0 and ((deadline is not None and now >= deadline) or out.client_left()):
+                    timed_out = deadline is not None and now >= deadline
                     stage, next_stage = 1, now + BASH_ESCALATE_AFTER
-                    self._signal_group(signal.SIGINT, include_shell=True)
-                elif stage == 0 and out.client_left():
-                    stage, next_stage = 1, now + BASH_ESCALATE_AFTER
+                    signalled = set(process_group_members(self.proc.pid))
                     self._signal_group(signal.SIGINT, include_shell=True)
                 elif stage == 1 and now >= next_stage:
                     stage, next_stage = 2, now + BASH_ESCALATE_AFTER
@@ -1324,6 +1352,8 @@ class BashContext(ChildContext):
                 scan(stream)
         finally:
             self.running = False
+        if stage and not died:
+            self._stop_missed_commands(signalled)
         if died:
             for stream in buffers:
                 if not done[stream]:
@@ -1341,6 +1371,33 @@ class BashContext(ChildContext):
             return {"timed_out": timed_out, "status": status}
         return {"timed_out": timed_out, "status": status}
 
+    def _stop_missed_commands(self, signalled: set[int]) -> None:
+        """Stops the commands an interrupted cell left running. A SIGINT that
+        lands while bash is between two commands makes it abandon the cell,
+        yet the child it was forking did not exist to get the signal: that
+        command runs on with the next cell (`echo x; sleep 600` interrupted
+        after its first line). Such a child is one the SIGINT missed and that
+        does not ignore SIGINT (background jobs do, in a shell without job
+        control): it gets the SIGINT now, and SIGKILL if it outlives the grace."""
+        pgid = self.proc.pid
+
+        def missed() -> list[int]:
+            return [
+                pid
+                for pid in process_group_members(pgid)
+                if pid != pgid and pid not in signalled and process_running(pid) and not ignores_sigint(pid)
+            ]
+
+        left = missed()
+        for pid in left:
+            signal_quietly(pid, signal.SIGINT)
+        grace = time.monotonic() + BASH_ESCALATE_AFTER
+        while left and time.monotonic() < grace:
+            time.sleep(0.02)
+            left = [pid for pid in missed() if pid in left]
+        for pid in left:
+            signal_quietly(pid, signal.SIGKILL)
+
     def _signal_group(self, signum: int, include_shell: bool) -> None:
         pgid = self.proc.pid
         if include_shell:
@@ -1351,10 +1408,7 @@ class BashContext(ChildContext):
             return
         for pid in process_group_members(pgid):
             if pid != pgid:
-                try:
-                    os.kill(pid, signum)
-                except OSError:
-                    pass
+                signal_quietly(pid, signum)
 
 
 def partial_suffix(data: bytes, marker: bytes) -> int:

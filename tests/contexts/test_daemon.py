@@ -19,6 +19,7 @@ import http.client
 import json
 import os
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -669,6 +670,43 @@ def test_bash_abort_stops_the_command_and_keeps_the_shell(daemon):
         time.sleep(0.2)
     assert left == "", "the aborted command still runs"
     daemon.request("DELETE", f"/contexts/{cid}")
+
+
+def sleeping_with_pid(seconds: str) -> list[str]:
+    listed = subprocess.run(["pgrep", "-f", f"^sleep {seconds}$"], capture_output=True, text=True).stdout
+    return listed.split()
+
+
+def test_bash_abort_stops_a_command_the_interrupt_missed(daemon):
+    # A SIGINT that lands while bash is between two commands makes it
+    # abandon the cell, yet the command it was forking never got the
+    # signal and runs on. Here that is made certain: the foreground program
+    # answers the SIGINT by starting `sleep 611` and exiting, so a command
+    # born after the interrupt outlives the cell. An aborted cell leaves
+    # nothing of its own running; a background job it started stays.
+    cid = daemon.create("bash")
+    daemon.run(cid, "sleep 612 &")
+    spawner = (
+        "import signal, subprocess, sys, time\n"
+        "def missed(*_):\n"
+        "    subprocess.Popen(['sleep', '611'])\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, missed)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    try:
+        abort_after_first_line(daemon, cid, f"{shlex.quote(PYTHON)} -c {shlex.quote(spawner)}")
+        assert text_of(daemon.run(cid, "echo next", timeout_ms=20_000)) == "next\n"
+        deadline = time.monotonic() + 10
+        while sleeping_with_pid("611") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sleeping_with_pid("611") == [], "the command the interrupt missed still runs"
+        assert sleeping_with_pid("612"), "the background job was stopped too"
+    finally:
+        for pid in sleeping_with_pid("611") + sleeping_with_pid("612"):
+            os.kill(int(pid), signal.SIGKILL)
+        daemon.request("DELETE", f"/contexts/{cid}")
 
 
 def test_javascript_abort_ends_the_context(daemon, node_available):
