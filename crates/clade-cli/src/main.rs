@@ -169,7 +169,7 @@ fn main() -> ExitCode {
 
 /// A client of the server the flags, environment or config file name.
 fn client(api: &config::ApiArgs) -> anyhow::Result<client::Client> {
-    Ok(client::Client::new(&api.endpoint()?)?)
+    Ok(client::connect(&api.endpoint()?)?)
 }
 
 fn fail(e: anyhow::Error) -> ExitCode {

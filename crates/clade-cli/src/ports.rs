@@ -112,7 +112,7 @@ async fn forward_one(client: &Client, id: &str, remote: u16, tcp: TcpStream) -> 
         Err(tungstenite::Error::Http(response)) => {
             let status = response.status().as_u16();
             let body = response.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default();
-            return Err(ClientError::Api { status, message: error_message(status, &body) }.into());
+            return Err(ClientError::Status { status, message: error_message(status, &body) }.into());
         }
         Err(e) => return Err(anyhow::Error::new(e).context(format!("connecting to {url}"))),
     };

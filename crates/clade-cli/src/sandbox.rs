@@ -27,6 +27,10 @@ pub enum SandboxCommand {
         /// KEY=VALUE, repeatable.
         #[arg(long = "metadata", short, value_name = "KEY=VALUE")]
         metadata: Vec<String>,
+        /// An environment variable of every command it runs, KEY=VALUE
+        /// (the value may hold commas and `=`), repeatable.
+        #[arg(long = "env", short, value_name = "KEY=VALUE")]
+        env: Vec<String>,
         /// Make it from a snapshot (`clade sandbox snapshot`).
         #[arg(long)]
         from_snapshot: Option<String>,
@@ -162,6 +166,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             ttl,
             persistent,
             metadata,
+            env,
             from_snapshot,
             memory_limit,
             max_processes,
@@ -180,6 +185,9 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             if !metadata.is_empty() {
                 body.insert("metadata".into(), parse_metadata(&metadata)?);
+            }
+            if !env.is_empty() {
+                body.insert("env".into(), parse_env(&env)?);
             }
             if let Some(snapshot) = from_snapshot {
                 body.insert("from_snapshot".into(), json!(snapshot));
@@ -357,6 +365,15 @@ fn parse_metadata(pairs: &[String]) -> anyhow::Result<Value> {
     Ok(Value::Object(map))
 }
 
+fn parse_env(pairs: &[String]) -> anyhow::Result<Value> {
+    let mut map = Map::new();
+    for pair in pairs {
+        let (key, value) = pair.split_once('=').ok_or_else(|| anyhow::anyhow!("--env {pair:?}: expected KEY=VALUE"))?;
+        map.insert(key.to_string(), json!(value));
+    }
+    Ok(Value::Object(map))
+}
+
 /// The children's ids in a fork or fork-tree answer (§3.9: several shapes).
 fn fork_children(answer: &Value) -> Vec<String> {
     let id_of = |v: &Value| v.as_str().map(str::to_string).or_else(|| v["id"].as_str().map(str::to_string));
@@ -383,7 +400,7 @@ async fn exec(client: &Client, id: &str, timeout: Option<u64>, args: &[String], 
     let response = match client.send(request).await {
         Ok(response) => response,
         // No streaming on this server (or no such sandbox: the blocking call says so).
-        Err(ClientError::Api { status: 404 | 405, .. }) => return exec_blocking(client, id, &body, json_out).await,
+        Err(ClientError::Status { status: 404 | 405, .. }) => return exec_blocking(client, id, &body, json_out).await,
         Err(e) => return Err(e.into()),
     };
     let mut events = SseReader::new(response);

@@ -1,11 +1,30 @@
-//! A small client of Clade's own HTTP API (base URL + API key). The tools
-//! call the public API exactly as any client would, so they work the same
-//! against any server of a cluster, and workspace scoping is the API's.
+//! A small client of Clade's own HTTP API (base URL + API key), shared by
+//! the MCP tools, the CLI and the server's E2B control plane. They call the
+//! public API exactly as any client would, so they work the same against
+//! any server of a cluster, and workspace scoping is the API's.
 
 use reqwest::{Method, RequestBuilder, Response, Url};
 use serde_json::Value;
 
-use crate::error::ToolError;
+/// Every way a call of the API can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The API answered with an error: its message and status, as the server said them.
+    #[error("{message} (HTTP {status})")]
+    Status { status: u16, message: String },
+    #[error("invalid API URL {0:?}: expected e.g. http://127.0.0.1:8080")]
+    BadUrl(String),
+    #[error("cannot reach the Clade API at {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("reading the Clade API's answer")]
+    Body(#[source] reqwest::Error),
+    #[error("unexpected answer from the Clade API: {0}")]
+    Protocol(String),
+}
 
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -16,18 +35,18 @@ pub struct Api {
 }
 
 impl Api {
-    pub fn new(url: &str, key: &str) -> Result<Self, ToolError> {
+    pub fn new(url: &str, key: &str) -> Result<Self, ApiError> {
         let trimmed = url.trim().trim_end_matches('/');
         let trimmed = trimmed.strip_suffix("/v1").unwrap_or(trimmed);
         let base = Url::parse(trimmed)
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https") && u.has_host())
-            .ok_or_else(|| ToolError::BadUrl(url.to_string()))?;
+            .ok_or_else(|| ApiError::BadUrl(url.to_string()))?;
         let http = reqwest::Client::builder()
-            .user_agent(concat!("clade-mcp/", env!("CARGO_PKG_VERSION")))
+            .user_agent(concat!("clade/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(std::time::Duration::from_secs(10))
             .build()
-            .map_err(|source| ToolError::Connect { url: url.to_string(), source })?;
+            .map_err(|source| ApiError::Connect { url: url.to_string(), source })?;
         Ok(Self { base, key: key.to_string(), http })
     }
 
@@ -41,8 +60,13 @@ impl Api {
         self.base.as_str().trim_end_matches('/')
     }
 
+    /// The API key the requests carry (for a WebSocket's own request).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     /// `{base}/v1/{segments…}`, each segment percent-encoded.
-    fn url(&self, segments: &[&str]) -> Url {
+    pub fn url(&self, segments: &[&str]) -> Url {
         let mut url = self.base.clone();
         if let Ok(mut path) = url.path_segments_mut() {
             path.pop_if_empty().push("v1").extend(segments);
@@ -54,28 +78,28 @@ impl Api {
         self.http.request(method, self.url(segments)).bearer_auth(&self.key)
     }
 
-    /// Sends; a non-2xx answer becomes [`ToolError::Api`] with the server's message.
-    pub async fn send(&self, request: RequestBuilder) -> Result<Response, ToolError> {
-        let response = request.send().await.map_err(|source| ToolError::Connect { url: self.base().to_string(), source })?;
+    /// Sends; a non-2xx answer becomes [`ApiError::Status`] with the server's message.
+    pub async fn send(&self, request: RequestBuilder) -> Result<Response, ApiError> {
+        let response = request.send().await.map_err(|source| ApiError::Connect { url: self.base().to_string(), source })?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
         }
         let text = response.text().await.unwrap_or_default();
-        Err(ToolError::Api { status: status.as_u16(), message: error_message(status.as_u16(), &text) })
+        Err(ApiError::Status { status: status.as_u16(), message: error_message(status.as_u16(), &text) })
     }
 
     /// Sends and decodes a JSON answer (`null` for an empty one).
-    pub async fn json(&self, request: RequestBuilder) -> Result<Value, ToolError> {
-        let bytes = self.send(request).await?.bytes().await.map_err(ToolError::Body)?;
+    pub async fn json(&self, request: RequestBuilder) -> Result<Value, ApiError> {
+        let bytes = self.send(request).await?.bytes().await.map_err(ApiError::Body)?;
         if bytes.is_empty() {
             return Ok(Value::Null);
         }
-        serde_json::from_slice(&bytes).map_err(|e| ToolError::Protocol(format!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes))))
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::Protocol(format!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes))))
     }
 
-    pub async fn bytes(&self, request: RequestBuilder) -> Result<Vec<u8>, ToolError> {
-        Ok(self.send(request).await?.bytes().await.map_err(ToolError::Body)?.to_vec())
+    pub async fn bytes(&self, request: RequestBuilder) -> Result<Vec<u8>, ApiError> {
+        Ok(self.send(request).await?.bytes().await.map_err(ApiError::Body)?.to_vec())
     }
 }
 

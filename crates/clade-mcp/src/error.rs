@@ -3,23 +3,16 @@
 //! message) so that the model reads it; only a request that cannot be
 //! routed (an unknown tool) is a protocol error.
 
+use crate::api::ApiError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ToolError {
-    /// The API answered with an error: its `error` message and status, as the server said them.
+    /// A call of the API failed (its answer, when it gave one, says why).
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    /// A tool's own refusal, in the status the API would have used.
     #[error("{message} (HTTP {status})")]
-    Api { status: u16, message: String },
-    #[error("invalid API URL {0:?}: expected e.g. http://127.0.0.1:8080")]
-    BadUrl(String),
-    #[error("cannot reach the Clade API at {url}")]
-    Connect {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("reading the Clade API's answer")]
-    Body(#[source] reqwest::Error),
-    #[error("unexpected answer from the Clade API: {0}")]
-    Protocol(String),
+    Refused { status: u16, message: String },
     /// The tool's arguments do not fit its input schema.
     #[error("invalid arguments for {tool}: {reason}")]
     Arguments { tool: String, reason: String },
@@ -49,6 +42,6 @@ impl ToolError {
 
     /// Whether the API answered 404 (an unknown sandbox, or another workspace's).
     pub fn is_not_found(&self) -> bool {
-        matches!(self, Self::Api { status: 404, .. })
+        matches!(self, Self::Api(ApiError::Status { status: 404, .. }))
     }
 }

@@ -30,7 +30,7 @@ use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::ServiceExt;
 use tokio_util::sync::CancellationToken;
 
-pub use api::Api;
+pub use api::{Api, ApiError};
 pub use error::ToolError;
 pub use handler::{Caller, CladeMcp};
 pub use tools::SESSION_LABEL;

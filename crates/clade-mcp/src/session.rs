@@ -109,7 +109,7 @@ impl Drop for Session {
 /// Deletes each sandbox (one already gone counts as deleted); the number deleted.
 async fn delete_all(doomed: Vec<Ephemeral>) -> usize {
     let deletes = doomed.into_iter().map(|e| async move {
-        let outcome = e.api.send(e.api.request(Method::DELETE, &["sandboxes", &e.sandbox_id])).await;
+        let outcome = e.api.send(e.api.request(Method::DELETE, &["sandboxes", &e.sandbox_id])).await.map_err(ToolError::from);
         match outcome {
             Ok(_) => true,
             Err(err) if err.is_not_found() => true,

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::api::{Api, SseReader};
+use crate::api::{Api, ApiError, SseReader};
 use crate::error::ToolError;
 use crate::output::{self, Encoding, FileContent, Tail};
 use crate::session::Session;
@@ -482,7 +482,7 @@ async fn run_command(call: &mut Call<'_>, args: RunCommand) -> Result<CallToolRe
         .header(reqwest::header::ACCEPT, "text/event-stream")
         .json(&body);
     let mut events = SseReader::new(call.api.send(request).await?);
-    while let Some(event) = events.next().await.map_err(ToolError::Body)? {
+    while let Some(event) = events.next().await.map_err(ApiError::Body)? {
         let data: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
         match event.event.as_str() {
             "stdout" | "stderr" => {
@@ -507,7 +507,7 @@ async fn run_command(call: &mut Call<'_>, args: RunCommand) -> Result<CallToolRe
             _ => {}
         }
     }
-    Err(ToolError::Protocol("the command's stream ended without its exit code".into()))
+    Err(ApiError::Protocol("the command's stream ended without its exit code".into()).into())
 }
 
 async fn read_file(call: &Call<'_>, args: ReadFile) -> Result<CallToolResult, ToolError> {
@@ -530,15 +530,15 @@ pub(crate) async fn read_bytes(api: &Api, id: &str, path: &str) -> Result<Vec<u8
     let stat = api.json(api.request(Method::GET, &["sandboxes", id, "fs", "stat"]).query(&[("path", path)])).await?;
     let size = stat["size"].as_u64().unwrap_or_default();
     if stat["is_dir"].as_bool().unwrap_or(false) {
-        return Err(ToolError::Api { status: 400, message: format!("{path} is a directory: use list_files") });
+        return Err(ToolError::Refused { status: 400, message: format!("{path} is a directory: use list_files") });
     }
     if size > MAX_READ_BYTES as u64 {
-        return Err(ToolError::Api {
+        return Err(ToolError::Refused {
             status: 413,
             message: format!("{path} is {size} bytes, more than the {MAX_READ_BYTES} read_file returns: read parts of it with run_command (head, tail, grep)"),
         });
     }
-    api.bytes(api.request(Method::GET, &["sandboxes", id, "fs"]).query(&[("path", path)])).await
+    Ok(api.bytes(api.request(Method::GET, &["sandboxes", id, "fs"]).query(&[("path", path)])).await?)
 }
 
 async fn write_file(call: &Call<'_>, args: WriteFile) -> Result<CallToolResult, ToolError> {
@@ -587,7 +587,7 @@ async fn run_code(call: &Call<'_>, args: RunCode) -> Result<CallToolResult, Tool
                 .api
                 .json(call.api.request(Method::POST, &["sandboxes", id, "repl", "sessions"]).json(&json!({ "language": language })))
                 .await?;
-            made["id"].as_str().ok_or_else(|| ToolError::Protocol("the context's answer has no id".into()))?.to_string()
+            made["id"].as_str().ok_or_else(|| ApiError::Protocol("the context's answer has no id".into()))?.to_string()
         }
     };
     let mut body = json!({ "code": args.code });

@@ -120,10 +120,12 @@ fn a_sandbox_through_the_cli() {
     let clade = |args: &[&str]| server.clade(args);
 
     // Create: --json gives the object; its id is what every other command takes.
-    let sandbox = ok_json(&mut clade(&["sandbox", "create", "--json", "--metadata", "owner=cli,run=1"]));
+    let sandbox = ok_json(&mut clade(&["sandbox", "create", "--json", "--metadata", "owner=cli,run=1", "--env", "GREETING=hi, a=b"]));
     let id = sandbox["id"].as_str().unwrap().to_string();
     assert_eq!(sandbox["status"], "running", "{sandbox}");
     assert_eq!(sandbox["metadata"]["owner"], "cli");
+    // --env: every command's environment.
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &id, "echo \"$GREETING\""]))), "hi, a=b\n");
 
     // Exec: the command's exit code, stdout and stderr pass through.
     let out = output(&mut clade(&["sandbox", "exec", &id, "echo out; echo err >&2; exit 3"]), None);
@@ -386,7 +388,7 @@ fn settings_come_from_flags_then_environment_then_the_config_file() {
     // An unreachable URL from the environment beats the file's good one.
     let out = output(from_file(&["sandbox", "ls"]).env("CLADE_API_URL", "http://127.0.0.1:1"), None);
     assert_eq!(out.status.code(), Some(125));
-    assert!(text(&out.stderr).contains("cannot reach the server at http://127.0.0.1:1"), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("cannot reach the Clade API at http://127.0.0.1:1"), "{}", text(&out.stderr));
 
     // No key anywhere: the message says where to put one.
     let out = output(&mut client_command(&["sandbox", "ls"]), None);

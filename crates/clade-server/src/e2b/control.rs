@@ -25,9 +25,9 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, delete, get, post, put};
 use axum::{Json, Router};
-use clade_mcp::api::Api;
-use clade_mcp::ToolError;
+use clade_mcp::api::{Api, ApiError};
 use clade_store::Store;
+use futures::{StreamExt, TryStreamExt};
 use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -39,6 +39,8 @@ use crate::preview::Previews;
 const DEFAULT_TIMEOUT_S: u64 = 300;
 /// E2B's template names that are Clade's under another name.
 const TEMPLATE_ALIASES: &[(&str, &str)] = &[("code-interpreter-v1", "code-interpreter"), ("code-interpreter-beta", "code-interpreter")];
+/// How many sandboxes' idle times a listing looks up at once.
+const LISTING_LOOKUPS_AT_ONCE: usize = 16;
 /// The header a listing's next page token comes in.
 const NEXT_TOKEN_HEADER: &str = "x-next-token";
 
@@ -105,10 +107,10 @@ async fn not_served(request: Request) -> E2bError {
     )
 }
 
-impl From<ToolError> for E2bError {
-    fn from(error: ToolError) -> Self {
+impl From<ApiError> for E2bError {
+    fn from(error: ApiError) -> Self {
         match error {
-            ToolError::Api { status, message } => E2bError::new(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY), message),
+            ApiError::Status { status, message } => E2bError::new(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY), message),
             other => {
                 tracing::error!(error = %crate::error::chain(&other), "the E2B control plane could not call the API");
                 E2bError::new(StatusCode::BAD_GATEWAY, other.to_string())
@@ -246,7 +248,7 @@ async fn create(State(control): State<Control>, request: Request) -> Answer {
     // A snapshot's id names a snapshot of the caller's workspace, else a template.
     match api.json(api.request(Method::GET, &["snapshots", template])).await {
         Ok(_) => create["from_snapshot"] = json!(template),
-        Err(ToolError::Api { status: 404, .. }) => create["template"] = json!(template),
+        Err(ApiError::Status { status: 404, .. }) => create["template"] = json!(template),
         Err(e) => return Err(e.into()),
     }
     let env = strings(&body, "envVars")?;
@@ -286,7 +288,7 @@ async fn listed(api: &Api, sandbox: &Value) -> Result<Option<Value>, E2bError> {
     let ttl = sandbox["ttl_seconds"].as_u64().unwrap_or(0);
     let idle = match api.json(api.request(Method::GET, &["sandboxes", &id, "lifecycle"])).await {
         Ok(lifecycle) => lifecycle["idle_seconds"].as_u64().unwrap_or(0),
-        Err(ToolError::Api { status: 404, .. }) => return Ok(None),
+        Err(ApiError::Status { status: 404, .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
     let end_ms = match ttl {
@@ -330,18 +332,21 @@ async fn listing(control: &Control, headers: &HeaderMap, query: &ListQuery) -> R
     let wanted_states: Vec<&str> =
         query.state.as_deref().map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).collect()).unwrap_or_default();
     let all = api.json(api.request(Method::GET, &["sandboxes"])).await?;
-    let mut out = Vec::new();
+    // Each sandbox's idle time is a call of its own (to the sandbox's host):
+    // made a few at a time. (A loop, not a closure: a closure over the
+    // borrowed listing makes the handler's future fail axum's bounds.)
+    let mut lookups = Vec::new();
     for sandbox in all.as_array().into_iter().flatten() {
-        let metadata_matches = wanted_metadata.iter().all(|(key, value)| sandbox["metadata"][key].as_str() == Some(value.as_str()));
-        if !metadata_matches {
-            continue;
+        if wanted_metadata.iter().all(|(key, value)| sandbox["metadata"][key].as_str() == Some(value.as_str())) {
+            lookups.push(listed(&api, sandbox));
         }
-        let Some(listed) = listed(&api, sandbox).await? else { continue };
-        if !wanted_states.is_empty() && !wanted_states.contains(&listed["state"].as_str().unwrap_or_default()) {
-            continue;
-        }
-        out.push(listed);
     }
+    let listed: Vec<Option<Value>> = futures::stream::iter(lookups).buffered(LISTING_LOOKUPS_AT_ONCE).try_collect().await?;
+    let mut out: Vec<Value> = listed
+        .into_iter()
+        .flatten()
+        .filter(|listed| wanted_states.is_empty() || wanted_states.contains(&listed["state"].as_str().unwrap_or_default()))
+        .collect();
     out.sort_by_key(|s| (text(s, "startedAt"), text(s, "sandboxID")));
     if query.order.as_deref() != Some("asc") {
         out.reverse();
@@ -487,7 +492,7 @@ async fn delete_template(State(control): State<Control>, headers: HeaderMap, Pat
     let api = control.api(&headers)?;
     match api.send(api.request(Method::DELETE, &["snapshots", &id])).await {
         Ok(_) => return Ok(StatusCode::NO_CONTENT.into_response()),
-        Err(ToolError::Api { status: 404, .. }) => {}
+        Err(ApiError::Status { status: 404, .. }) => {}
         Err(e) => return Err(e.into()),
     }
     api.send(api.request(Method::DELETE, &["templates", &id])).await?;

@@ -175,10 +175,7 @@ async fn remove(
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
     let id = checked_context_id(&id)?;
-    let running = running(&state, &target).await?;
-    let _guard = locks.lock(&target.sandbox.id).await;
-    let mut record = read_record(&running).await?;
-    let kernel = record.kernel_of(id).to_string();
+    let Held { running, mut record, kernel, _guard } = Held::take(&state, &target, &locks, id).await?;
     let answer = daemon_json(&state, &running, Method::DELETE, &format!("/contexts/{kernel}"), None).await?;
     if record.forget(id) {
         write_record(&running, &record).await?;
@@ -201,10 +198,7 @@ async fn restart(
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
     let id = checked_context_id(&id)?;
-    let running = running(&state, &target).await?;
-    let _guard = locks.lock(&target.sandbox.id).await;
-    let mut record = read_record(&running).await?;
-    let kernel = record.kernel_of(id).to_string();
+    let Held { running, mut record, kernel, _guard } = Held::take(&state, &target, &locks, id).await?;
     let language = context_language(&state, &running, &kernel, id).await?;
     let cwd = record.contexts.get(id).map(|known| known.cwd.clone()).filter(|c| !c.is_empty());
     let fresh = start_context(&state, &running, &target.sandbox, language, cwd.as_deref()).await?;
@@ -832,6 +826,26 @@ impl RecordLocks {
 
 // ---------------------------------------------------------------------------
 // The daemon
+
+/// What a change of one context works on: the running sandbox, its record
+/// under the sandbox's record lock, and the context's kernel.
+struct Held {
+    running: Running,
+    record: Record,
+    /// The daemon's id of the context's kernel (a restart maps an id to another).
+    kernel: String,
+    _guard: OwnedMutexGuard<()>,
+}
+
+impl Held {
+    async fn take(state: &AppState, target: &Target, locks: &RecordLocks, id: &str) -> Result<Self, E2bError> {
+        let running = running(state, target).await?;
+        let guard = locks.lock(&target.sandbox.id).await;
+        let record = read_record(&running).await?;
+        let kernel = record.kernel_of(id).to_string();
+        Ok(Self { running, record, kernel, _guard: guard })
+    }
+}
 
 async fn running(state: &AppState, target: &Target) -> Result<Running, E2bError> {
     Ok(state.service.running(&target.sandbox.workspace_id, &target.sandbox.id).await?)
