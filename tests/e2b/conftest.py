@@ -53,7 +53,7 @@ E2B_VARIABLES = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", 
 
 # The modules in the order that makes a failure easiest to read: the
 # control plane first, then envd, the lifecycle, the interpreter last.
-MODULE_ORDER = ["test_sandboxes", "test_commands", "test_files", "test_pty", "test_lifecycle", "test_code_interpreter"]
+MODULE_ORDER = ["test_sandboxes", "test_commands", "test_files", "test_pty", "test_binary_codec", "test_lifecycle", "test_code_interpreter"]
 
 
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:

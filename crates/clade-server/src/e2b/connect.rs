@@ -1,5 +1,6 @@
 //! The Connect protocol (connectrpc.com/docs/protocol) as E2B's SDKs speak
-//! it to envd: the JSON codec, unary calls (`application/json`, errors as
+//! it to envd: the JSON codec (binary protobuf calls reach the handlers
+//! transcoded to it, by [`super::proto`]), unary calls (`application/json`, errors as
 //! an HTTP status and `{"code", "message"}`) and server streams
 //! (`application/connect+json`: HTTP 200, then envelopes of one flag byte,
 //! a big-endian u32 length and a JSON message; the last one, flagged
@@ -148,11 +149,14 @@ impl IntoResponse for ConnectError {
     }
 }
 
-/// The request of a unary call: JSON only (the SDKs' codec).
+/// The request of a unary call, in JSON (the binary codec's are by now).
 pub fn unary_request<T: DeserializeOwned>(headers: &HeaderMap, body: &[u8]) -> Result<T, ConnectError> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/json");
     if !content_type.starts_with("application/json") {
-        return Err(ConnectError::new(Code::Unimplemented, format!("codec {content_type:?} is not offered: use application/json")));
+        return Err(ConnectError::new(
+            Code::Unimplemented,
+            format!("codec {content_type:?} is not offered: use application/json or application/proto"),
+        ));
     }
     decode(body)
 }
@@ -195,7 +199,7 @@ impl EnvelopeReader {
         if !content_type.starts_with("application/connect+json") {
             return Err(ConnectError::new(
                 Code::Unimplemented,
-                format!("codec {content_type:?} is not offered: use application/connect+json"),
+                format!("codec {content_type:?} is not offered: use application/connect+json or application/connect+proto"),
             ));
         }
         Ok(Self { body: body.into_data_stream(), buffer: BytesMut::new() })
@@ -224,7 +228,12 @@ impl EnvelopeReader {
             }
             match self.body.next().await {
                 Some(Ok(chunk)) => self.buffer.extend_from_slice(&chunk),
-                Some(Err(e)) => return Err(ConnectError::new(Code::Canceled, format!("reading the request: {e}"))),
+                Some(Err(e)) => {
+                    return Err(match super::proto::conversion_error(&e) {
+                        Some(reason) => ConnectError::invalid(reason),
+                        None => ConnectError::new(Code::Canceled, format!("reading the request: {e}")),
+                    })
+                }
                 None if self.buffer.is_empty() => return Ok(None),
                 None => return Err(ConnectError::invalid("the request ended inside a message")),
             }

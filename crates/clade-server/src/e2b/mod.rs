@@ -27,6 +27,7 @@ mod files;
 mod filesystem;
 mod interpreter;
 mod process;
+mod proto;
 
 use std::sync::Arc;
 
@@ -140,6 +141,7 @@ impl DataPlane {
             .route("/metrics", get(files::metrics))
             .route("/process.Process/{method}", post(process::call))
             .route("/filesystem.Filesystem/{method}", post(filesystem::call))
+            .route_layer(axum::middleware::from_fn(proto::binary_codec))
             .fallback(|request: Request| async move {
                 E2bError::new(StatusCode::NOT_FOUND, format!("no route for {} {}", request.method(), request.uri().path()))
             })
