@@ -208,6 +208,25 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc gives start times in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLOCK_TICKS)
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When pid started, in clock ticks since boot (/proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # pid (comm) state ppid pgrp ... starttime is the 22nd field.
+        return int(stat[stat.rfind(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def process_running(pid: int) -> bool:
     """False once pid has exited (a zombie its parent has not reaped yet)."""
     try:
@@ -1309,6 +1328,7 @@ class BashContext(ChildContext):
         self.reset_idle()
         self.running = True
         start = time.monotonic()
+        cell_began = boot_ticks()
         if deadline_s is not None:
             deadline = start + deadline_s
         else:
@@ -1316,7 +1336,6 @@ class BashContext(ChildContext):
         timed_out = False
         stage = 0  # 1: SIGINT sent, 2: commands killed
         next_stage = None
-        signalled: set[int] = set()  # the group when the SIGINT went out
         died = False
         try:
             try:
@@ -1332,7 +1351,6 @@ class BashContext(ChildContext):
                 if stage == 0 and ((deadline is not None and now >= deadline) or out.client_left()):
                     timed_out = deadline is not None and now >= deadline
                     stage, next_stage = 1, now + BASH_ESCALATE_AFTER
-                    signalled = set(process_group_members(self.proc.pid))
                     self._signal_group(signal.SIGINT, include_shell=True)
                 elif stage == 1 and now >= next_stage:
                     stage, next_stage = 2, now + BASH_ESCALATE_AFTER
@@ -1353,7 +1371,7 @@ class BashContext(ChildContext):
         finally:
             self.running = False
         if stage and not died:
-            self._stop_missed_commands(signalled)
+            self._stop_missed_commands(cell_began)
         if died:
             for stream in buffers:
                 if not done[stream]:
@@ -1371,30 +1389,35 @@ class BashContext(ChildContext):
             return {"timed_out": timed_out, "status": status}
         return {"timed_out": timed_out, "status": status}
 
-    def _stop_missed_commands(self, signalled: set[int]) -> None:
-        """Stops the commands an interrupted cell left running. A SIGINT that
-        lands while bash is between two commands makes it abandon the cell,
-        yet the child it was forking did not exist to get the signal: that
-        command runs on with the next cell (`echo x; sleep 600` interrupted
-        after its first line). Such a child is one the SIGINT missed and that
-        does not ignore SIGINT (background jobs do, in a shell without job
-        control): it gets the SIGINT now, and SIGKILL if it outlives the grace."""
+    def _stop_missed_commands(self, cell_began: int) -> None:
+        """Stops what an interrupted cell left running. bash abandons a cell
+        when the SIGINT lands while it is between two commands (or between
+        forking a command and waiting for it), and the command it was
+        starting never gets the signal (not born yet, or still running
+        bash's own handler): that command runs on with the next cell
+        (`echo x; sleep 600` interrupted after its first line). So every
+        process of the shell's group that the cell started and that does
+        not ignore SIGINT (background jobs do, in a shell without job
+        control) gets the SIGINT now, and SIGKILL if it outlives the grace."""
         pgid = self.proc.pid
 
-        def missed() -> list[int]:
+        def left_running() -> list[int]:
             return [
                 pid
                 for pid in process_group_members(pgid)
-                if pid != pgid and pid not in signalled and process_running(pid) and not ignores_sigint(pid)
+                if pid != pgid
+                and process_running(pid)
+                and (process_start_ticks(pid) or 0) >= cell_began
+                and not ignores_sigint(pid)
             ]
 
-        left = missed()
+        left = left_running()
         for pid in left:
             signal_quietly(pid, signal.SIGINT)
         grace = time.monotonic() + BASH_ESCALATE_AFTER
         while left and time.monotonic() < grace:
             time.sleep(0.02)
-            left = [pid for pid in missed() if pid in left]
+            left = [pid for pid in left_running() if pid in left]
         for pid in left:
             signal_quietly(pid, signal.SIGKILL)
 

@@ -672,20 +672,22 @@ def test_bash_abort_stops_the_command_and_keeps_the_shell(daemon):
     daemon.request("DELETE", f"/contexts/{cid}")
 
 
-def sleeping_with_pid(seconds: str) -> list[str]:
-    listed = subprocess.run(["pgrep", "-f", f"^sleep {seconds}$"], capture_output=True, text=True).stdout
-    return listed.split()
+def running_matching(pattern: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
 
 
-def test_bash_abort_stops_a_command_the_interrupt_missed(daemon):
-    # A SIGINT that lands while bash is between two commands makes it
-    # abandon the cell, yet the command it was forking never got the
-    # signal and runs on. Here that is made certain: the foreground program
-    # answers the SIGINT by starting `sleep 611` and exiting, so a command
-    # born after the interrupt outlives the cell. An aborted cell leaves
-    # nothing of its own running; a background job it started stays.
+def test_bash_abort_stops_the_commands_the_interrupt_missed(daemon):
+    # A SIGINT that lands while bash is between two commands (or between
+    # forking one and waiting for it) makes bash abandon the cell, and the
+    # command it was starting never gets the signal: it runs on with the
+    # next cell. Both ways it happens are made certain here: a command that
+    # outlives the SIGINT (it catches it), and one born after it (the
+    # foreground program answers the SIGINT by starting `sleep 611`). An
+    # aborted cell leaves nothing of its own running; a background job of an
+    # earlier cell (which ignores SIGINT, as bash's `&` makes it) stays.
     cid = daemon.create("bash")
     daemon.run(cid, "sleep 612 &")
+    survivor = "import signal, time\nsignal.signal(signal.SIGINT, lambda *_: None)\ntime.sleep(600)\n"
     spawner = (
         "import signal, subprocess, sys, time\n"
         "def missed(*_):\n"
@@ -695,16 +697,19 @@ def test_bash_abort_stops_a_command_the_interrupt_missed(daemon):
         "print('started', flush=True)\n"
         "time.sleep(600)\n"
     )
+    python = shlex.quote(PYTHON)
+    cell = f"{python} -c {shlex.quote(survivor)} survivor-613 & sleep 0.5; {python} -c {shlex.quote(spawner)}"
     try:
-        abort_after_first_line(daemon, cid, f"{shlex.quote(PYTHON)} -c {shlex.quote(spawner)}")
+        abort_after_first_line(daemon, cid, cell)
         assert text_of(daemon.run(cid, "echo next", timeout_ms=20_000)) == "next\n"
         deadline = time.monotonic() + 10
-        while sleeping_with_pid("611") and time.monotonic() < deadline:
+        while (running_matching("^sleep 611$") or running_matching("survivor-613")) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert sleeping_with_pid("611") == [], "the command the interrupt missed still runs"
-        assert sleeping_with_pid("612"), "the background job was stopped too"
+        assert running_matching("^sleep 611$") == [], "the command born after the interrupt still runs"
+        assert running_matching("survivor-613") == [], "the command that outlived the interrupt still runs"
+        assert running_matching("^sleep 612$"), "the background job of an earlier cell was stopped too"
     finally:
-        for pid in sleeping_with_pid("611") + sleeping_with_pid("612"):
+        for pid in running_matching("^sleep 61[12]$") + running_matching("survivor-613"):
             os.kill(int(pid), signal.SIGKILL)
         daemon.request("DELETE", f"/contexts/{cid}")
 
