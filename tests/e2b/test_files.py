@@ -70,6 +70,11 @@ def test_a_directory_is_listed_and_its_entries_inspected_renamed_and_removed(san
     assert (info.name, info.type, info.size, info.path) == ("a.txt", FileType.FILE, 5, f"{workdir}/a.txt")
     assert info.owner == "user" and info.permissions.startswith("-rw"), (info.owner, info.permissions)
     assert sandbox.files.get_info(workdir).type == FileType.DIR
+    # A link is what it leads to, with where it leads.
+    assert sandbox.commands.run(f"ln -s a.txt {workdir}/link").exit_code == 0
+    linked = sandbox.files.get_info(f"{workdir}/link")
+    assert (linked.name, linked.type, linked.symlink_target) == ("link", FileType.FILE, f"{workdir}/a.txt"), linked
+    sandbox.files.remove(f"{workdir}/link")
 
     assert sandbox.files.exists(f"{workdir}/a.txt") is True
     assert sandbox.files.exists(f"{workdir}/nothing") is False

@@ -39,6 +39,17 @@ def test_a_short_timeout_ends_an_unused_sandbox(e2b):
         assert sandbox.kill() is False
 
 
+def test_an_auto_pause_sandbox_pauses_at_its_timeout_and_resumes(e2b):
+    with own_sandbox(metadata={"purpose": "auto-pause"}, timeout=SHORT_TIMEOUT, lifecycle={"on_timeout": "pause"}) as sandbox:
+        sandbox.files.write("/home/user/kept.txt", "before the timeout")
+        started = time.monotonic()
+        wait_for(lambda: sandbox.sandbox_id in listed_ids(state=[SandboxState.PAUSED]), timeout=GONE_WITHIN, interval=3,
+                 what=f"the sandbox paused {SHORT_TIMEOUT} s after its last use")
+        print(f"paused {time.monotonic() - started:.0f} s after its last use (timeout {SHORT_TIMEOUT} s)")
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        assert resumed.files.read("/home/user/kept.txt") == "before the timeout"
+
+
 def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
     with own_sandbox(metadata={"purpose": "pause"}) as sandbox:
         sandbox.files.write("/home/user/kept.txt", "before the pause")

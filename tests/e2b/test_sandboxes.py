@@ -6,6 +6,7 @@ or envd access token is refused."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import socket
 import ssl
@@ -62,6 +63,14 @@ def test_a_sandbox_is_created_with_metadata_and_envs_listed_by_metadata_and_kill
         running = list_all(SandboxQuery(metadata={"purpose": "listed", "run": RUN}, state=[SandboxState.RUNNING]))
         assert [s.sandbox_id for s in running] == [created.sandbox_id]
         assert list_all(SandboxQuery(metadata={"purpose": "nothing-has-this"})) == []
+        # By template, and by start time.
+        listed_query = {"metadata": {"purpose": "listed", "run": RUN}}
+        assert [s.sandbox_id for s in list_all(SandboxQuery(**listed_query, template=TEMPLATE))] == [created.sandbox_id]
+        assert list_all(SandboxQuery(**listed_query, template="code-interpreter")) == []
+        hour = datetime.timedelta(hours=1)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        assert [s.sandbox_id for s in list_all(SandboxQuery(**listed_query, started_after=now - hour))] == [created.sandbox_id]
+        assert list_all(SandboxQuery(**listed_query, started_after=now + hour)) == []
 
         assert created.is_running()
         assert created.kill() is True

@@ -24,6 +24,10 @@ pub enum SandboxCommand {
         /// Exempt from the idle TTL.
         #[arg(long)]
         persistent: bool,
+        /// A persistent sandbox's idle time before it is hibernated, seconds
+        /// (default: the server's; 0: never).
+        #[arg(long, value_name = "SECONDS")]
+        hibernate_after: Option<u64>,
         /// KEY=VALUE, repeatable.
         #[arg(long = "metadata", short, value_name = "KEY=VALUE")]
         metadata: Vec<String>,
@@ -93,6 +97,19 @@ pub enum SandboxCommand {
         /// Only the last this many.
         #[arg(long)]
         tail: Option<u32>,
+    },
+    /// Its idle settings: shown, or changed by the flags given.
+    Lifecycle {
+        id: String,
+        /// Idle time after which it is deleted, seconds (0: never).
+        #[arg(long)]
+        ttl: Option<u64>,
+        /// Hibernated when idle instead of deleted.
+        #[arg(long, value_name = "true|false")]
+        persistent: Option<bool>,
+        /// A persistent sandbox's idle time before it is hibernated, seconds (0: never).
+        #[arg(long, value_name = "SECONDS")]
+        hibernate_after: Option<u64>,
     },
     /// Show the limits of the sandbox's commands, or change them.
     Limits {
@@ -165,6 +182,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             template,
             ttl,
             persistent,
+            hibernate_after,
             metadata,
             env,
             from_snapshot,
@@ -182,6 +200,9 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             if persistent {
                 body.insert("persistent".into(), json!(true));
+            }
+            if let Some(seconds) = hibernate_after {
+                body.insert("hibernate_after_seconds".into(), json!(seconds));
             }
             if !metadata.is_empty() {
                 body.insert("metadata".into(), parse_metadata(&metadata)?);
@@ -252,6 +273,22 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
         SandboxCommand::Shell { id, command } => return crate::shell::run(client, &id, &command).await,
         SandboxCommand::Logs { id, follow, stream } => logs(client, &id, follow, &stream, json_out).await?,
         SandboxCommand::Events { id, follow, tail } => events(client, &id, follow, tail, json_out).await?,
+        SandboxCommand::Lifecycle { id, ttl, persistent, hibernate_after } => {
+            let request = if ttl.is_none() && persistent.is_none() && hibernate_after.is_none() {
+                client.request(Method::GET, &["sandboxes", &id, "lifecycle"])
+            } else {
+                let body = json!({ "ttl_seconds": ttl, "persistent": persistent, "hibernate_after_seconds": hibernate_after });
+                client.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&body)
+            };
+            let settings = client.json(request).await?;
+            if json_out {
+                output::json(&settings);
+            } else {
+                for key in ["status", "ttl_seconds", "persistent", "hibernate_after_seconds", "idle_seconds"] {
+                    println!("{key:<23}  {}", output::field(&settings, key));
+                }
+            }
+        }
         SandboxCommand::Limits { id, memory_mb, max_processes } => {
             let request = if memory_mb.is_none() && max_processes.is_none() {
                 client.request(Method::GET, &["sandboxes", &id, "limits"])

@@ -32,7 +32,7 @@ pub use hosts::{HostLoad, HostRegistration, HostRow, HostState};
 pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};
 pub use keys::{ApiKey, KeyCheck, KeyFormat, NewKey, E2B_KEY_PREFIX, KEY_PREFIX};
 pub use ports::PortLabel;
-pub use sandboxes::{NewSandbox, SandboxRow, SandboxState};
+pub use sandboxes::{LifecycleChange, NewSandbox, SandboxRow, SandboxState};
 pub use snapshots::SnapshotRow;
 pub use templates::{BuildRow, BuildStatus, TemplateRow};
 pub use volumes::{AttachmentMode, AttachmentRow, VolumeRow};

@@ -75,6 +75,14 @@ pub struct SandboxRow {
     pub replica_host_id: Option<String>,
 }
 
+/// The lifecycle settings a `PATCH` changes; `None` leaves one as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LifecycleChange {
+    pub ttl_seconds: Option<u64>,
+    pub persistent: Option<bool>,
+    pub hibernate_after_seconds: Option<u64>,
+}
+
 /// What a create stores; the rest starts at its defaults.
 #[derive(Debug, Clone)]
 pub struct NewSandbox {
@@ -86,6 +94,8 @@ pub struct NewSandbox {
     pub cpu: u32,
     pub memory_mb: u32,
     pub ttl_seconds: u64,
+    /// A persistent sandbox's idle time before it hibernates (`None`: the server's).
+    pub hibernate_after_seconds: Option<u64>,
     pub persistent: bool,
     pub fork_tree_id: Option<String>,
     pub from_snapshot: Option<String>,
@@ -134,7 +144,7 @@ impl Store {
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({COLUMNS}, idempotency_key) \
-             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, NULL, $9, $10, $10, $11, $12, $13, $14, NULL, $15)"
+             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, $16, $9, $10, $10, $11, $12, $13, $14, NULL, $15)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -151,6 +161,7 @@ impl Store {
         .bind(i64::from(new.preview_auth))
         .bind(&new.host_id)
         .bind(&new.idempotency_key)
+        .bind(new.hibernate_after_seconds.map(|s| s as i64))
         .execute(&self.pool)
         .await?;
         Ok(SandboxRow {
@@ -163,7 +174,7 @@ impl Store {
             cpu: new.cpu,
             memory_mb: new.memory_mb,
             ttl_seconds: new.ttl_seconds,
-            hibernate_after_seconds: None,
+            hibernate_after_seconds: new.hibernate_after_seconds,
             persistent: new.persistent,
             created_at: now,
             last_activity_at: now,
@@ -286,13 +297,16 @@ impl Store {
         Ok(())
     }
 
-    /// Changes the idle TTL and/or the persistent flag.
-    pub async fn set_sandbox_lifecycle(&self, id: &str, ttl_seconds: Option<u64>, persistent: Option<bool>) -> Result<(), StoreError> {
+    /// Changes what is given: the idle TTL, the persistent flag, a
+    /// persistent sandbox's idle time before it hibernates.
+    pub async fn set_sandbox_lifecycle(&self, id: &str, change: LifecycleChange) -> Result<(), StoreError> {
         let updated = sqlx::query(
-            "UPDATE sandboxes SET ttl_seconds = COALESCE($1, ttl_seconds), persistent = COALESCE($2, persistent) WHERE id = $3",
+            "UPDATE sandboxes SET ttl_seconds = COALESCE($1, ttl_seconds), persistent = COALESCE($2, persistent), \
+             hibernate_after_seconds = COALESCE($3, hibernate_after_seconds) WHERE id = $4",
         )
-        .bind(ttl_seconds.map(|t| t as i64))
-        .bind(persistent.map(i64::from))
+        .bind(change.ttl_seconds.map(|t| t as i64))
+        .bind(change.persistent.map(i64::from))
+        .bind(change.hibernate_after_seconds.map(|t| t as i64))
         .bind(id)
         .execute(&self.pool)
         .await?;

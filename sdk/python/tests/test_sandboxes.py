@@ -62,6 +62,9 @@ def test_lifecycle_pause_resume_hibernate_wake_and_policy(client: clade.Clade) -
         assert sb.files.read_text("/root/state") == "kept\n"
         settings = sb.set_lifecycle(ttl_seconds=900)
         assert settings.ttl_seconds == 900 and sb.get_lifecycle().ttl_seconds == 900
+        settings = sb.set_lifecycle(persistent=True, hibernate_after_seconds=120)
+        assert (settings.persistent, settings.hibernate_after_seconds, settings.ttl_seconds) == (True, 120, 900)
+        sb.set_lifecycle(persistent=False)
         kinds = [event.type for event in sb.events()]
         assert kinds[0] == "created" and "hibernated" in kinds and "woken" in kinds
 

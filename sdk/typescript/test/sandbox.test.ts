@@ -194,6 +194,8 @@ describe('lifecycle', { skip: SKIP }, () => {
     const settings = await sb.setLifecycle({ ttlSeconds: 1234 });
     assert.equal(settings.ttlSeconds, 1234);
     assert.equal((await sb.getLifecycle()).ttlSeconds, 1234);
+    const hibernating = await sb.setLifecycle({ hibernateAfterSeconds: 120 });
+    assert.equal(hibernating.hibernateAfterSeconds, 120);
   });
 });
 

@@ -236,6 +236,10 @@ fn logs_fork_and_snapshots_through_the_cli() {
     assert_eq!(limits["max_processes"], 300, "{limits}");
     let shown = text(&ok(&mut clade(&["sandbox", "limits", &id])));
     assert!(shown.contains("max_processes  300"), "{shown}");
+    let settings = ok_json(&mut clade(&["sandbox", "lifecycle", "--json", &id, "--ttl", "900", "--hibernate-after", "120"]));
+    assert_eq!((settings["ttl_seconds"].as_u64(), settings["hibernate_after_seconds"].as_u64()), (Some(900), Some(120)), "{settings}");
+    let shown = text(&ok(&mut clade(&["sandbox", "lifecycle", &id])));
+    assert!(shown.lines().any(|l| l.starts_with("hibernate_after_seconds") && l.ends_with(" 120")), "{shown}");
 
     // Fork: one child (--json), then a tree of two (ids, one per line); each
     // child has the parent's files and answers an exec.

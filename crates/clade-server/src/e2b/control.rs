@@ -9,8 +9,9 @@
 //! - `timeout` (seconds) is the sandbox's idle time before it ends
 //!   (`ttl_seconds`): Clade counts it from the last use, so a sandbox in use
 //!   is never cut off mid-task; `endAt` is when it would end if left alone.
-//! - `autoPause` makes the sandbox persistent: at its timeout it hibernates
-//!   (memory and disk kept) instead of ending; `pause` hibernates it now and
+//! - `autoPause` makes the sandbox persistent: at its timeout (its
+//!   `hibernate_after_seconds`) it hibernates (memory and disk kept) instead
+//!   of ending; `pause` hibernates it now and
 //!   `connect` wakes it. A paused sandbox also wakes on its first envd call.
 //! - Snapshots are Clade's snapshots; a create whose `templateID` names one
 //!   makes a sandbox from it. Template `code-interpreter-v1` is Clade's
@@ -238,11 +239,12 @@ async fn create(State(control): State<Control>, request: Request) -> Answer {
     let (headers, body) = read_body(request).await?;
     let api = control.api(&headers)?;
     let template = body.get("templateID").and_then(Value::as_str).filter(|t| !t.is_empty()).unwrap_or("base");
-    let template = TEMPLATE_ALIASES.iter().find(|(alias, _)| *alias == template).map_or(template, |(_, ours)| ours);
+    let template = ours(template);
     let timeout = seconds(&body, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_S);
     let mut create = json!({
         "metadata": strings(&body, "metadata")?,
         "ttl_seconds": timeout,
+        "hibernate_after_seconds": timeout,
         "persistent": body.get("autoPause").and_then(Value::as_bool).unwrap_or(false),
     });
     // A snapshot's id names a snapshot of the caller's workspace, else a template.
@@ -276,24 +278,65 @@ fn e2b_state(status: &str) -> Option<&'static str> {
     }
 }
 
+/// When a sandbox of the API's listing was created, in ms since the epoch.
+fn created_ms(sandbox: &Value) -> i64 {
+    sandbox["created_at"].as_str().and_then(instant_ms).unwrap_or(0)
+}
+
+/// An RFC 3339 instant (`Z` or a `±HH:MM` offset, as Python's `isoformat`
+/// and JavaScript's `toISOString` write) in ms since the epoch.
+fn instant_ms(text: &str) -> Option<i64> {
+    let text = text.trim();
+    let (local, offset_minutes) = match text.strip_suffix('Z').or_else(|| text.strip_suffix('z')) {
+        Some(local) => (local, 0),
+        None => {
+            let sign_at =
+                text.len().checked_sub(6).filter(|&at| matches!(text.as_bytes()[at], b'+' | b'-') && text.as_bytes()[at + 3] == b':')?;
+            let (local, offset) = text.split_at(sign_at);
+            let hours: i64 = offset[1..3].parse().ok()?;
+            let minutes: i64 = offset[4..6].parse().ok()?;
+            let sign = if offset.starts_with('-') { -1 } else { 1 };
+            (local, sign * (hours * 60 + minutes))
+        }
+    };
+    let at = humantime::parse_rfc3339_weak(local).ok()?;
+    let ms = at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
+    Some(ms - offset_minutes * 60_000)
+}
+
+/// Clade's name of a template E2B may call by an alias.
+fn ours(template: &str) -> &str {
+    TEMPLATE_ALIASES.iter().find(|(alias, _)| *alias == template).map_or(template, |(_, ours)| ours)
+}
+
+/// E2B's one timeout of a sandbox, from Clade's lifecycle settings: the
+/// idle time before it is hibernated (an `autoPause` one) or deleted.
+fn idle_limit(lifecycle: &Value) -> u64 {
+    let limit = if lifecycle["persistent"].as_bool().unwrap_or(false) { "hibernate_after_seconds" } else { "ttl_seconds" };
+    lifecycle[limit].as_u64().unwrap_or(0)
+}
+
+/// The lifecycle change that makes `timeout` a sandbox's timeout, whether
+/// it ends or pauses at it.
+fn timeout_change(timeout: u64) -> Value {
+    json!({ "ttl_seconds": timeout, "hibernate_after_seconds": timeout })
+}
+
 /// The fields `ListedSandbox` and `SandboxDetail` share.
 async fn listed(api: &Api, sandbox: &Value) -> Result<Option<Value>, E2bError> {
     let Some(state) = e2b_state(sandbox["status"].as_str().unwrap_or_default()) else { return Ok(None) };
     let id = text(sandbox, "id");
-    let started_ms = humantime::parse_rfc3339(sandbox["created_at"].as_str().unwrap_or_default())
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_millis() as i64);
-    // When it would end if left alone: its idle time run out.
-    let ttl = sandbox["ttl_seconds"].as_u64().unwrap_or(0);
-    let idle = match api.json(api.request(Method::GET, &["sandboxes", &id, "lifecycle"])).await {
-        Ok(lifecycle) => lifecycle["idle_seconds"].as_u64().unwrap_or(0),
+    let started_ms = created_ms(sandbox);
+    // When it would end (or pause) if left alone: its idle time run out.
+    let lifecycle = match api.json(api.request(Method::GET, &["sandboxes", &id, "lifecycle"])).await {
+        Ok(lifecycle) => lifecycle,
         Err(ApiError::Status { status: 404, .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let end_ms = match ttl {
+    let idle = lifecycle["idle_seconds"].as_u64().unwrap_or(0);
+    let end_ms = match idle_limit(&lifecycle) {
         0 => clade_store::now_ms() + 10 * 365 * 24 * 3600 * 1000,
-        ttl => clade_store::now_ms() + ttl.saturating_sub(idle) as i64 * 1000,
+        limit => clade_store::now_ms() + limit.saturating_sub(idle) as i64 * 1000,
     };
     let disk_mb = sandbox["disk"]["size_bytes"].as_u64().unwrap_or(0) >> 20;
     Ok(Some(json!({
@@ -322,6 +365,10 @@ struct ListQuery {
     next_token: Option<String>,
     /// `asc` or `desc` by start time.
     order: Option<String>,
+    /// Only sandboxes started at or after this instant (RFC 3339, any offset).
+    started_after: Option<String>,
+    /// Only sandboxes of this template (a name, an alias or a snapshot id).
+    template: Option<String>,
 }
 
 /// The sandboxes of the caller's workspace that pass `query`, E2B's way.
@@ -331,13 +378,25 @@ async fn listing(control: &Control, headers: &HeaderMap, query: &ListQuery) -> R
         query.metadata.as_deref().map(|m| form_urlencoded::parse(m.as_bytes()).into_owned().collect()).unwrap_or_default();
     let wanted_states: Vec<&str> =
         query.state.as_deref().map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).collect()).unwrap_or_default();
+    let started_after = match query.started_after.as_deref().filter(|t| !t.trim().is_empty()) {
+        Some(text) => Some(
+            instant_ms(text)
+                .ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, format!("startedAfter {text:?} is not an RFC 3339 time")))?,
+        ),
+        None => None,
+    };
+    let template = query.template.as_deref().filter(|t| !t.is_empty()).map(ours);
     let all = api.json(api.request(Method::GET, &["sandboxes"])).await?;
     // Each sandbox's idle time is a call of its own (to the sandbox's host):
     // made a few at a time. (A loop, not a closure: a closure over the
     // borrowed listing makes the handler's future fail axum's bounds.)
     let mut lookups = Vec::new();
     for sandbox in all.as_array().into_iter().flatten() {
-        if wanted_metadata.iter().all(|(key, value)| sandbox["metadata"][key].as_str() == Some(value.as_str())) {
+        let metadata_matches = wanted_metadata.iter().all(|(key, value)| sandbox["metadata"][key].as_str() == Some(value.as_str()));
+        let template_matches =
+            template.is_none_or(|t| sandbox["template"].as_str() == Some(t) || sandbox["from_snapshot"].as_str() == Some(t));
+        let started_matches = started_after.is_none_or(|after| created_ms(sandbox) >= after);
+        if metadata_matches && template_matches && started_matches {
             lookups.push(listed(&api, sandbox));
         }
     }
@@ -404,7 +463,7 @@ async fn set_timeout(State(control): State<Control>, Path(id): Path<String>, req
     let (headers, body) = read_body(request).await?;
     let api = control.api(&headers)?;
     let timeout = seconds(&body, "timeout")?.ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, "timeout is required"))?;
-    api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&json!({ "ttl_seconds": timeout }))).await?;
+    api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&timeout_change(timeout))).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -432,9 +491,9 @@ async fn connect(State(control): State<Control>, Path(id): Path<String>, request
     // Connect only ever lengthens a sandbox's time (as on E2B): a shorter
     // `timeout` than it has leaves it as it is.
     if let Some(timeout) = seconds(&body, "timeout")? {
-        let ttl = sandbox["ttl_seconds"].as_u64().unwrap_or(0);
-        if ttl != 0 && timeout > ttl {
-            api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&json!({ "ttl_seconds": timeout }))).await?;
+        let limit = idle_limit(&api.json(api.request(Method::GET, &["sandboxes", &id, "lifecycle"])).await?);
+        if limit != 0 && timeout > limit {
+            api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&timeout_change(timeout))).await?;
         }
     }
     let answer = control.sandbox(&headers, &sandbox).await?;
@@ -509,7 +568,7 @@ async fn fork(State(control): State<Control>, Path(id): Path<String>, request: R
     for child in forked["children"].as_array().into_iter().flatten() {
         if let Some(timeout) = seconds(&body, "timeout")? {
             let child_id = text(child, "id");
-            api.json(api.request(Method::PATCH, &["sandboxes", &child_id, "lifecycle"]).json(&json!({ "ttl_seconds": timeout }))).await?;
+            api.json(api.request(Method::PATCH, &["sandboxes", &child_id, "lifecycle"]).json(&timeout_change(timeout))).await?;
         }
         results.push(json!({ "sandbox": control.sandbox(&headers, child).await? }));
     }
@@ -603,6 +662,16 @@ async fn logs(State(control): State<Control>, headers: HeaderMap, Path(id): Path
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn instants_take_z_and_offsets_as_the_sdks_write_them() {
+        let utc = instant_ms("2026-12-06T20:00:00Z").unwrap();
+        assert_eq!(instant_ms("2026-12-06T20:00:00.000000+00:00"), Some(utc));
+        assert_eq!(instant_ms("2026-12-06T21:30:00.250+01:30"), Some(utc + 250));
+        assert_eq!(instant_ms("2026-12-06T15:00:00-05:00"), Some(utc));
+        assert_eq!(instant_ms("yesterday"), None);
+        assert_eq!(ours("code-interpreter-v1"), "code-interpreter");
+    }
 
     #[test]
     fn metrics_are_read_from_the_probe() {

@@ -389,14 +389,7 @@ impl EntryInfo {
             owner: accounts.user_name(stat.uid),
             group: accounts.group_name(stat.gid),
             modified_time: Some(rfc3339(stat.mtime_ms)),
-            // envd gives where the link leads as an absolute path.
-            symlink_target: stat.symlink_target.as_deref().map(|target| {
-                if target.starts_with('/') {
-                    target.to_string()
-                } else {
-                    clean(&join(parent(path), target))
-                }
-            }),
+            symlink_target: link_target(path, stat),
         }
     }
 
@@ -415,6 +408,29 @@ impl EntryInfo {
             symlink_target: None,
         }
     }
+}
+
+/// Where the link at `path` leads, as envd gives it: an absolute path.
+fn link_target(path: &str, stat: &FileStat) -> Option<String> {
+    stat.symlink_target
+        .as_deref()
+        .map(|target| if target.starts_with('/') { target.to_string() } else { clean(&join(parent(path), target)) })
+}
+
+/// How many links a stat follows before it gives up (the kernel's is 40).
+const LINK_HOPS: usize = 8;
+
+/// The kind of what a link leads to, following further links; `None` for
+/// a dangling link or a loop.
+async fn destination_kind(agent: &AgentClient, mut target: String) -> Option<FileKind> {
+    for _ in 0..LINK_HOPS {
+        let stat = agent.stat(&target).await.ok()?;
+        if stat.kind != FileKind::Symlink {
+            return Some(stat.kind);
+        }
+        target = link_target(&target, &stat)?;
+    }
+    None
 }
 
 fn file_type(kind: FileKind) -> &'static str {
@@ -573,7 +589,17 @@ async fn stat(envd: &Envd, target: &Target, request: PathRequest) -> Result<Entr
     let guest = reach(envd, target).await?;
     let path = resolved(&guest, &request.path)?;
     match guest.agent().stat(&path).await {
-        Ok(stat) => Ok(EntryAnswer { entry: EntryInfo::new(&path, &stat, &guest.accounts) }),
+        Ok(stat) => {
+            let mut entry = EntryInfo::new(&path, &stat, &guest.accounts);
+            // envd's stat gives a link the type of what it leads to (its
+            // target stays in symlinkTarget); a dangling link stays a link.
+            if let Some(target) = entry.symlink_target.clone() {
+                if let Some(kind) = destination_kind(guest.agent(), target).await {
+                    entry.kind = file_type(kind);
+                }
+            }
+            Ok(EntryAnswer { entry })
+        }
         Err(e) if is_kind(&e, ErrorKind::NotFound) => Err(ConnectError::not_found(format!("file not found: {path}"))),
         Err(e) => Err(guest_failure("stat", e, &path)),
     }

@@ -4,10 +4,12 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
+use clade_store::LifecycleChange;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::ToSchema;
 
+use super::sandboxes::non_negative;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
@@ -92,6 +94,9 @@ pub struct LifecycleSettings {
     pub ttl_seconds: u64,
     /// A persistent sandbox is hibernated when idle instead of deleted.
     pub persistent: bool,
+    /// A persistent sandbox's idle time before it is hibernated (its own,
+    /// else the server's; 0: never).
+    pub hibernate_after_seconds: u64,
     pub idle_seconds: u64,
     pub status: String,
 }
@@ -102,6 +107,7 @@ async fn settings(state: &AppState, workspace_id: &str, id: &str) -> Result<Json
     Ok(Json(LifecycleSettings {
         ttl_seconds: row.ttl_seconds,
         persistent: row.persistent,
+        hibernate_after_seconds: row.hibernate_after_seconds.unwrap_or(state.service.settings().idle_hibernate_seconds),
         idle_seconds: entry.idle_seconds(),
         status: row.state.as_str().to_string(),
     }))
@@ -120,11 +126,13 @@ pub struct LifecyclePatch {
     #[schema(minimum = 0)]
     ttl_seconds: Option<i64>,
     persistent: Option<bool>,
+    #[schema(minimum = 0)]
+    hibernate_after_seconds: Option<i64>,
 }
 
 #[utoipa::path(patch, operation_id = "patchLifecycle", path = "/v1/sandboxes/{id}/lifecycle", tag = "lifecycle", params(("id" = String, Path, description = "A sandbox id")), request_body = LifecyclePatch,
     responses((status = 200, description = "The new idle settings", body = LifecycleSettings),
-        (status = 400, description = "Nothing to change, or a negative ttl_seconds", body = ErrorBody),
+        (status = 400, description = "Nothing to change, or a negative number of seconds", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<AppState>,
@@ -133,14 +141,20 @@ pub async fn patch(
     JsonBody(body): JsonBody<LifecyclePatch>,
 ) -> Result<Json<LifecycleSettings>, ApiError> {
     let entry = state.service.entry(&caller.workspace.id, &id)?;
-    let ttl = match body.ttl_seconds {
-        Some(t) if t < 0 => return Err(ApiError::bad_request("ttl_seconds must be non-negative")),
-        other => other.map(|t| t as u64),
+    let change = LifecycleChange {
+        ttl_seconds: non_negative("ttl_seconds", body.ttl_seconds)?,
+        persistent: body.persistent,
+        hibernate_after_seconds: non_negative("hibernate_after_seconds", body.hibernate_after_seconds)?,
     };
-    if ttl.is_none() && body.persistent.is_none() {
-        return Err(ApiError::bad_request("nothing to change: send ttl_seconds or persistent"));
+    if change == LifecycleChange::default() {
+        return Err(ApiError::bad_request("nothing to change: send ttl_seconds, persistent or hibernate_after_seconds"));
     }
-    state.store.set_sandbox_lifecycle(&entry.id, ttl, body.persistent).await?;
-    state.service.record(&entry, "lifecycle", json!({ "ttl_seconds": ttl, "persistent": body.persistent })).await;
+    state.store.set_sandbox_lifecycle(&entry.id, change).await?;
+    let detail = json!({
+        "ttl_seconds": change.ttl_seconds,
+        "persistent": change.persistent,
+        "hibernate_after_seconds": change.hibernate_after_seconds,
+    });
+    state.service.record(&entry, "lifecycle", detail).await;
     settings(&state, &caller.workspace.id, &id).await
 }

@@ -115,7 +115,12 @@ pub struct CreateBody {
     /// Idle time after which the sandbox is deleted (0: never).
     #[schema(minimum = 0)]
     ttl_seconds: Option<i64>,
+    /// Hibernated when idle instead of deleted.
     persistent: Option<bool>,
+    /// A persistent sandbox's idle time before it is hibernated (default
+    /// 300; 0: never).
+    #[schema(minimum = 0)]
+    hibernate_after_seconds: Option<i64>,
     /// A snapshot id to create the sandbox from.
     from_snapshot: Option<String>,
     /// The egress policy (default: the internet, nothing private); see `PUT /v1/sandboxes/{id}/network`.
@@ -135,6 +140,14 @@ pub struct CreateBody {
     // `cpu` and `memory_mb` are deprecated in the SDK and ignored (§3.2).
 }
 
+/// A number of seconds a body may give: 400 when negative.
+pub(crate) fn non_negative(name: &str, seconds: Option<i64>) -> Result<Option<u64>, ApiError> {
+    match seconds {
+        Some(s) if s < 0 => Err(ApiError::bad_request(format!("{name} must be non-negative"))),
+        other => Ok(other.map(|s| s as u64)),
+    }
+}
+
 impl CreateBody {
     fn validate(self) -> Result<CreateParams, ApiError> {
         let volumes = self
@@ -144,10 +157,8 @@ impl CreateBody {
             .map(|v| crate::sandbox::VolumeSpec::parse(v.name, v.read_only.unwrap_or(false), v.mount_path))
             .collect::<Result<Vec<_>, _>>()?;
         let template = self.template.filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TEMPLATE.to_string());
-        let ttl_seconds = match self.ttl_seconds {
-            Some(t) if t < 0 => return Err(ApiError::bad_request("ttl_seconds must be non-negative")),
-            other => other.map(|t| t as u64),
-        };
+        let ttl_seconds = non_negative("ttl_seconds", self.ttl_seconds)?;
+        let hibernate_after_seconds = non_negative("hibernate_after_seconds", self.hibernate_after_seconds)?;
         let mut metadata = BTreeMap::new();
         for (key, value) in self.metadata.unwrap_or_default() {
             match value {
@@ -166,6 +177,7 @@ impl CreateBody {
             metadata,
             ttl_seconds,
             persistent: self.persistent.unwrap_or(false),
+            hibernate_after_seconds,
             from_snapshot,
             preview_auth: self.preview_auth.unwrap_or(false),
             network,

@@ -21,6 +21,8 @@ pub struct CreateParams {
     pub metadata: BTreeMap<String, String>,
     pub ttl_seconds: Option<u64>,
     pub persistent: bool,
+    /// A persistent sandbox's idle time before it hibernates (`None`: the server's).
+    pub hibernate_after_seconds: Option<u64>,
     /// Made from this snapshot (of the same workspace) instead of the template.
     pub from_snapshot: Option<String>,
     /// Its egress policy; absent: the default (or, from a snapshot, the snapshot's).
@@ -192,6 +194,7 @@ impl SandboxService {
             cpu: settings.vcpus,
             memory_mb: settings.memory_mb,
             ttl_seconds: params.ttl_seconds.unwrap_or(settings.default_ttl_seconds),
+            hibernate_after_seconds: params.hibernate_after_seconds,
             persistent: params.persistent,
             fork_tree_id: None,
             from_snapshot: params.from_snapshot.clone(),

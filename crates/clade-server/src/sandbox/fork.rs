@@ -156,6 +156,7 @@ impl SandboxService {
                 cpu: parent.cpu,
                 memory_mb: parent.memory_mb,
                 ttl_seconds,
+                hibernate_after_seconds: None,
                 persistent: false,
                 fork_tree_id: tree_id.clone(),
                 from_snapshot: None,

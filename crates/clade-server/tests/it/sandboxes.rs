@@ -159,6 +159,13 @@ async fn a_sandbox_from_create_to_delete() {
     let reply = api.send(Method::PATCH, &lifecycle, Some(br#"{"ttl_seconds": -5}"#.to_vec())).await;
     reply.expect(400);
     assert_eq!(reply.error(), "ttl_seconds must be non-negative");
+    // A persistent sandbox's own idle time before it hibernates (else the server's).
+    assert_eq!(patched["hibernate_after_seconds"], 300, "the server's default: {patched}");
+    let patched = api.send(Method::PATCH, &lifecycle, Some(br#"{"hibernate_after_seconds": 120}"#.to_vec())).await.expect(200).json();
+    assert_eq!((patched["hibernate_after_seconds"].as_u64(), patched["ttl_seconds"].as_u64()), (Some(120), Some(60)));
+    let reply = api.send(Method::PATCH, &lifecycle, Some(br#"{"hibernate_after_seconds": -1}"#.to_vec())).await;
+    reply.expect(400);
+    assert_eq!(reply.error(), "hibernate_after_seconds must be non-negative");
 
     // Pause and resume (empty bodies, as the SDKs send them).
     api.post_empty(&format!("/v1/sandboxes/{id}/pause")).await.expect(204);

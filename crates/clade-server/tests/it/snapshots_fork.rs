@@ -168,6 +168,8 @@ async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones()
     let workspace = server.store().list_workspaces().await.unwrap().remove(0);
     let idle = create(&api, json!({ "ttl_seconds": 3 })).await["id"].as_str().unwrap().to_string();
     let kept = create(&api, json!({ "ttl_seconds": 3, "persistent": true })).await["id"].as_str().unwrap().to_string();
+    // Its own idle time before hibernating, longer than the server's.
+    let lasting = create(&api, json!({ "persistent": true, "hibernate_after_seconds": 3600 })).await["id"].as_str().unwrap().to_string();
     let busy = create(&api, json!({ "ttl_seconds": 3 })).await["id"].as_str().unwrap().to_string();
     api.exec(&kept, "echo kept > /root/f").await;
 
@@ -189,6 +191,9 @@ async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones()
     }
     assert_eq!(long.await.unwrap()["stdout"], "done\n");
     assert_eq!(api.get(&format!("/v1/sandboxes/{busy}")).await.expect(200).json()["status"], "running", "in use: not reaped");
+    let lasting_now = api.get(&format!("/v1/sandboxes/{lasting}/lifecycle")).await.expect(200).json();
+    assert_eq!(lasting_now["status"], "running", "its own hibernate_after_seconds, not the server's: {lasting_now}");
+    assert_eq!(lasting_now["hibernate_after_seconds"], 3600, "{lasting_now}");
     // Idle from now on: keep it (the rest of the test takes longer than its TTL on a loaded host).
     let lifecycle = api.send(Method::PATCH, &format!("/v1/sandboxes/{busy}/lifecycle"), Some(br#"{"ttl_seconds": 0}"#.to_vec())).await;
     lifecycle.expect(200);
@@ -202,7 +207,7 @@ async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones()
     // Hibernated by the reaper, woken by use, files intact.
     assert_eq!(api.exec(&kept, "cat /root/f").await["stdout"], "kept\n");
 
-    for id in [&kept, &busy] {
+    for id in [&kept, &busy, &lasting] {
         api.delete(&format!("/v1/sandboxes/{id}")).await.expect(204);
     }
     server.shutdown().await;

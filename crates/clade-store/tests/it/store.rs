@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use clade_store::{KeyCheck, KeyFormat, NewSandbox, SandboxState, SnapshotRow, Store, StoreError, E2B_KEY_PREFIX, KEY_PREFIX};
+use clade_store::{
+    KeyCheck, KeyFormat, LifecycleChange, NewSandbox, SandboxState, SnapshotRow, Store, StoreError, E2B_KEY_PREFIX, KEY_PREFIX,
+};
 use clade_testkit::pg::TestDb;
 
 #[tokio::test]
@@ -138,6 +140,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         cpu: 1,
         memory_mb: 512,
         ttl_seconds: 300,
+        hibernate_after_seconds: None,
         persistent: false,
         fork_tree_id: None,
         from_snapshot: None,
@@ -161,10 +164,15 @@ async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
         store.set_sandbox_state(&row.id, SandboxState::Failed, Some("QEMU exited")).await.unwrap();
         let failed = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
         assert_eq!((failed.state, failed.state_reason.as_deref()), (SandboxState::Failed, Some("QEMU exited")));
-        store.set_sandbox_lifecycle(&row.id, Some(60), None).await.unwrap();
-        store.set_sandbox_lifecycle(&row.id, None, Some(true)).await.unwrap();
+        store.set_sandbox_lifecycle(&row.id, LifecycleChange { ttl_seconds: Some(60), ..Default::default() }).await.unwrap();
+        store.set_sandbox_lifecycle(&row.id, LifecycleChange { persistent: Some(true), ..Default::default() }).await.unwrap();
+        store.set_sandbox_lifecycle(&row.id, LifecycleChange { hibernate_after_seconds: Some(90), ..Default::default() }).await.unwrap();
         let changed = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
-        assert_eq!((changed.ttl_seconds, changed.persistent), (60, true));
+        assert_eq!((changed.ttl_seconds, changed.persistent, changed.hibernate_after_seconds), (60, true, Some(90)));
+        let made = NewSandbox { hibernate_after_seconds: Some(30), ..new_sandbox("hib1", &a.id) };
+        let made = store.insert_sandbox(made).await.unwrap();
+        assert_eq!(store.sandbox(&a.id, &made.id).await.unwrap().unwrap().hibernate_after_seconds, Some(30), "{}", db.name());
+        store.set_sandbox_state(&made.id, SandboxState::Deleted, None).await.unwrap();
         store.touch_sandbox(&row.id, changed.last_activity_at + 5000).await.unwrap();
         store.touch_sandbox(&row.id, changed.last_activity_at + 1000).await.unwrap(); // never goes back
         let touched = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();

@@ -408,8 +408,10 @@ def get_lifecycle(sandbox_id: str) -> Call[gen.LifecycleSettings]:
     return Call("getLifecycle", "GET", sandbox_path(sandbox_id, "/lifecycle"), _json(gen.LifecycleSettings.from_json))
 
 
-def patch_lifecycle(sandbox_id: str, ttl_seconds: Optional[int], persistent: Optional[bool]) -> Call[gen.LifecycleSettings]:
-    body = gen.LifecyclePatch(ttl_seconds=ttl_seconds, persistent=persistent).to_json()
+def patch_lifecycle(
+    sandbox_id: str, ttl_seconds: Optional[int], persistent: Optional[bool], hibernate_after_seconds: Optional[int] = None,
+) -> Call[gen.LifecycleSettings]:
+    body = gen.LifecyclePatch(ttl_seconds=ttl_seconds, persistent=persistent, hibernate_after_seconds=hibernate_after_seconds).to_json()
     return Call("patchLifecycle", "PATCH", sandbox_path(sandbox_id, "/lifecycle"), _json(gen.LifecycleSettings.from_json), json=body)
 
 

@@ -98,6 +98,7 @@ class AsyncSandboxes:
         metadata: Optional[Mapping[str, str]] = None,
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
+        hibernate_after_seconds: Optional[int] = None,
         from_snapshot: Optional[str] = None,
         network: Optional[gen.NetworkPolicy] = None,
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
@@ -111,7 +112,8 @@ class AsyncSandboxes:
         attachments = None if volumes is None else [gen.VolumeAttachment(name=v) if isinstance(v, str) else v for v in volumes]
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
-            persistent=persistent, from_snapshot=from_snapshot, network=network, volumes=attachments,
+            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, from_snapshot=from_snapshot,
+            network=network, volumes=attachments,
             preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
         return AsyncSandbox(self._transport, await self._transport.request(api.create_sandbox(body, idempotency_key)))
@@ -304,8 +306,14 @@ class AsyncSandbox:
     async def get_lifecycle(self) -> gen.LifecycleSettings:
         return await self._transport.request(api.get_lifecycle(self.id))
 
-    async def set_lifecycle(self, *, ttl_seconds: Optional[int] = None, persistent: Optional[bool] = None) -> gen.LifecycleSettings:
-        settings = await self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent))
+    async def set_lifecycle(
+        self,
+        *,
+        ttl_seconds: Optional[int] = None,
+        persistent: Optional[bool] = None,
+        hibernate_after_seconds: Optional[int] = None,
+    ) -> gen.LifecycleSettings:
+        settings = await self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds))
         self.info.persistent, self.info.ttl_seconds = settings.persistent, settings.ttl_seconds
         return settings
 

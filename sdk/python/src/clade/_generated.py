@@ -135,7 +135,10 @@ class CreateSandboxBody(Model):
     metadata: Optional[Dict[str, str]] = None
     #: Idle time after which the sandbox is deleted (0: never).
     ttl_seconds: Optional[int] = None
+    #: Hibernated when idle instead of deleted.
     persistent: Optional[bool] = None
+    #: A persistent sandbox's idle time before it is hibernated (default 300; 0: never).
+    hibernate_after_seconds: Optional[int] = None
     #: A snapshot id to create the sandbox from.
     from_snapshot: Optional[str] = None
     network: Optional[NetworkPolicy] = None
@@ -155,6 +158,7 @@ class CreateSandboxBody(Model):
             metadata=None if data.get("metadata") is None else dict(data["metadata"]),
             ttl_seconds=data.get("ttl_seconds"),
             persistent=data.get("persistent"),
+            hibernate_after_seconds=data.get("hibernate_after_seconds"),
             from_snapshot=data.get("from_snapshot"),
             network=None if data.get("network") is None else NetworkPolicy.from_json(data["network"]),
             volumes=None if data.get("volumes") is None else [VolumeAttachment.from_json(item) for item in data["volumes"]],
@@ -495,12 +499,14 @@ class LifecyclePatch(Model):
 
     ttl_seconds: Optional[int] = None
     persistent: Optional[bool] = None
+    hibernate_after_seconds: Optional[int] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LifecyclePatch:
         return cls(
             ttl_seconds=data.get("ttl_seconds"),
             persistent=data.get("persistent"),
+            hibernate_after_seconds=data.get("hibernate_after_seconds"),
         )
 
 
@@ -512,6 +518,8 @@ class LifecycleSettings(Model):
     ttl_seconds: int
     #: A persistent sandbox is hibernated when idle instead of deleted.
     persistent: bool
+    #: A persistent sandbox's idle time before it is hibernated (its own, else the server's; 0: never).
+    hibernate_after_seconds: int
     idle_seconds: int
     status: str
 
@@ -520,6 +528,7 @@ class LifecycleSettings(Model):
         return cls(
             ttl_seconds=data["ttl_seconds"],
             persistent=data["persistent"],
+            hibernate_after_seconds=data["hibernate_after_seconds"],
             idle_seconds=data["idle_seconds"],
             status=data["status"],
         )

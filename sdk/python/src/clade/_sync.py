@@ -96,6 +96,7 @@ class Sandboxes:
         metadata: Optional[Mapping[str, str]] = None,
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
+        hibernate_after_seconds: Optional[int] = None,
         from_snapshot: Optional[str] = None,
         network: Optional[gen.NetworkPolicy] = None,
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
@@ -109,7 +110,8 @@ class Sandboxes:
         attachments = None if volumes is None else [gen.VolumeAttachment(name=v) if isinstance(v, str) else v for v in volumes]
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
-            persistent=persistent, from_snapshot=from_snapshot, network=network, volumes=attachments,
+            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, from_snapshot=from_snapshot,
+            network=network, volumes=attachments,
             preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
         return Sandbox(self._transport, self._transport.request(api.create_sandbox(body, idempotency_key)))
@@ -302,8 +304,14 @@ class Sandbox:
     def get_lifecycle(self) -> gen.LifecycleSettings:
         return self._transport.request(api.get_lifecycle(self.id))
 
-    def set_lifecycle(self, *, ttl_seconds: Optional[int] = None, persistent: Optional[bool] = None) -> gen.LifecycleSettings:
-        settings = self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent))
+    def set_lifecycle(
+        self,
+        *,
+        ttl_seconds: Optional[int] = None,
+        persistent: Optional[bool] = None,
+        hibernate_after_seconds: Optional[int] = None,
+    ) -> gen.LifecycleSettings:
+        settings = self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds))
         self.info.persistent, self.info.ttl_seconds = settings.persistent, settings.ttl_seconds
         return settings
 

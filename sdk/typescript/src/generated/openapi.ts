@@ -71,7 +71,15 @@ export interface CreateSandboxBody {
    * Wire name: `ttl_seconds`.
    */
   ttlSeconds?: number | null;
+  /** Hibernated when idle instead of deleted. */
   persistent?: boolean | null;
+  /**
+   * A persistent sandbox's idle time before it is hibernated (default
+   * 300; 0: never).
+   *
+   * Wire name: `hibernate_after_seconds`.
+   */
+  hibernateAfterSeconds?: number | null;
   /**
    * A snapshot id to create the sandbox from.
    *
@@ -300,6 +308,8 @@ export interface LifecyclePatch {
   /** Wire name: `ttl_seconds`. */
   ttlSeconds?: number | null;
   persistent?: boolean | null;
+  /** Wire name: `hibernate_after_seconds`. */
+  hibernateAfterSeconds?: number | null;
 }
 
 /** A sandbox's idle settings (§3.7). */
@@ -312,6 +322,13 @@ export interface LifecycleSettings {
   ttlSeconds: number;
   /** A persistent sandbox is hibernated when idle instead of deleted. */
   persistent: boolean;
+  /**
+   * A persistent sandbox's idle time before it is hibernated (its own,
+   * else the server's; 0: never).
+   *
+   * Wire name: `hibernate_after_seconds`.
+   */
+  hibernateAfterSeconds: number;
   /** Wire name: `idle_seconds`. */
   idleSeconds: number;
   status: string;
@@ -911,6 +928,7 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     metadata: { wire: 'metadata' },
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
+    hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
     fromSnapshot: { wire: 'from_snapshot' },
     network: { wire: 'network', ref: 'NetworkPolicy' },
     volumes: { wire: 'volumes', ref: 'VolumeAttachment', array: true },
@@ -1009,10 +1027,12 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   LifecyclePatch: {
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
+    hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
   },
   LifecycleSettings: {
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
+    hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
     idleSeconds: { wire: 'idle_seconds' },
     status: { wire: 'status' },
   },
