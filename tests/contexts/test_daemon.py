@@ -660,13 +660,15 @@ def test_python_abort_interrupts_and_keeps_state(daemon, kernel_available):
 def test_bash_abort_stops_the_command_and_keeps_the_shell(daemon):
     cid = daemon.create("bash")
     daemon.run(cid, "cd /tmp; X=5")
-    abort_after_first_line(daemon, cid, "echo started; sleep 600")
+    # A duration nothing else here sleeps: scripts/test's own watchdog of
+    # this suite is a `sleep 600` on the same host.
+    abort_after_first_line(daemon, cid, "echo started; sleep 6017")
     began = time.monotonic()
     assert text_of(daemon.run(cid, "echo $X; pwd", timeout_ms=20_000)) == "5\n/tmp\n"
     assert time.monotonic() - began < 15
     # Gone, not only interrupted (allowing for its exit to be seen).
     deadline = time.monotonic() + 10
-    while (left := subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True).stdout) and time.monotonic() < deadline:
+    while (left := subprocess.run(["pgrep", "-f", "^sleep 6017$"], capture_output=True, text=True).stdout) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == "", "the aborted command still runs"
     daemon.request("DELETE", f"/contexts/{cid}")
