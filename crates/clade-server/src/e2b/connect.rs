@@ -26,9 +26,11 @@ use crate::error::ApiError;
 /// The flag of the envelope that ends a stream.
 pub const END_STREAM: u8 = 0x02;
 /// The flag of a compressed envelope (refused: no compression is offered).
-const COMPRESSED: u8 = 0x01;
+pub(super) const COMPRESSED: u8 = 0x01;
 /// The largest message taken from a client.
-const MESSAGE_LIMIT: usize = 16 << 20;
+pub(super) const MESSAGE_LIMIT: usize = 16 << 20;
+/// The largest unary request taken from a client.
+pub(super) const UNARY_LIMIT: usize = 16 << 20;
 
 /// A Connect error code (the protocol's names and HTTP statuses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connect::{self, base64_bytes, Code, ConnectError, EnvelopeReader, StreamSender, END_STREAM};
+use super::connect::{self, base64_bytes, Code, ConnectError, EnvelopeReader, StreamSender, END_STREAM, UNARY_LIMIT};
 use super::{Envd, Target};
 use crate::error::agent_error;
 use crate::sandbox::Running;
@@ -58,8 +58,6 @@ const FOLLOWER_QUEUE: usize = 64;
 /// keeps its connection but reads no more) before it drops that follower,
 /// so that one stuck client cannot stall a process and its other followers.
 const FOLLOWER_STALL: Duration = if cfg!(test) { Duration::from_millis(200) } else { Duration::from_secs(60) };
-/// The largest unary request.
-const UNARY_LIMIT: usize = 16 << 20;
 /// `/etc/passwd` is read (to find a home for a relative `cwd`) up to this size.
 const PASSWD_LIMIT: u64 = 4 << 20;
 /// A terminal's size when `Start` asks for a pty without one.

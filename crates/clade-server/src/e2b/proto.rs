@@ -19,14 +19,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use serde_json::{Map, Value};
 
-use super::connect::{envelope, Code, ConnectError, END_STREAM};
-
-/// The largest unary request taken (as the JSON handlers take).
-const UNARY_LIMIT: usize = 16 << 20;
-/// The largest message of a stream taken from a client.
-const MESSAGE_LIMIT: usize = 16 << 20;
-/// The flag of a compressed envelope (left for the handler to refuse).
-const COMPRESSED: u8 = 0x01;
+use super::connect::{envelope, Code, ConnectError, COMPRESSED, END_STREAM, MESSAGE_LIMIT, UNARY_LIMIT};
 
 /// A message that does not fit its type, either way.
 #[derive(Debug, Clone, thiserror::Error)]
