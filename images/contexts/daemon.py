@@ -10,7 +10,7 @@ then speaks HTTP/1.1 with JSON bodies to it on 127.0.0.1:PORT:
 
     GET    /health                -> {"ok", "languages", "spare_ready"}
     POST   /warm                  -> {"spare_ready"} once the spare Python kernel is up
-    POST   /contexts              {"language", "cwd"?} -> 201 {"id", "language", "created_at"}
+    POST   /contexts              {"language", "cwd"?, "env"?} -> 201 {"id", "language", "created_at"}
     GET    /contexts              -> [{"id", "language", "created_at", "cells", "alive"}]
     GET    /contexts/{id}         -> one of those
     DELETE /contexts/{id}         -> 204
@@ -104,6 +104,8 @@ TRUNCATION_NOTE = (
 STATE_DIR = "."
 # Where contexts start when no cwd is asked for (see default_cwd).
 DEFAULT_CWD = "/"
+# The environment the daemon started with (see environment_change).
+START_ENVIRONMENT: dict = {}
 
 
 def log(message: str) -> None:
@@ -770,11 +772,20 @@ class PythonKernel:
             renice_process(self.popen.pid, os.getpriority(os.PRIO_PROCESS, 0))
             self.niced = False
 
-    def chdir(self, path: str) -> None:
+    def settle(self, cwd: str | None, env: dict) -> None:
+        """Moves the kernel to its context's directory and environment (a
+        spare was started before either was known)."""
+        steps = []
+        if cwd is not None:
+            steps.append(f"__import__('os').chdir({cwd!r})")
+        if env:
+            steps.append(f"__import__('os').environ.update({env!r})")
+        if not steps:
+            return
         msg_id = self.channels.send(
             "execute_request",
             {
-                "code": f"__import__('os').chdir({path!r})",
+                "code": "; ".join(steps),
                 "silent": True,
                 "store_history": False,
                 "user_expressions": {},
@@ -787,7 +798,7 @@ class PythonKernel:
             msg = self.channels.shell_msg(0.1)
             if msg is not None and msg["parent_header"].get("msg_id") == msg_id:
                 if msg["content"].get("status") != "ok":
-                    raise ContextDead(f"cannot change the kernel's directory to {path}")
+                    raise ContextDead(f"cannot move the kernel to {cwd} with its environment")
                 return
             if msg is None and not self.alive():
                 break
@@ -1126,9 +1137,10 @@ class ChildContext(Context):
                 pass
         os.close(self._wake_w)
 
-    def spawn(self, args: list[str], cwd: str | None, stdin, pass_fds=(), events_fd: int | None = None) -> None:
-        """Starts the child in its own session, stdout and stderr on pipes
-        the reader thread owns (and events_fd, which it then owns too)."""
+    def spawn(self, args: list[str], cwd: str | None, env: dict, stdin, pass_fds=(), events_fd: int | None = None) -> None:
+        """Starts the child in its own session, with `env` over the daemon's
+        environment, stdout and stderr on pipes the reader thread owns (and
+        events_fd, which it then owns too)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -1139,6 +1151,7 @@ class ChildContext(Context):
                 stderr=err_w,
                 pass_fds=pass_fds,
                 cwd=cwd or DEFAULT_CWD,
+                env={**os.environ, **env} if env else None,
                 start_new_session=True,
                 bufsize=0,
             )
@@ -1250,11 +1263,11 @@ class BashContext(ChildContext):
     language = "bash"
     kernel_name = "bash shell"
 
-    def __init__(self, cid: str, cwd: str | None) -> None:
+    def __init__(self, cid: str, cwd: str | None, env: dict) -> None:
         super().__init__(cid)
         self.cell_file = os.path.join(STATE_DIR, f"cell-{cid}.sh")
         self.carry = {"stdout": b"", "stderr": b""}
-        self.spawn([LANGUAGES.bash or "bash", "--noprofile", "--norc", "--noediting", "-i"], cwd, subprocess.PIPE)
+        self.spawn([LANGUAGES.bash or "bash", "--noprofile", "--norc", "--noediting", "-i"], cwd, env, subprocess.PIPE)
         setup = (
             "PS1=''; PS2=''; PS0=''; PS4='+ '; unset PROMPT_COMMAND HISTFILE MAILCHECK; "
             "set +H +o history; __clade_ret() { return \"$1\"; }\n"
@@ -1737,7 +1750,7 @@ class NodeContext(ChildContext):
 
     kernel_name = "Node.js process"
 
-    def __init__(self, cid: str, language: str, cwd: str | None) -> None:
+    def __init__(self, cid: str, language: str, cwd: str | None, env: dict) -> None:
         super().__init__(cid)
         self.language = language
         self.seq = 0
@@ -1748,7 +1761,7 @@ class NodeContext(ChildContext):
         args = [LANGUAGES.node or "node", "--expose-internals", "--experimental-vm-modules"]
         args += [js_runner_path(), str(request_r), str(events_w), language]
         try:
-            self.spawn(args, cwd, subprocess.DEVNULL, (request_r, events_w), events_r)
+            self.spawn(args, cwd, env, subprocess.DEVNULL, (request_r, events_w), events_r)
         except BaseException:
             os.close(events_r)
             os.close(self.request_w)
@@ -1892,6 +1905,23 @@ class HTTPError(Exception):
         self.body = body
 
 
+def environment_change(env) -> dict:
+    """What of a request's `env` (the environment the sandbox's commands
+    start with now) differs from the one this daemon started with: a daemon
+    a template's bake started predates each sandbox's own variables, and
+    only those are laid over its contexts, so that what the daemon sets for
+    its kernels stays."""
+    if env is None:
+        return {}
+    valid = isinstance(env, dict) and all(
+        isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v
+        for k, v in env.items()
+    )
+    if not valid:
+        raise HTTPError(400, {"error": "env must be an object of variable names to string values"})
+    return {k: v for k, v in env.items() if START_ENVIRONMENT.get(k) != v}
+
+
 def new_context_id() -> str:
     while True:
         cid = "ctx_" + secrets.token_hex(6)
@@ -1899,22 +1929,23 @@ def new_context_id() -> str:
             return cid
 
 
-def create_context(language: str, cwd: str | None) -> Context:
+def create_context(language: str, cwd: str | None, env: dict) -> Context:
+    """A new context in `cwd` (the default when None), its environment the
+    daemon's with `env` over it."""
     cid = new_context_id()
     if language == "python":
         kernel = SPARE.take(KERNEL_START_TIMEOUT)
         try:
             kernel.unnice()
-            if cwd is not None:
-                kernel.chdir(cwd)
+            kernel.settle(cwd, env)
         except BaseException:
             threading.Thread(target=kernel.close, daemon=True).start()
             raise
         return PythonContext(cid, kernel)
     if language in ("javascript", "typescript"):
-        return NodeContext(cid, language, cwd)
+        return NodeContext(cid, language, cwd, env)
     if language == "bash":
-        return BashContext(cid, cwd)
+        return BashContext(cid, cwd, env)
     raise ContextDead(f"unknown language {language}")
 
 
@@ -2073,9 +2104,10 @@ class Handler(BaseHTTPRequestHandler):
             if not os.access(cwd, os.X_OK):
                 raise HTTPError(400, {"error": f"cwd {cwd} is not accessible"})
             cwd = os.path.abspath(cwd)
+        env = environment_change(request.get("env"))
         began = time.monotonic()
         try:
-            ctx = create_context(language, cwd)
+            ctx = create_context(language, cwd, env)
         except ContextDead as e:
             raise HTTPError(500, {"error": f"could not start a {language} context: {e}"})
         except OSError as e:
@@ -2165,7 +2197,7 @@ def shut_down_contexts() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global STATE_DIR, DEFAULT_CWD
+    global STATE_DIR, DEFAULT_CWD, START_ENVIRONMENT
     parser = argparse.ArgumentParser(description="Clade code contexts daemon")
     parser.add_argument("--port", type=int, default=49999)
     parser.add_argument("--host", default="127.0.0.1")
@@ -2173,6 +2205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-spare", action="store_true", help="do not keep a spare Python kernel")
     args = parser.parse_args(argv)
 
+    START_ENVIRONMENT = dict(os.environ)
     STATE_DIR = os.path.realpath(args.state_dir)
     os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
     DEFAULT_CWD = default_cwd()

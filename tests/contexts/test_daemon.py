@@ -403,6 +403,34 @@ def test_python_cwd_and_independent_namespaces(daemon, kernel_available, tmp_pat
         daemon.request("DELETE", f"/contexts/{cid}")
 
 
+def test_a_contexts_env_is_laid_over_the_daemons_in_every_language(daemon, kernel_available, node_available, tmp_path):
+    # What the sandbox's commands start with now: a variable of its own, one
+    # the daemon started with unchanged (PATH), and, changed, one the daemon
+    # sets for its kernels only when absent (so a sandbox's value wins).
+    env = {"CLADE_TEST_KEY": "it's \"quoted\" $x", "PATH": os.environ["PATH"], "MPLBACKEND": "agg"}
+    probes = {
+        "python": "import os\n'|'.join((os.environ['CLADE_TEST_KEY'], os.environ['MPLBACKEND'], os.getcwd()))",
+        "javascript": "[process.env.CLADE_TEST_KEY, process.env.MPLBACKEND, process.cwd()].join('|')",
+        "bash": 'echo "$CLADE_TEST_KEY|$MPLBACKEND|$PWD"',
+    }
+    for language, code in probes.items():
+        cid = daemon.create(language, cwd=str(tmp_path), env=env)
+        events = daemon.run(cid, code)
+        if language in ("python", "javascript"):
+            # The value's repr: Python's quotes, or Node's backticks.
+            assert main_text(events)[1:-1].replace("\\'", "'") == f"{env['CLADE_TEST_KEY']}|agg|{tmp_path}", events
+        else:
+            assert text_of(events) == f"{env['CLADE_TEST_KEY']}|agg|{tmp_path}\n", events
+        daemon.request("DELETE", f"/contexts/{cid}")
+    # Another context without env has none of it.
+    cid = daemon.create("bash")
+    assert text_of(daemon.run(cid, 'echo "${CLADE_TEST_KEY-unset}"')) == "unset\n"
+    daemon.request("DELETE", f"/contexts/{cid}")
+    for bad in ({"A": 1}, ["A=1"], {"": "x"}, {"A=B": "x"}):
+        status, body = daemon.request("POST", "/contexts", {"language": "bash", "env": bad})
+        assert status == 400 and "env" in body["error"], (bad, status, body)
+
+
 def test_warm_reports_the_spare(daemon, kernel_available):
     status, body = daemon.request("POST", "/warm")
     assert status == 200 and body == {"spare_ready": True}

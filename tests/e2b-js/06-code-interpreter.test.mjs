@@ -35,7 +35,8 @@ describe('the code interpreter', { skip: notHere }, () => {
       problem = `the ${CODE_TEMPLATE} template cannot be built:\n${String(err.stderr ?? err).slice(-2000)}`
       return
     }
-    notebook = await newSandbox({ cls: CodeSandbox, template: CODE_TEMPLATE, metadata: { purpose: 'code' } })
+    notebook = await newSandbox({ cls: CodeSandbox, template: CODE_TEMPLATE, metadata: { purpose: 'code' },
+      envs: { SANDBOX_VAR: 'from create' } })
   }, { timeout: IMAGE_BUILD_TIMEOUT_MS + TEST_TIMEOUT_MS })
 
   after(async () => {
@@ -55,6 +56,12 @@ describe('the code interpreter', { skip: notHere }, () => {
     const printed = await run("print('printed', x)")
     assert.deepEqual(printed.logs.stdout, ['printed 2\n'])
     assert.deepEqual(printed.results, [])
+  })
+
+  it("gives the kernels the sandbox's variables", { timeout: TEST_TIMEOUT_MS }, async (t) => {
+    if (problem) return skipOrFail(t, problem)
+    assert.equal((await run("import os; os.environ.get('SANDBOX_VAR', 'unset')")).text, 'from create')
+    assert.equal((await run("process.env.SANDBOX_VAR ?? 'unset'", { language: 'js' })).text, 'from create')
   })
 
   it('gives a matplotlib chart as a PNG', { timeout: TEST_TIMEOUT_MS }, async (t) => {

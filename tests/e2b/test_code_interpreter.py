@@ -28,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def notebook(e2b, code_template) -> Iterator[CodeSandbox]:
     sandbox = CodeSandbox.create(template=code_template, timeout=SANDBOX_TIMEOUT, metadata={"run": RUN},
-                                 request_timeout=REQUEST_TIMEOUT)
+                                 envs={"SANDBOX_VAR": "from create"}, request_timeout=REQUEST_TIMEOUT)
     try:
         yield sandbox
     finally:
@@ -93,6 +93,22 @@ def test_output_is_streamed_to_callbacks(notebook):
 def test_a_cells_environment_variables_are_its_own(notebook):
     assert run(notebook, "import os; os.environ.get('GREETING')", envs={"GREETING": "hi"}).text == "hi"
     assert run(notebook, "import os; os.environ.get('GREETING', 'unset')").text == "unset"
+
+
+def test_the_sandboxs_variables_reach_every_language_and_a_cells_own_win(notebook):
+    # The template's kernels were started at its bake, before this sandbox
+    # had variables of its own.
+    probes = {"python": "import os; os.environ.get('SANDBOX_VAR', 'unset')",
+              "js": "process.env.SANDBOX_VAR ?? 'unset'",
+              "bash": "echo \"${SANDBOX_VAR-unset}\""}
+    for language, code in probes.items():
+        execution = run(notebook, code, language=language)
+        assert execution.error is None, (language, execution.error)
+        seen = execution.text if language != "bash" else "".join(execution.logs.stdout).strip()
+        assert seen == "from create", (language, execution)
+    overridden = run(notebook, "import os; os.environ['SANDBOX_VAR']", envs={"SANDBOX_VAR": "the cell's"})
+    assert overridden.text == "the cell's"
+    assert run(notebook, "import os; os.environ['SANDBOX_VAR']").text == "from create"
 
 
 def test_a_context_of_its_own_has_its_own_state_and_directory(notebook):

@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def interpreter(client: clade.Clade, code_interpreter_ready: None) -> Iterator[clade.Sandbox]:
-    with client.sandboxes.create("code-interpreter") as sb:
+    with client.sandboxes.create("code-interpreter", env={"SANDBOX_VAR": "from create"}) as sb:
         yield sb
 
 
@@ -25,6 +25,13 @@ def test_run_code_keeps_state_and_returns_the_value(interpreter: clade.Sandbox) 
     interpreter.run_code("x = 41", timeout=EXEC_TIMEOUT)
     execution = interpreter.run_code("print('side'); x + 1", timeout=EXEC_TIMEOUT)
     assert execution.stdout == "side\n" and execution.text == "42" and execution.error is None
+
+
+def test_code_sees_the_sandboxs_variables(interpreter: clade.Sandbox) -> None:
+    # The template's kernel was started at its bake, before the sandbox had them.
+    assert interpreter.run_code("import os; os.environ['SANDBOX_VAR']", timeout=EXEC_TIMEOUT).text == "'from create'"
+    bash = interpreter.run_code('echo "$SANDBOX_VAR"', language="bash", timeout=EXEC_TIMEOUT)
+    assert bash.stdout == "from create\n"
 
 
 def test_a_matplotlib_chart_comes_back_as_png_bytes(interpreter: clade.Sandbox) -> None:

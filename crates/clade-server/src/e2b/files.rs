@@ -21,7 +21,7 @@ use axum::{Extension, Json};
 use base64::Engine as _;
 use bytes::Bytes;
 use clade_host::AgentError;
-use clade_proto::{Command, ErrorKind, ExecRequest, FileKind, WriteFileRequest};
+use clade_proto::{ErrorKind, FileKind, WriteFileRequest};
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -31,9 +31,8 @@ use super::filesystem::{basename, give, missing_dirs, needs_owner, parent, reach
 use super::{AccessToken, E2bError, Envd, Target};
 use crate::error::agent_error;
 use crate::http::{content_length, human_bytes};
+use crate::sandbox::contexts::command_environment;
 
-/// How long `/envs` may take.
-const ENVS_TIMEOUT_MS: u64 = 10_000;
 /// Between the two readings of `/proc/stat` that give `/metrics` its CPU use.
 const CPU_SAMPLE: Duration = Duration::from_millis(100);
 
@@ -342,32 +341,12 @@ where
 pub(super) async fn envs(State(envd): State<Envd>, Extension(target): Extension<Target>) -> Response {
     let outcome = async {
         let running = reach_running(&envd.app, &target.sandbox).await.map_err(reach_error)?;
-        let mut request = ExecRequest::new(Command::Argv(vec!["env".into(), "-0".into()]));
-        request.user = Some(target.user.clone());
-        request.timeout_ms = Some(ENVS_TIMEOUT_MS);
-        let output = running.vm.agent().run(request).await.map_err(|e| E2bError::from(agent_error("reading the environment", e, None)))?;
-        if output.exit_code() != 0 {
-            let message = format!("env exited with {}: {}", output.exit_code(), output.stderr_str().trim());
-            return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, message));
-        }
-        Ok(parse_env(&output.stdout))
+        Ok::<_, E2bError>(command_environment(&running, Some(target.user.clone())).await?)
     };
     match outcome.await {
         Ok(vars) => Json(vars).into_response(),
         Err(e) => e.into_response(),
     }
-}
-
-/// `env -0`'s output: `NAME=value` records, each ended by a NUL.
-fn parse_env(output: &[u8]) -> std::collections::BTreeMap<String, String> {
-    output
-        .split(|&b| b == 0)
-        .filter_map(|record| {
-            let record = String::from_utf8_lossy(record);
-            let (name, value) = record.split_once('=')?;
-            (!name.is_empty()).then(|| (name.to_string(), value.to_string()))
-        })
-        .collect()
 }
 
 /// `GET /metrics`'s answer (envd's field names).
@@ -557,11 +536,7 @@ mod tests {
     }
 
     #[test]
-    fn the_environment_and_cpu_use_parse() {
-        let vars = parse_env(b"HOME=/home/user\0PATH=/usr/bin:/bin\0MULTI=a\nb=c\0=bad\0\0");
-        assert_eq!(vars.get("HOME").map(String::as_str), Some("/home/user"));
-        assert_eq!(vars.get("MULTI").map(String::as_str), Some("a\nb=c"));
-        assert_eq!(vars.len(), 3);
+    fn cpu_use_parses() {
         let before = cpu_times("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3 4\n").unwrap();
         let after = cpu_times("cpu  150 0 150 800 100 0 0 0 0 0\n").unwrap();
         assert_eq!((before, after), ((200, 1000), (300, 1200)));

@@ -877,8 +877,7 @@ async fn start_context(
     if let Some(cwd) = cwd {
         request["cwd"] = json!(cwd);
     }
-    let reply = state.service.context_request(running, Method::POST, "/contexts", Some(request), true).await?;
-    let reply = reply.ok_or_else(|| E2bError::new(StatusCode::BAD_GATEWAY, "the code-context daemon did not start"))?;
+    let reply = state.service.start_context(running, request).await?;
     let (status, answer) = read_json(reply).await?;
     if status == StatusCode::BAD_REQUEST && answer.get("available").is_some() {
         return Err(no_runtime(&sandbox.template, language));

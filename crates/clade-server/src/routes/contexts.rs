@@ -149,7 +149,7 @@ pub async fn create(
         }
         request["cwd"] = json!(cwd);
     }
-    let reply = state.service.context_request(&running, Method::POST, "/contexts", Some(request), true).await?.expect("started");
+    let reply = state.service.start_context(&running, request).await?;
     let (status, answer) = read_json(reply).await?;
     if status == StatusCode::BAD_REQUEST && answer.get("available").is_some() {
         let has = LANGUAGES.iter().find(|(l, _)| *l == language).map_or("", |(_, t)| *t);

@@ -7,10 +7,12 @@
 //! are the guest's memory, so a hibernation, a snapshot or a fork carries
 //! them, on whatever host the sandbox runs.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clade_host::contexts;
+use clade_proto::{Command, ExecRequest};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -22,10 +24,24 @@ use crate::error::{agent_error, ApiError};
 /// start-up in a loaded guest under TCG).
 const START_LIMIT: Duration = Duration::from_secs(60);
 
+/// How long reading a sandbox's environment may take.
+const ENVIRONMENT_TIMEOUT_MS: u64 = 10_000;
+
 /// An answer of the daemon: its status and body, streamed.
 pub type DaemonReply = hyper::Response<Incoming>;
 
 impl SandboxService {
+    /// Starts a context (`request`: the daemon's `POST /contexts` body),
+    /// and the daemon first when it is not running. The context gets the
+    /// environment the sandbox's commands start with: a daemon that a
+    /// template's bake started predates each sandbox's own variables (a
+    /// create's `env`, its id).
+    pub async fn start_context(&self, running: &Running, mut request: serde_json::Value) -> Result<DaemonReply, ApiError> {
+        request["env"] = serde_json::json!(command_environment(running, None).await?);
+        let reply = self.context_request(running, hyper::Method::POST, "/contexts", Some(request), true).await?;
+        reply.ok_or_else(|| ApiError::BadGateway("the code-context daemon did not start".into()))
+    }
+
     /// Sends a request to the sandbox's context daemon; when it is not
     /// running and `start` says so, starts it first (400 when the template
     /// cannot run it).
@@ -86,6 +102,32 @@ impl SandboxService {
     }
 }
 
+/// The environment a command of `user` (root when `None`) starts with in
+/// the sandbox: the image's, with the sandbox's own variables over it.
+pub async fn command_environment(running: &Running, user: Option<String>) -> Result<BTreeMap<String, String>, ApiError> {
+    let mut request = ExecRequest::new(Command::Argv(vec!["env".into(), "-0".into()]));
+    request.user = user;
+    request.timeout_ms = Some(ENVIRONMENT_TIMEOUT_MS);
+    let what = "reading the sandbox's environment";
+    let output = running.vm.agent().run(request).await.map_err(|e| agent_error(what, e, None))?;
+    if output.exit_code() != 0 {
+        return Err(ApiError::internal(what, format!("env exited with {}: {}", output.exit_code(), output.stderr_str().trim())));
+    }
+    Ok(parse_environment(&output.stdout))
+}
+
+/// `env -0`'s output: `NAME=value` records, each ended by a NUL.
+fn parse_environment(output: &[u8]) -> BTreeMap<String, String> {
+    output
+        .split(|&b| b == 0)
+        .filter_map(|record| {
+            let record = String::from_utf8_lossy(record);
+            let (name, value) = record.split_once('=')?;
+            (!name.is_empty()).then(|| (name.to_string(), value.to_string()))
+        })
+        .collect()
+}
+
 enum Unreachable {
     /// Nothing listens on the daemon's port.
     NotListening,
@@ -127,4 +169,17 @@ pub async fn read_json(reply: DaemonReply) -> Result<(hyper::StatusCode, serde_j
         serde_json::from_slice(&bytes).map_err(|e| ApiError::BadGateway(format!("the code-context daemon's answer is not JSON: {e}")))?
     };
     Ok((status, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_environment_is_read_from_nul_ended_records() {
+        let vars = parse_environment(b"HOME=/home/user\0PATH=/usr/bin:/bin\0MULTI=a\nb=c\0=bad\0\0");
+        assert_eq!(vars.len(), 3);
+        assert_eq!(vars["MULTI"], "a\nb=c");
+        assert_eq!(vars["PATH"], "/usr/bin:/bin");
+    }
 }
