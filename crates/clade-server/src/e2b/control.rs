@@ -463,7 +463,25 @@ async fn set_timeout(State(control): State<Control>, Path(id): Path<String>, req
     let (headers, body) = read_body(request).await?;
     let api = control.api(&headers)?;
     let timeout = seconds(&body, "timeout")?.ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, "timeout is required"))?;
+    if timeout == 0 {
+        return time_out_now(&api, &id).await;
+    }
     api.json(api.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&timeout_change(timeout))).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// E2B's timeout of 0 is now (Clade's 0 is never): the sandbox pauses if
+/// it was made to pause at its timeout (`autoPause`), else it ends.
+async fn time_out_now(api: &Api, id: &str) -> Answer {
+    let lifecycle = api.json(api.request(Method::GET, &["sandboxes", id, "lifecycle"])).await?;
+    let paused = matches!(lifecycle["status"].as_str(), Some("hibernated" | "paused"));
+    if lifecycle["persistent"].as_bool().unwrap_or(false) {
+        if !paused {
+            api.json(api.request(Method::POST, &["sandboxes", id, "hibernate"])).await?;
+        }
+    } else {
+        api.send(api.request(Method::DELETE, &["sandboxes", id])).await?;
+    }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -150,6 +150,10 @@ pub async fn patch(
         return Err(ApiError::bad_request("nothing to change: send ttl_seconds, persistent or hibernate_after_seconds"));
     }
     state.store.set_sandbox_lifecycle(&entry.id, change).await?;
+    // A new limit counts from now, and may be due sooner than the reaper's
+    // next pass.
+    state.service.touch(&entry);
+    state.service.wake_reaper();
     let detail = json!({
         "ttl_seconds": change.ttl_seconds,
         "persistent": change.persistent,

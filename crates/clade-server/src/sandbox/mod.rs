@@ -167,6 +167,8 @@ struct Inner {
     registry: crate::registry::Registry,
     /// Volume attachments of creates under way (`volumes`).
     pending_attachments: volumes::PendingAttachments,
+    /// Tells the reaper that a sandbox's idle limit changed (`reaper`).
+    reaper_wake: tokio::sync::Notify,
 }
 
 #[derive(Debug)]
@@ -235,7 +237,11 @@ impl Entry {
     }
 
     pub fn idle_seconds(&self) -> u64 {
-        ((now_ms() - self.last_activity.load(Ordering::Relaxed)).max(0) / 1000) as u64
+        self.idle_ms() / 1000
+    }
+
+    pub fn idle_ms(&self) -> u64 {
+        (now_ms() - self.last_activity.load(Ordering::Relaxed)).max(0) as u64
     }
 }
 
@@ -266,6 +272,7 @@ impl SandboxService {
             build_cancels: Default::default(),
             registry,
             pending_attachments: Default::default(),
+            reaper_wake: tokio::sync::Notify::new(),
         };
         Self { inner: Arc::new(inner) }
     }

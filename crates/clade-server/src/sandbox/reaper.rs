@@ -4,13 +4,22 @@
 //! hibernated. Both are recorded as `reaped` events. A sandbox in use (an
 //! exec, a file transfer, a lifecycle change holding it) is not idle and
 //! is left alone; its idle time restarts when that use ends.
+//!
+//! A pass runs every `reaper_interval`, and sooner when a sandbox's limit
+//! comes due before that (so a short TTL ends when it says, not up to an
+//! interval later) or when a lifecycle change may have brought one nearer
+//! ([`SandboxService::wake_reaper`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use clade_store::SandboxState;
 
 use super::{Entry, SandboxService};
 use crate::error::chain;
+
+/// How long after a sandbox's limit the pass for it runs.
+const DUE_MARGIN: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Reap {
@@ -23,17 +32,29 @@ impl SandboxService {
     pub fn start_reaper(&self) -> tokio::task::JoinHandle<()> {
         let service = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(service.settings().reaper_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let interval = service.settings().reaper_interval;
             loop {
-                tick.tick().await;
-                service.reap_idle().await;
+                let next_due = service.reap_idle().await;
+                // Past its limit by a little, so that its idle time in
+                // whole seconds has reached the limit when the pass looks.
+                let wait = next_due.map_or(interval, |due| (due + DUE_MARGIN).min(interval));
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = service.inner.reaper_wake.notified() => {}
+                }
             }
         })
     }
 
-    /// One pass over the sandboxes.
-    pub async fn reap_idle(&self) {
+    /// Has the reaper look again now: a sandbox's idle limit changed, or
+    /// its idle time started again.
+    pub fn wake_reaper(&self) {
+        self.inner.reaper_wake.notify_one();
+    }
+
+    /// One pass over the sandboxes; how long until the soonest of those not
+    /// due yet is due (`None`: none will be).
+    pub async fn reap_idle(&self) -> Option<Duration> {
         let rows = match self
             .store()
             .sandboxes_of_host(self.host_id(), &[SandboxState::Running, SandboxState::Paused, SandboxState::Hibernated])
@@ -42,17 +63,21 @@ impl SandboxService {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::error!("reaper: listing sandboxes: {}", chain(&e));
-                return;
+                return None;
             }
         };
+        let mut next_due: Option<Duration> = None;
         for row in rows {
             let Ok(entry) = self.entry(&row.workspace_id, &row.id) else { continue };
             let Some((action, limit)) = self.reap_rule(&row) else { continue };
             if entry.idle_seconds() < limit {
+                let due = Duration::from_millis((limit * 1000).saturating_sub(entry.idle_ms()));
+                next_due = Some(next_due.map_or(due, |soonest| soonest.min(due)));
                 continue;
             }
             self.reap(&entry, action).await;
         }
+        next_due
     }
 
     /// What idleness does to this sandbox, and after how long; `None`: nothing.

@@ -158,6 +158,30 @@ async fn fork_fork_tree_and_promote_as_explore_uses_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_ttl_counts_from_its_change_and_ends_the_sandbox_when_due_not_at_the_next_pass() {
+    let Some(env) = clade_testkit::vm_env() else { return };
+    let mut config = crate::support::config(&env.config);
+    // A pass an hour apart: only the limit's coming due can start one.
+    config.sandboxes.reaper_interval = Duration::from_secs(3600);
+    let server = clade_server::Server::start(config).await.expect("server starts");
+    let api = Api::new(server.addr(), server.admin_key());
+    let id = create(&api, json!({ "ttl_seconds": 3600 })).await["id"].as_str().unwrap().to_string();
+    // Idle longer than the limit it is about to get.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let patch = api.send(Method::PATCH, &format!("/v1/sandboxes/{id}/lifecycle"), Some(br#"{"ttl_seconds": 2}"#.to_vec())).await;
+    assert_eq!(patch.expect(200).json()["ttl_seconds"], 2);
+    let changed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(api.get(&format!("/v1/sandboxes/{id}")).await.status, 200, "the new limit counts from its change, not from the last use");
+    while api.get(&format!("/v1/sandboxes/{id}")).await.status != 404 {
+        assert!(changed.elapsed() < Duration::from_secs(120), "not reaped when its TTL came due");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!("reaped {:.1} s after its TTL was set to 2 s", changed.elapsed().as_secs_f64());
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reaper_deletes_idle_sandboxes_and_hibernates_idle_persistent_ones() {
     let Some(env) = clade_testkit::vm_env() else { return };
     let mut config = crate::support::config(&env.config);
