@@ -2,12 +2,13 @@
 // create with metadata and environment variables, a command that sees
 // them, list by metadata (a paginator), getInfo, connect, the wall between
 // workspaces (another workspace's key finds nothing), a wrong API key, then
-// kill, after which connect rejects.
+// kill (a command it ran says the sandbox is gone), after which connect
+// rejects.
 
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 
-import { AuthenticationError, NotFoundError, Sandbox, SandboxNotFoundError } from 'e2b'
+import { AuthenticationError, NotFoundError, Sandbox, SandboxNotFoundError, TimeoutError } from 'e2b'
 
 import {
   COMMAND_TIMEOUT_MS, OTHER_API_KEY, REQUEST_TIMEOUT_MS, RUN, TEMPLATE, TEST_TIMEOUT_MS, killQuietly, listAll,
@@ -92,7 +93,14 @@ describe('a sandbox through the control plane', { skip: notHere }, () => {
 
   it('is killed, and then neither found nor listed', { timeout: TEST_TIMEOUT_MS }, async () => {
     assert.equal(await sandbox.isRunning(opts), true)
+    const command = await sandbox.commands.run('sleep 600', { background: true, timeoutMs: 0 })
     assert.equal(await sandbox.kill(opts), true)
+    // As on E2B: the command's stream is cut with its sandbox, and the SDK,
+    // whose health probe then finds the sandbox gone, says so.
+    await assert.rejects(command.wait(), (err) => {
+      assert.ok(err instanceof TimeoutError && /killed or reached its end of life/.test(err.message), err)
+      return true
+    })
 
     await assert.rejects(Sandbox.connect(sandbox.sandboxId, opts), SandboxNotFoundError)
     await assert.rejects(Sandbox.getInfo(sandbox.sandboxId, opts), SandboxNotFoundError)

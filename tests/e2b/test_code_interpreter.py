@@ -8,10 +8,11 @@ own."""
 from __future__ import annotations
 
 import base64
+import threading
 from typing import Iterator, List
 
 import pytest
-from e2b import NotFoundException
+from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import Execution, OutputMessage, Result
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
@@ -134,3 +135,21 @@ def test_a_context_of_its_own_has_its_own_state_and_directory(notebook):
         assert default.cwd == "/home/user" and default.language == "python"
     finally:
         notebook.remove_code_context(default.id)
+
+
+def test_a_sandbox_killed_during_a_cell_raises_the_sdks_killed_error(e2b, code_template):
+    sandbox = CodeSandbox.create(template=code_template, timeout=SANDBOX_TIMEOUT, metadata={"run": RUN},
+                                 request_timeout=REQUEST_TIMEOUT)
+    try:
+        assert run(sandbox, "1 + 1").text == "2"  # the kernel is up: the kill lands mid-cell
+        timer = threading.Timer(2.0, sandbox.kill)
+        timer.start()
+        try:
+            # As on E2B: the connection drops with the sandbox, and the SDK,
+            # finding the sandbox gone, says so (not an execution's error).
+            with pytest.raises(TimeoutException, match="sandbox was killed"):
+                run(sandbox, "import time; time.sleep(300)")
+        finally:
+            timer.cancel()
+    finally:
+        kill_quietly(sandbox.sandbox_id)

@@ -90,6 +90,20 @@ def test_a_sandbox_is_created_with_metadata_and_envs_listed_by_metadata_and_kill
         created.commands.run("true")
 
 
+def test_a_command_of_a_sandbox_killed_under_it_says_the_sandbox_is_gone(e2b):
+    sandbox = new_sandbox(metadata={"purpose": "killed-mid-command"})
+    try:
+        handle = sandbox.commands.run("sleep 600", background=True, timeout=0)
+        assert sandbox.kill() is True
+    finally:
+        kill_quietly(sandbox.sandbox_id)
+    # As on E2B: the stream is cut with its sandbox, and the SDK, whose
+    # health probe then finds the sandbox gone, says so (not an exit code,
+    # not "unreachable, state unknown").
+    with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
+        handle.wait()
+
+
 def test_an_unknown_sandbox_is_not_found(e2b):
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("sandbox-that-never-was", request_timeout=REQUEST_TIMEOUT)

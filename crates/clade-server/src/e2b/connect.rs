@@ -251,14 +251,19 @@ pub async fn stream_request<T: DeserializeOwned>(headers: &HeaderMap, body: Body
 /// The sending end of a server stream's answer.
 #[derive(Clone)]
 pub struct StreamSender {
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Result<Bytes, StreamCut>>,
 }
+
+/// Why a stream's body failed instead of ending.
+#[derive(Debug, thiserror::Error)]
+#[error("the sandbox was deleted under the stream")]
+pub struct StreamCut;
 
 impl StreamSender {
     /// Sends a message; `false` once the client has gone.
     pub async fn send<T: Serialize>(&self, message: &T) -> bool {
         match serde_json::to_vec(message) {
-            Ok(json) => self.tx.send(envelope(0, &json)).await.is_ok(),
+            Ok(json) => self.tx.send(Ok(envelope(0, &json))).await.is_ok(),
             Err(_) => false,
         }
     }
@@ -269,7 +274,15 @@ impl StreamSender {
             Ok(()) => serde_json::json!({}),
             Err(error) => serde_json::json!({ "error": error.body() }),
         };
-        let _ = self.tx.send(envelope(END_STREAM, end.to_string().as_bytes())).await;
+        let _ = self.tx.send(Ok(envelope(END_STREAM, end.to_string().as_bytes()))).await;
+    }
+
+    /// Cuts the stream without its end message, as E2B's connection to a
+    /// sandbox that was killed is cut: the client's transport fails
+    /// mid-stream, and the SDKs, probing the sandbox's health then, say
+    /// that it was killed.
+    pub async fn cut(self) {
+        let _ = self.tx.send(Err(StreamCut)).await;
     }
 
     /// Resolves when the client has gone (the answer's body was dropped).
@@ -285,9 +298,8 @@ impl StreamSender {
 /// A server stream's answer and the sender its task writes to. The first
 /// envelope goes out as soon as it is sent (no buffering in between).
 pub fn stream_response() -> (StreamSender, Response) {
-    let (tx, rx) = mpsc::channel::<Bytes>(32);
-    let stream =
-        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), rx)) });
+    let (tx, rx) = mpsc::channel::<Result<Bytes, StreamCut>>(32);
+    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
     let body = Body::from_stream(stream);
     let mut response = Response::new(body);
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/connect+json"));

@@ -14,7 +14,6 @@
 //! daemon's own files.
 
 use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::SystemTime;
 
@@ -121,8 +120,9 @@ async fn execute(
     let running = running(&state, &target).await?;
     let run = open_run(&state, &running, &target.sandbox, &locks, &chosen, &code, &env).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(32);
-    tokio::spawn(stream_run(state.clone(), running, run, tx));
-    Ok(ndjson_response(rx, state.stopping.clone()))
+    let cut = CancellationToken::new();
+    tokio::spawn(stream_run(state.clone(), running, run, tx, cut.clone()));
+    Ok(ndjson_response(rx, state.stopping.clone(), cut))
 }
 
 /// `POST /contexts`: a new context → `{id, language, cwd}`.
@@ -350,8 +350,11 @@ async fn send_run(
 }
 
 /// Passes the run's events on while it runs, then its count and its end.
-/// Holding `running` keeps the sandbox in use until the cell is over.
-async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::Sender<Bytes>) {
+/// Holding `running` keeps the sandbox in use until the cell is over. A
+/// sandbox deleted under the run cuts the response (`cut`) instead of
+/// ending it: E2B's connection drops with its sandbox, and the SDKs, which
+/// then find the sandbox gone, say it was killed.
+async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::Sender<Bytes>, cut: CancellationToken) {
     let OpenRun { kernel, restore, reply } = run;
     // A quiet cell writes nothing that would find the client gone, so its
     // going is watched for; it drops the daemon's stream, which stops the cell.
@@ -363,6 +366,10 @@ async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::S
     match relayed {
         Relayed::Ended => {}
         Relayed::ClientGone => stayed = false,
+        Relayed::Broken(_) if running.entry.is_deleting() => {
+            cut.cancel();
+            return;
+        }
         Relayed::Broken(why) => {
             tracing::warn!(sandbox = %running.entry.id, context = %kernel, why = %why, "a code-interpreter run ended early");
             let line = json!({
@@ -389,6 +396,11 @@ async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::S
     }
     let _ = tx.send(Bytes::from_static(END_LINE)).await;
 }
+
+/// Why a run's response was cut.
+#[derive(Debug, thiserror::Error)]
+#[error("the sandbox was deleted during the run")]
+struct SandboxGone;
 
 enum Relayed {
     /// The daemon's end event came.
@@ -613,18 +625,21 @@ impl Lines {
 
 /// A streamed NDJSON answer of what `rx` yields, with keep-alive lines
 /// while it is quiet; it ends when the sender is dropped, or early when the
-/// server stops.
-fn ndjson_response(rx: mpsc::Receiver<Bytes>, stopping: CancellationToken) -> Response {
-    let stream = futures::stream::unfold((rx, stopping), |(mut rx, stopping)| async move {
+/// server stops; it fails (the connection is cut) when the sender has
+/// cancelled `cut` before going.
+fn ndjson_response(rx: mpsc::Receiver<Bytes>, stopping: CancellationToken, cut: CancellationToken) -> Response {
+    let stream = futures::stream::unfold(Some((rx, stopping, cut)), |state| async move {
+        let (mut rx, stopping, cut) = state?;
         let next = tokio::select! {
             biased;
             () = stopping.cancelled() => return None,
             next = tokio::time::timeout(crate::sse::KEEPALIVE, rx.recv()) => next,
         };
         match next {
-            Ok(Some(chunk)) => Some((Ok::<_, Infallible>(chunk), (rx, stopping))),
+            Ok(Some(chunk)) => Some((Ok(chunk), Some((rx, stopping, cut)))),
+            Ok(None) if cut.is_cancelled() => Some((Err(SandboxGone), None)),
             Ok(None) => None,
-            Err(_) => Some((Ok(Bytes::from_static(KEEPALIVE_LINE)), (rx, stopping))),
+            Err(_) => Some((Ok(Bytes::from_static(KEEPALIVE_LINE)), Some((rx, stopping, cut)))),
         }
     });
     ndjson_head(Body::from_stream(stream))

@@ -209,8 +209,11 @@ pub async fn route(State(plane): State<DataPlane>, mut request: Request, next: N
     let path = request.uri().path();
     // A paused sandbox's envd does not answer its health probe (the SDKs'
     // `is_running()`), and the probe wakes nothing; any other call wakes it.
+    // Nor does one being killed, so that a client whose call broke with its
+    // sandbox finds it gone.
     let asleep = matches!(sandbox.state, clade_store::SandboxState::Hibernated | clade_store::SandboxState::Paused);
-    if path == "/health" && asleep {
+    let ending = plane.state.service.entry(&sandbox.workspace_id, &sandbox.id).is_ok_and(|entry| entry.is_deleting());
+    if path == "/health" && (asleep || ending) {
         return sandbox_gone(&id);
     }
     // envd's health and signed file URLs need no token; the files route checks a signature itself.

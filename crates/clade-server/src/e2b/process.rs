@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 use super::connect::{self, base64_bytes, Code, ConnectError, EnvelopeReader, StreamSender, END_STREAM, UNARY_LIMIT};
 use super::{Envd, Target};
 use crate::error::agent_error;
-use crate::sandbox::Running;
+use crate::sandbox::{Entry, Running};
 
 /// How long an ended process stays findable by `Connect`.
 const RETAIN_ENDED: Duration = Duration::from_secs(60);
@@ -595,8 +595,10 @@ impl Process {
 enum Ending {
     Exited(EndEvent),
     /// The agent session that carried it ended (the sandbox was paused,
-    /// hibernated, snapshotted, deleted or lost): the guest killed it.
+    /// hibernated, snapshotted or lost).
     Lost(String),
+    /// The sandbox was deleted, and the process with it.
+    Deleted,
 }
 
 #[derive(Debug)]
@@ -703,7 +705,8 @@ impl Feed {
 
 /// Owns a process's session: moves its output into the feed until it ends,
 /// then keeps it findable for [`RETAIN_ENDED`].
-async fn pump(table: Arc<Processes>, sandbox_id: String, process: Arc<Process>, mut session: ExecSession) {
+async fn pump(table: Arc<Processes>, entry: Arc<Entry>, process: Arc<Process>, mut session: ExecSession) {
+    let sandbox_id = entry.id.clone();
     let ending = loop {
         match session.next().await {
             Ok(Some(ExecEvent::Stdout(data))) => {
@@ -716,6 +719,7 @@ async fn pump(table: Arc<Processes>, sandbox_id: String, process: Arc<Process>, 
             }
             Ok(Some(ExecEvent::Exited(status))) => break Ending::Exited(EndEvent::from_status(&status)),
             Ok(None) => break Ending::Lost(format!("process {} ended without an exit status", process.pid)),
+            Err(_) if entry.is_deleting() => break Ending::Deleted,
             Err(error) => {
                 break Ending::Lost(format!(
                     "the connection to sandbox {sandbox_id} ended before process {} did, which ended it \
@@ -754,14 +758,23 @@ impl StreamLimits {
 /// Sends `start`, the backlog, then each update until the end. A client
 /// that goes away only detaches.
 async fn stream_events(limits: StreamLimits, sender: StreamSender, pid: u32, following: Following) {
-    let result = forward(&limits, &sender, pid, following).await;
-    if let Some(result) = result {
-        sender.finish(result).await;
+    match forward(&limits, &sender, pid, following).await {
+        Some(Close::Finish(result)) => sender.finish(result).await,
+        Some(Close::Cut) => sender.cut().await,
+        None => {}
     }
 }
 
+/// How a stream whose client is still there closes.
+enum Close {
+    /// With its end message: done, or the error.
+    Finish(Result<(), ConnectError>),
+    /// Without one: the sandbox was deleted (see [`StreamSender::cut`]).
+    Cut,
+}
+
 /// The stream's outcome, or `None` when the client has gone.
-async fn forward(limits: &StreamLimits, sender: &StreamSender, pid: u32, following: Following) -> Option<Result<(), ConnectError>> {
+async fn forward(limits: &StreamLimits, sender: &StreamSender, pid: u32, following: Following) -> Option<Close> {
     let send = |event: ProcessEvent| async move { sender.send(&EventMessage { event: &event }).await };
     if !send(ProcessEvent::Start { pid }).await {
         return None;
@@ -794,10 +807,10 @@ async fn forward(limits: &StreamLimits, sender: &StreamSender, pid: u32, followi
                 }
                 Some(Update::Ended(ending)) => return conclude(ending, sender).await,
                 // Dropped by the pump for taking nothing (see `FOLLOWER_STALL`).
-                None => return Some(Err(ConnectError::new(
+                None => return Some(Close::Finish(Err(ConnectError::new(
                     Code::Aborted,
                     format!("the stream fell behind process {pid}'s output for over {} s; connect to it again to follow it", FOLLOWER_STALL.as_secs()),
-                ))),
+                )))),
             },
             () = tokio::time::sleep_until(next_keepalive) => {
                 if !send(ProcessEvent::Keepalive {}).await {
@@ -805,20 +818,21 @@ async fn forward(limits: &StreamLimits, sender: &StreamSender, pid: u32, followi
                 }
                 next_keepalive = Instant::now() + limits.keepalive;
             }
-            () = &mut deadline => return Some(Err(ConnectError::new(
+            () = &mut deadline => return Some(Close::Finish(Err(ConnectError::new(
                 Code::DeadlineExceeded,
                 format!("the call's deadline passed; process {pid} keeps running: connect to it again to follow it"),
-            ))),
+            )))),
             () = sender.closed() => return None,
-            () = limits.stopping.cancelled() => return Some(Err(ConnectError::new(Code::Unavailable, "the server is stopping"))),
+            () = limits.stopping.cancelled() => return Some(Close::Finish(Err(ConnectError::new(Code::Unavailable, "the server is stopping")))),
         }
     }
 }
 
-async fn conclude(ending: Ending, sender: &StreamSender) -> Option<Result<(), ConnectError>> {
+async fn conclude(ending: Ending, sender: &StreamSender) -> Option<Close> {
     match ending {
-        Ending::Exited(end) => sender.send(&EventMessage { event: &ProcessEvent::End(end) }).await.then_some(Ok(())),
-        Ending::Lost(message) => Some(Err(ConnectError::new(Code::Unavailable, message))),
+        Ending::Exited(end) => sender.send(&EventMessage { event: &ProcessEvent::End(end) }).await.then_some(Close::Finish(Ok(()))),
+        Ending::Lost(message) => Some(Close::Finish(Err(ConnectError::new(Code::Unavailable, message)))),
+        Ending::Deleted => Some(Close::Cut),
     }
 }
 
@@ -892,7 +906,7 @@ async fn launch(envd: &Envd, target: &Target, request: StartRequest) -> Result<(
     });
     let following = process.feed.follow(false);
     envd.processes.insert(&target.sandbox.id, process.clone());
-    tokio::spawn(pump(envd.processes.clone(), target.sandbox.id.clone(), process.clone(), session));
+    tokio::spawn(pump(envd.processes.clone(), running.entry.clone(), process.clone(), session));
     Ok((process, following, running))
 }
 
