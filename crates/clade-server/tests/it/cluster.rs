@@ -114,6 +114,42 @@ async fn a_replica_sends_each_request_to_its_sandboxs_host_and_a_stopped_host_lo
     let text = String::from_utf8_lossy(&stream.expect(200).bytes).to_string();
     assert!(text.contains("one") && text.contains("two") && text.contains("exit"), "{text}");
 
+    // E2B's two planes through the replica: its control plane hands out
+    // envd's token, and envd's calls, the sandbox named by header, reach
+    // the sandbox's host: HTTP (`/files`) and Connect (a process started
+    // with its output streamed back, then `List`).
+    let connected = api.post(&format!("/sandboxes/{}/connect", on_a[0]), json!({ "timeout": 600 })).await.expect(200).json();
+    assert_eq!(connected["sandboxID"], on_a[0].as_str(), "{connected}");
+    let token = connected["envdAccessToken"].as_str().expect("envd's token").to_string();
+    let envd = |port: &'static str| {
+        let (id, token) = (on_a[0].clone(), token.clone());
+        move |extra: &[(&'static str, &'static str)]| {
+            let mut headers =
+                vec![("e2b-sandbox-id", id.clone()), ("e2b-sandbox-port", port.to_string()), ("x-access-token", token.clone())];
+            headers.extend(extra.iter().map(|(name, value)| (*name, value.to_string())));
+            headers
+        }
+    };
+    let headers = envd("49983")(&[("authorization", "Basic cm9vdDo=")]);
+    let borrowed: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let file = api.send_with(reqwest::Method::GET, "/files?path=/tmp/me", None, &borrowed).await;
+    assert_eq!(String::from_utf8_lossy(&file.expect(200).bytes).trim(), on_a[0], "envd's /files through the replica");
+    let headers = envd("49983")(&[("authorization", "Basic cm9vdDo="), ("content-type", "application/connect+json")]);
+    let borrowed: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let start = json!({ "process": { "cmd": "/bin/sh", "args": ["-c", "echo from-$(hostname)"] } }).to_string();
+    let mut enveloped = vec![0u8];
+    enveloped.extend_from_slice(&(start.len() as u32).to_be_bytes());
+    enveloped.extend_from_slice(start.as_bytes());
+    let started = api.send_with(reqwest::Method::POST, "/process.Process/Start", Some(enveloped), &borrowed).await;
+    let stream = String::from_utf8_lossy(&started.expect(200).bytes).to_string();
+    assert!(stream.contains("\"start\"") && stream.contains("\"end\""), "{stream}");
+    let headers = envd("49983")(&[("authorization", "Basic cm9vdDo="), ("content-type", "application/json")]);
+    let borrowed: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let listed = api.send_with(reqwest::Method::POST, "/process.Process/List", Some(b"{}".to_vec()), &borrowed).await;
+    assert!(listed.expect(200).json().is_object(), "{}", listed.json());
+    let wrong: Vec<(&str, &str)> = vec![("e2b-sandbox-id", on_a[0].as_str()), ("e2b-sandbox-port", "49983"), ("x-access-token", "not-it")];
+    api.send_with(reqwest::Method::GET, "/files?path=/tmp/me", None, &wrong).await.expect(401);
+
     // A fork lands on its parent's host and sees the parent's files.
     let fork = api.post(&format!("/v1/sandboxes/{}/fork", on_a[0]), json!({})).await.expect(201).json();
     let child = fork["id"].as_str().or(fork["sandbox"]["id"].as_str()).unwrap().to_string();
