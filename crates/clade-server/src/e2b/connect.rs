@@ -254,7 +254,8 @@ pub struct StreamSender {
     tx: mpsc::Sender<Result<Bytes, StreamCut>>,
 }
 
-/// Why a stream's body failed instead of ending.
+/// Why a stream's body failed instead of ending (a Connect stream's here,
+/// the code interpreter's too).
 #[derive(Debug, thiserror::Error)]
 #[error("the sandbox was deleted under the stream")]
 pub struct StreamCut;

@@ -34,6 +34,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedMutexGuard};
 use tokio_util::sync::CancellationToken;
 
+use super::connect::StreamCut;
 use super::{E2bError, Target};
 use crate::error::agent_error;
 use crate::sandbox::contexts::{read_json, DaemonReply};
@@ -119,10 +120,9 @@ async fn execute(
     }
     let running = running(&state, &target).await?;
     let run = open_run(&state, &running, &target.sandbox, &locks, &chosen, &code, &env).await?;
-    let (tx, rx) = mpsc::channel::<Bytes>(32);
-    let cut = CancellationToken::new();
-    tokio::spawn(stream_run(state.clone(), running, run, tx, cut.clone()));
-    Ok(ndjson_response(rx, state.stopping.clone(), cut))
+    let (tx, rx) = mpsc::channel::<Chunk>(32);
+    tokio::spawn(stream_run(state.clone(), running, run, tx));
+    Ok(ndjson_response(rx, state.stopping.clone()))
 }
 
 /// `POST /contexts`: a new context → `{id, language, cwd}`.
@@ -351,10 +351,10 @@ async fn send_run(
 
 /// Passes the run's events on while it runs, then its count and its end.
 /// Holding `running` keeps the sandbox in use until the cell is over. A
-/// sandbox deleted under the run cuts the response (`cut`) instead of
-/// ending it: E2B's connection drops with its sandbox, and the SDKs, which
-/// then find the sandbox gone, say it was killed.
-async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::Sender<Bytes>, cut: CancellationToken) {
+/// sandbox deleted under the run cuts the response instead of ending it:
+/// E2B's connection drops with its sandbox, and the SDKs, which then find
+/// the sandbox gone, say it was killed.
+async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::Sender<Chunk>) {
     let OpenRun { kernel, restore, reply } = run;
     // A quiet cell writes nothing that would find the client gone, so its
     // going is watched for; it drops the daemon's stream, which stops the cell.
@@ -367,7 +367,7 @@ async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::S
         Relayed::Ended => {}
         Relayed::ClientGone => stayed = false,
         Relayed::Broken(_) if running.entry.is_deleting() => {
-            cut.cancel();
+            let _ = tx.send(Err(StreamCut)).await;
             return;
         }
         Relayed::Broken(why) => {
@@ -378,7 +378,7 @@ async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::S
                 "value": "Connection to the execution was closed before the execution was finished",
                 "traceback": why,
             });
-            stayed = tx.send(ndjson(&line)).await.is_ok();
+            stayed = tx.send(Ok(ndjson(&line))).await.is_ok();
         }
     }
     let count = if stayed { execution_count(&state, &running, &kernel).await } else { None };
@@ -390,17 +390,15 @@ async fn stream_run(state: AppState, running: Running, run: OpenRun, tx: mpsc::S
         return;
     }
     if let Some(count) = count {
-        if tx.send(ndjson(&json!({ "type": "number_of_executions", "execution_count": count }))).await.is_err() {
+        if tx.send(Ok(ndjson(&json!({ "type": "number_of_executions", "execution_count": count })))).await.is_err() {
             return;
         }
     }
-    let _ = tx.send(Bytes::from_static(END_LINE)).await;
+    let _ = tx.send(Ok(Bytes::from_static(END_LINE))).await;
 }
 
-/// Why a run's response was cut.
-#[derive(Debug, thiserror::Error)]
-#[error("the sandbox was deleted during the run")]
-struct SandboxGone;
+/// A line of a run's answer, or the cut that ends it (see [`stream_run`]).
+type Chunk = Result<Bytes, StreamCut>;
 
 enum Relayed {
     /// The daemon's end event came.
@@ -412,7 +410,7 @@ enum Relayed {
 
 /// Reads the daemon's events (one JSON object per line) and sends each as
 /// E2B's line as it comes.
-async fn relay(reply: DaemonReply, tx: &mpsc::Sender<Bytes>) -> Relayed {
+async fn relay(reply: DaemonReply, tx: &mpsc::Sender<Chunk>) -> Relayed {
     let mut body = reply.into_body();
     let mut lines = Lines::default();
     let mut translator = Translator::default();
@@ -427,7 +425,7 @@ async fn relay(reply: DaemonReply, tx: &mpsc::Sender<Bytes>) -> Relayed {
             let Ok(event) = serde_json::from_slice::<Value>(line) else { continue };
             match translator.translate(&event, &timestamp()) {
                 Translated::Line(line) => {
-                    if tx.send(ndjson(&line)).await.is_err() {
+                    if tx.send(Ok(ndjson(&line))).await.is_err() {
                         return Relayed::ClientGone;
                     }
                 }
@@ -625,21 +623,18 @@ impl Lines {
 
 /// A streamed NDJSON answer of what `rx` yields, with keep-alive lines
 /// while it is quiet; it ends when the sender is dropped, or early when the
-/// server stops; it fails (the connection is cut) when the sender has
-/// cancelled `cut` before going.
-fn ndjson_response(rx: mpsc::Receiver<Bytes>, stopping: CancellationToken, cut: CancellationToken) -> Response {
-    let stream = futures::stream::unfold(Some((rx, stopping, cut)), |state| async move {
-        let (mut rx, stopping, cut) = state?;
+/// server stops; a cut the sender sends fails it (the connection is cut).
+fn ndjson_response(rx: mpsc::Receiver<Chunk>, stopping: CancellationToken) -> Response {
+    let stream = futures::stream::unfold((rx, stopping), |(mut rx, stopping)| async move {
         let next = tokio::select! {
             biased;
             () = stopping.cancelled() => return None,
             next = tokio::time::timeout(crate::sse::KEEPALIVE, rx.recv()) => next,
         };
         match next {
-            Ok(Some(chunk)) => Some((Ok(chunk), Some((rx, stopping, cut)))),
-            Ok(None) if cut.is_cancelled() => Some((Err(SandboxGone), None)),
+            Ok(Some(chunk)) => Some((chunk, (rx, stopping))),
             Ok(None) => None,
-            Err(_) => Some((Ok(Bytes::from_static(KEEPALIVE_LINE)), Some((rx, stopping, cut)))),
+            Err(_) => Some((Ok(Bytes::from_static(KEEPALIVE_LINE)), (rx, stopping))),
         }
     });
     ndjson_head(Body::from_stream(stream))

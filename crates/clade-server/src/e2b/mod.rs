@@ -211,10 +211,11 @@ pub async fn route(State(plane): State<DataPlane>, mut request: Request, next: N
     // `is_running()`), and the probe wakes nothing; any other call wakes it.
     // Nor does one being killed, so that a client whose call broke with its
     // sandbox finds it gone.
-    let asleep = matches!(sandbox.state, clade_store::SandboxState::Hibernated | clade_store::SandboxState::Paused);
-    let ending = plane.state.service.entry(&sandbox.workspace_id, &sandbox.id).is_ok_and(|entry| entry.is_deleting());
-    if path == "/health" && (asleep || ending) {
-        return sandbox_gone(&id);
+    if path == "/health" {
+        let asleep = matches!(sandbox.state, clade_store::SandboxState::Hibernated | clade_store::SandboxState::Paused);
+        if asleep || plane.state.service.entry(&sandbox.workspace_id, &sandbox.id).is_ok_and(|entry| entry.is_deleting()) {
+            return sandbox_gone(&id);
+        }
     }
     // envd's health and signed file URLs need no token; the files route checks a signature itself.
     let open = path == "/health" || (path == "/files" && request.uri().query().is_some_and(|q| q.contains("signature=")));

@@ -35,8 +35,8 @@ impl SandboxService {
             let interval = service.settings().reaper_interval;
             loop {
                 let next_due = service.reap_idle().await;
-                // Past its limit by a little, so that its idle time in
-                // whole seconds has reached the limit when the pass looks.
+                // Past its limit by a little: the limit is reckoned on the
+                // wall clock, the sleep on the monotonic one.
                 let wait = next_due.map_or(interval, |due| (due + DUE_MARGIN).min(interval));
                 tokio::select! {
                     () = tokio::time::sleep(wait) => {}
@@ -46,8 +46,7 @@ impl SandboxService {
         })
     }
 
-    /// Has the reaper look again now: a sandbox's idle limit changed, or
-    /// its idle time started again.
+    /// Has the reaper look again now: a sandbox's idle limit changed.
     pub fn wake_reaper(&self) {
         self.inner.reaper_wake.notify_one();
     }
@@ -70,8 +69,9 @@ impl SandboxService {
         for row in rows {
             let Ok(entry) = self.entry(&row.workspace_id, &row.id) else { continue };
             let Some((action, limit)) = self.reap_rule(&row) else { continue };
-            if entry.idle_seconds() < limit {
-                let due = Duration::from_millis((limit * 1000).saturating_sub(entry.idle_ms()));
+            let idle_ms = entry.idle_ms();
+            if idle_ms < limit * 1000 {
+                let due = Duration::from_millis(limit * 1000 - idle_ms);
                 next_due = Some(next_due.map_or(due, |soonest| soonest.min(due)));
                 continue;
             }
