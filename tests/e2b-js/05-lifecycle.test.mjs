@@ -34,6 +34,9 @@ describe('a paused sandbox', { skip: notHere }, () => {
     const started = await run(sandbox, 'setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $!')
     const pid = Number.parseInt(started.stdout.trim(), 10)
     assert.equal((await run(sandbox, `kill -0 ${pid}`)).exitCode, 0)
+    // And one started through envd, waiting for its input, whose stream stays open.
+    const waiting = await sandbox.commands.run('echo started; read line; echo "got $line"; exit 7',
+      { background: true, stdin: true, timeoutMs: 0 })
 
     assert.equal(await sandbox.pause(opts), true)
     assert.equal((await Sandbox.getInfo(sandbox.sandboxId, opts)).state, 'paused')
@@ -48,6 +51,16 @@ describe('a paused sandbox', { skip: notHere }, () => {
     assert.equal(await resumed.files.read('/home/user/kept.txt'), 'before the pause')
     const cmdline = (await run(resumed, `tr '\\0' ' ' < /proc/${pid}/cmdline`)).stdout
     assert.equal(cmdline.trim(), 'sleep 3600')
+    // The envd process is listed again after the pause, takes input, and the
+    // stream opened before the pause sees it to its end.
+    const listed = (await resumed.commands.list(opts)).map((p) => p.pid)
+    assert.ok(listed.includes(waiting.pid), `${waiting.pid} in ${listed}`)
+    await resumed.commands.sendStdin(waiting.pid, 'hello\n', opts)
+    await assert.rejects(waiting.wait(), (error) => {
+      assert.equal(error.exitCode, 7)
+      assert.equal(error.stdout, 'started\ngot hello\n')
+      return true
+    })
     // The handle made before the pause works again too.
     assert.equal((await run(sandbox, 'echo awake')).stdout, 'awake\n')
   })

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
+from e2b import CommandExitException, Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from conftest import REQUEST_TIMEOUT, RUN, list_all, new_sandbox, own_sandbox, wait_for
 
@@ -101,6 +101,40 @@ def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
         assert cmdline.strip() == "sleep 3601", cmdline
         # The handle made before the pause works again too.
         assert sandbox.commands.run("echo awake", timeout=COMMAND_TIMEOUT).stdout == "awake\n"
+
+
+def test_background_commands_are_listed_followed_fed_and_killed_after_a_pause(e2b):
+    with own_sandbox(metadata={"purpose": "pause-processes"}) as sandbox:
+        waiting = sandbox.commands.run(
+            'echo started; read line; echo "got $line"; exit 7', background=True, stdin=True, timeout=0)
+        sleeper = sandbox.commands.run("sleep 3602", background=True, timeout=0)
+        wait_for(lambda: {waiting.pid, sleeper.pid} <= {p.pid for p in sandbox.commands.list()}, timeout=30,
+                 what="both commands listed")
+
+        assert sandbox.pause() is True
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        # The new agent session takes both up again: listed as before the pause.
+        listed = {process.pid: process for process in resumed.commands.list(request_timeout=REQUEST_TIMEOUT)}
+        assert {waiting.pid, sleeper.pid} <= listed.keys(), listed
+        assert "sleep 3602" in " ".join([listed[sleeper.pid].cmd, *listed[sleeper.pid].args]), listed[sleeper.pid]
+
+        # Followed again, and fed: its input reaches it in the new session.
+        again = resumed.commands.connect(waiting.pid, timeout=COMMAND_TIMEOUT)
+        resumed.commands.send_stdin(waiting.pid, "hello\n", request_timeout=REQUEST_TIMEOUT)
+        with pytest.raises(CommandExitException) as raised:
+            again.wait()
+        assert raised.value.exit_code == 7 and "got hello\n" in raised.value.stdout, raised.value
+        # The stream opened before the pause stayed with it throughout.
+        with pytest.raises(CommandExitException) as raised:
+            waiting.wait()
+        assert raised.value.exit_code == 7 and raised.value.stdout == "started\ngot hello\n", raised.value
+
+        # A signal reaches the other one.
+        assert resumed.commands.kill(sleeper.pid, request_timeout=REQUEST_TIMEOUT) is True
+        wait_for(lambda: not {waiting.pid, sleeper.pid} & {p.pid for p in resumed.commands.list()}, timeout=30,
+                 what="both ended commands gone from the list")
+        with pytest.raises(CommandExitException):
+            sleeper.wait()
 
 
 def test_a_snapshot_starts_new_sandboxes_with_the_sources_files(e2b):

@@ -1,6 +1,7 @@
 //! The agent's state, shared by every session and operation: how it was
-//! set up ([`AgentConfig`]), its reaper and cgroups, its own files, and the
-//! default environment the post-restore hook sets. Below `server` (which
+//! set up ([`AgentConfig`]), its reaper and cgroups, its own files, the
+//! default environment the post-restore hook sets, and the execs a later
+//! session may re-attach to. Below `server` (which
 //! serves sessions) and the operations it dispatches to.
 
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cgroup::{CgroupError, Cgroups};
 use crate::reaper::{ReapScope, Reaper, ReaperError};
+use crate::reattach::Reattachable;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -72,6 +74,8 @@ pub struct Agent {
     /// The image's environment, working directory and user, under the
     /// hook's and each command's own.
     image_defaults: clade_proto::ImageDefaults,
+    /// Execs that outlive their host, for a later session to re-attach to.
+    reattachable: Arc<Reattachable>,
 }
 
 impl Agent {
@@ -108,6 +112,7 @@ impl Agent {
             run_dir: config.run_dir,
             default_env: std::sync::Mutex::default(),
             image_defaults,
+            reattachable: Arc::default(),
         }))
     }
 
@@ -133,6 +138,10 @@ impl Agent {
         let mut env = self.image_defaults.env.clone();
         env.extend(self.default_env.lock().expect("env lock").iter().cloned());
         env
+    }
+
+    pub(crate) fn reattachable(&self) -> &Arc<Reattachable> {
+        &self.reattachable
     }
 
     pub(crate) fn image_defaults(&self) -> &clade_proto::ImageDefaults {

@@ -7,10 +7,11 @@
 //! exits by itself, what it started in the background keeps running (a dev
 //! server started with `&`, a daemon): that is what sandbox users expect.
 //!
-//! Tasks per exec: one reads host frames, one writes guest frames (so a host
-//! that stops reading never blocks timeouts or cancellation), one pump per
-//! output stream, one feeds stdin. The decisions are the `Supervisor`'s, a
-//! state machine with one method per event.
+//! Tasks per exec: one reads host frames, one relays guest frames (so a host
+//! that stops reading never blocks timeouts or cancellation; for an exec
+//! that outlives its host it also holds them for a later session, see
+//! `reattach`), one pump per output stream, one feeds stdin. The decisions
+//! are the `Supervisor`'s, a state machine with one method per event.
 
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clade_proto::{
-    read_frame, write_frame, Command, ErrorKind, ExecRequest, ExitStatus, GuestError, GuestFrame, HostFrame, OutputStream, CHUNK_SIZE,
+    write_frame, Command, ErrorKind, ExecRequest, ExitStatus, GuestError, GuestFrame, HostFrame, OutputStream, CHUNK_SIZE,
     DEFAULT_OUTPUT_LIMIT,
 };
 use nix::sys::signal::{killpg, Signal};
@@ -454,11 +455,14 @@ where
 {
     let Running { pid, mut exit, io, cgroup, script } = running;
 
+    let (host_tx, mut host_rx) = mpsc::unbounded_channel::<Option<HostFrame>>();
+    crate::reattach::read_host_frames(Box::new(rd), host_tx.clone());
+    // One that outlives its host keeps its frames for a later session (see `reattach`).
+    let registration = req.outlives_host.then(|| agent.reattachable().register(pid as u32, host_tx.clone()));
     let (frames, frames_rx) = mpsc::channel::<GuestFrame>(32);
-    let writer = tokio::spawn(write_frames(wr, frames_rx));
+    let relay = tokio::spawn(crate::reattach::relay(pid as u32, Box::new(wr), session.clone(), frames_rx, registration));
     let _ = frames.send(GuestFrame::Started { pid: pid as u32 }).await;
     let (output, stdin, terminal) = Output::start(io, req.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT), &frames);
-    let (mut host_rx, host_reader) = read_host_frames(rd);
 
     let mut supervisor = Supervisor {
         pgid: Pid::from_raw(pid),
@@ -477,19 +481,25 @@ where
     let exited = loop {
         tokio::select! {
             status = &mut exit => break status.ok(),
-            frame = host_rx.recv(), if supervisor.host_open => supervisor.on_host_frame(frame.flatten()),
+            // A re-attached host's frames come on the same channel (`host_tx` is held here, so it never closes).
+            frame = host_rx.recv(), if supervisor.host_open || supervisor.outlives_host => supervisor.on_host_frame(frame.flatten()),
             _ = &mut deadline, if timeout.is_some() && !supervisor.killed => supervisor.on_deadline(),
             _ = session.cancelled(), if !supervisor.killed && !supervisor.session_over => supervisor.on_session_end(),
         }
     };
     supervisor.on_exit();
+    drop(host_tx);
 
     let dropped = output.finish().await;
     // The shell that read it has exited.
     drop(script);
     let _ = frames.send(last_frame(exited, supervisor.reason, dropped)).await;
     drop(frames);
-    let _ = writer.await;
+    // One that outlives its host may wait for a later session to take its
+    // end; the others are done once their last frame is written.
+    if !req.outlives_host {
+        let _ = relay.await;
+    }
     if let (Some(cgroup), Some(cgroups)) = (supervisor.cgroup.take(), agent.cgroups()) {
         if supervisor.killed {
             cgroup.remove(cgroups).await;
@@ -499,16 +509,6 @@ where
             cgroup.release(cgroups);
         }
     }
-    // Keep reading until the host closes the substream: a host still
-    // sending stdin to a command that has exited must not block on flow
-    // control (see `agent::drain_until_closed`).
-    if supervisor.host_open {
-        tokio::select! {
-            _ = async { while let Some(Some(_)) = host_rx.recv().await {} } => {}
-            _ = session.cancelled() => {}
-        }
-    }
-    host_reader.abort();
 }
 
 /// The exec's last frame: how the command ended, or that its end was lost.
@@ -524,33 +524,6 @@ fn last_frame(exited: Option<ProcessExit>, reason: KillReason, dropped: [u64; 2]
         }),
         None => GuestFrame::Error(GuestError::new(ErrorKind::Io, "lost track of the process's exit status")),
     }
-}
-
-/// Host frames of the substream, read by a task of their own. Stdin is
-/// queued without bound so that a Cancel behind it is always seen; the host
-/// is trusted not to flood a command that does not read. `None` is the
-/// host's end of the substream.
-fn read_host_frames<R>(mut rd: R) -> (mpsc::UnboundedReceiver<Option<HostFrame>>, tokio::task::JoinHandle<()>)
-where
-    R: AsyncRead + Unpin + Send + 'static,
-{
-    let (host_tx, host_rx) = mpsc::unbounded_channel::<Option<HostFrame>>();
-    let reader = tokio::spawn(async move {
-        loop {
-            match read_frame::<_, HostFrame>(&mut rd).await {
-                Ok(Some(frame)) => {
-                    if host_tx.send(Some(frame)).is_err() {
-                        break;
-                    }
-                }
-                Ok(None) | Err(_) => {
-                    let _ = host_tx.send(None);
-                    break;
-                }
-            }
-        }
-    });
-    (host_rx, reader)
 }
 
 /// The command's stdio on the agent's side: a pump per output stream and a
@@ -633,20 +606,6 @@ fn kill_everything(pgid: Pid, cgroup: Option<&ExecCgroup>) {
     let _ = killpg(pgid, Signal::SIGKILL);
     if let Some(cgroup) = cgroup {
         cgroup.kill();
-    }
-}
-
-/// Writes guest frames in order. After a write error (the host is gone) it
-/// keeps taking frames, so that producers never block on a dead stream.
-async fn write_frames<W: AsyncWrite + Unpin>(mut wr: W, mut frames: mpsc::Receiver<GuestFrame>) {
-    let mut open = true;
-    while let Some(frame) = frames.recv().await {
-        if open && write_frame(&mut wr, &frame).await.is_err() {
-            open = false;
-        }
-    }
-    if open {
-        let _ = wr.shutdown().await;
     }
 }
 
@@ -943,6 +902,77 @@ mod tests {
             let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
         }
         assert_no_survivors("sleep 1000.131").await;
+    }
+
+    #[tokio::test]
+    async fn a_later_session_takes_up_a_command_that_outlived_its_host() {
+        let h = Harness::start().await;
+        let request = ExecRequest { outlives_host: true, stdin: true, ..shell("echo first; read line; echo \"got $line\"; exit 4") };
+        let mut s = h.open(&Request::Exec(request)).await;
+        let pid = match next(&mut s).await {
+            Some(GuestFrame::Started { pid }) => pid,
+            other => panic!("expected Started, got {other:?}"),
+        };
+        assert_eq!(next(&mut s).await, Some(GuestFrame::Stdout(b"first\n".to_vec())));
+        // A pause: the session ends, the command waits on its input.
+        let h = h.next_session().await;
+        let mut again = h.open(&Request::Reattach { pid }).await;
+        assert_eq!(next(&mut again).await, Some(GuestFrame::Started { pid }));
+        send(&mut again, HostFrame::Stdin(b"hello\n".to_vec())).await;
+        let out = collect(&mut again).await;
+        assert_eq!(out.stdout_text(), "got hello\n");
+        assert_eq!(out.exited().code, Some(4));
+        // Its end was told: there is nothing left to take up.
+        let refused = collect(&mut h.open(&Request::Reattach { pid }).await).await;
+        assert_eq!(refused.error.map(|e| e.kind), Some(ErrorKind::NotFound));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn output_and_an_end_that_no_host_saw_are_held_for_the_next_session() {
+        let h = Harness::start().await;
+        let request = ExecRequest { outlives_host: true, ..shell("sleep 0.3; echo while away; echo to stderr >&2; exit 3") };
+        let mut s = h.open(&Request::Exec(request)).await;
+        let pid = match next(&mut s).await {
+            Some(GuestFrame::Started { pid }) => pid,
+            other => panic!("expected Started, got {other:?}"),
+        };
+        let h = h.next_session().await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let out = collect(&mut h.open(&Request::Reattach { pid }).await).await;
+        assert_eq!(out.pid, Some(pid));
+        assert_eq!(out.stdout_text(), "while away\n");
+        assert_eq!(out.stderr, b"to stderr\n");
+        assert_eq!(out.exited().code, Some(3));
+        // An exec that does not outlive its host is nobody's to take up.
+        let refused = collect(&mut h.open(&Request::Reattach { pid: 999_999 }).await).await;
+        assert_eq!(refused.error.map(|e| e.kind), Some(ErrorKind::NotFound));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_second_reattach_takes_the_command_over_from_the_first() {
+        let h = Harness::start().await;
+        let request = ExecRequest { outlives_host: true, stdin: true, ..shell("while read line; do echo \"$line\"; done") };
+        let mut s = h.open(&Request::Exec(request)).await;
+        let pid = match next(&mut s).await {
+            Some(GuestFrame::Started { pid }) => pid,
+            other => panic!("expected Started, got {other:?}"),
+        };
+        let mut first = h.open(&Request::Reattach { pid }).await;
+        assert_eq!(next(&mut first).await, Some(GuestFrame::Started { pid }));
+        send(&mut first, HostFrame::Stdin(b"one\n".to_vec())).await;
+        assert_eq!(next(&mut first).await, Some(GuestFrame::Stdout(b"one\n".to_vec())));
+        let mut second = h.open(&Request::Reattach { pid }).await;
+        assert_eq!(next(&mut second).await, Some(GuestFrame::Started { pid }));
+        // The first is let go: it sees its end without an exit.
+        assert_eq!(next(&mut first).await, None);
+        send(&mut second, HostFrame::Stdin(b"two\n".to_vec())).await;
+        assert_eq!(next(&mut second).await, Some(GuestFrame::Stdout(b"two\n".to_vec())));
+        send(&mut second, HostFrame::StdinEof).await;
+        assert_eq!(collect(&mut second).await.exited().code, Some(0));
+        drop(s);
+        h.shutdown().await;
     }
 
     #[tokio::test]

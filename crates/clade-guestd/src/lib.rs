@@ -18,6 +18,7 @@ pub mod init;
 pub mod net;
 mod pty;
 pub mod reaper;
+mod reattach;
 pub mod restore;
 pub mod server;
 mod spawn;

@@ -108,6 +108,11 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
             crate::exec::run(agent, req, stream, session).await;
             return;
         }
+        Request::Reattach { pid } => {
+            // Hands the stream to the exec, which owns it from there.
+            crate::reattach::reattach(agent.reattachable(), pid, stream, session).await;
+            return;
+        }
         Request::Connect { port } => {
             // Owns the stream from here: it becomes the connection's pipe.
             crate::tcp_ports::connect(stream, port, session).await;

@@ -2,6 +2,7 @@
 //! real host side of the protocol (handshake, then `MuxClient`).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clade_proto::handshake;
@@ -14,6 +15,7 @@ use crate::server::serve_connection;
 pub struct Harness {
     pub client: MuxClient,
     server: tokio::task::JoinHandle<()>,
+    agent: Arc<Agent>,
 }
 
 /// Where the host under test has a cgroup v2 tree: a hybrid host mounts it
@@ -36,14 +38,27 @@ impl Harness {
     }
 
     pub async fn with_config(config: AgentConfig) -> Self {
-        let agent = Agent::new(config).expect("agent starts");
+        Self::serve(Agent::new(config).expect("agent starts")).await
+    }
+
+    /// A session with `agent`.
+    async fn serve(agent: Arc<Agent>) -> Self {
         let (host_io, guest_io) = tokio::io::duplex(1 << 20);
+        let served = agent.clone();
         let server = tokio::spawn(async move {
-            serve_connection(&agent, guest_io).await.expect("session ends cleanly");
+            serve_connection(&served, guest_io).await.expect("session ends cleanly");
         });
         let (channel, hello) = handshake::host(host_io, rand::random()).await.expect("handshake");
         assert_eq!(hello.agent_version, crate::VERSION);
-        Self { client: MuxClient::spawn(channel), server }
+        Self { client: MuxClient::spawn(channel), server, agent }
+    }
+
+    /// Ends this session and starts the next with the same agent, as a
+    /// pause or a wake does.
+    pub async fn next_session(self) -> Self {
+        let agent = self.agent.clone();
+        self.shutdown().await;
+        Self::serve(agent).await
     }
 
     /// Ends the session from the host side and waits for the agent to wind it down.

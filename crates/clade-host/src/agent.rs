@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -97,8 +97,13 @@ pub struct AgentClient {
     reconnecting: Arc<tokio::sync::Mutex<()>>,
 }
 
+/// Numbers sessions, across every client of this process.
+static SESSIONS: AtomicU64 = AtomicU64::new(0);
+
 #[derive(Debug, Clone)]
 struct Session {
+    /// Unique in this process: tells which session an operation's substream belongs to.
+    id: u64,
     mux: MuxClient,
     agent_version: Arc<str>,
     /// Operations under way on this session (see [`keep_alive`]).
@@ -111,7 +116,8 @@ struct Session {
 impl Session {
     fn start(mux: MuxClient, agent_version: &str) -> Self {
         let (alive, watch_alive) = tokio::sync::watch::channel(());
-        let session = Self { mux, agent_version: agent_version.into(), in_flight: Arc::default(), _alive: Arc::new(alive) };
+        let id = SESSIONS.fetch_add(1, Ordering::Relaxed) + 1;
+        let session = Self { id, mux, agent_version: agent_version.into(), in_flight: Arc::default(), _alive: Arc::new(alive) };
         tokio::spawn(keep_alive(session.mux.clone(), session.in_flight.clone(), watch_alive));
         session
     }
@@ -227,12 +233,13 @@ impl FileRead {
 pub struct AgentStream {
     inner: Substream,
     in_flight: Arc<AtomicUsize>,
+    session_id: u64,
 }
 
 impl AgentStream {
-    fn new(inner: Substream, in_flight: Arc<AtomicUsize>) -> Self {
-        in_flight.fetch_add(1, Ordering::Relaxed);
-        Self { inner, in_flight }
+    fn new(inner: Substream, session: &Session) -> Self {
+        session.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self { inner, in_flight: session.in_flight.clone(), session_id: session.id }
     }
 }
 
@@ -347,6 +354,11 @@ impl AgentClient {
         self.current().ok().map(|s| s.agent_version.to_string())
     }
 
+    /// The current session's number (see [`ExecSession::session_id`]).
+    pub fn session_id(&self) -> Option<u64> {
+        self.current().ok().map(|s| s.id)
+    }
+
     pub fn is_closed(&self) -> bool {
         self.current().map_or(true, |s| s.mux.is_closed())
     }
@@ -359,7 +371,7 @@ impl AgentClient {
                 self.current()?
             }
         };
-        let mut stream = AgentStream::new(session.mux.open().await?, session.in_flight);
+        let mut stream = AgentStream::new(session.mux.open().await?, &session);
         write_frame(&mut stream, request).await?;
         Ok(stream)
     }
@@ -378,11 +390,23 @@ impl AgentClient {
 
     /// Starts a command; its output arrives through the returned session.
     pub async fn exec(&self, request: ExecRequest) -> Result<ExecSession, AgentError> {
-        let stream = self.open(&Request::Exec(request)).await?;
+        self.exec_session(&Request::Exec(request)).await
+    }
+
+    /// Takes up, in this session, a command that outlived the session that
+    /// started it ([`ExecRequest::outlives_host`]): the output it held since
+    /// (its newest part) and how it ended, if it has, come first.
+    pub async fn reattach(&self, pid: u32) -> Result<ExecSession, AgentError> {
+        self.exec_session(&Request::Reattach { pid }).await
+    }
+
+    async fn exec_session(&self, request: &Request) -> Result<ExecSession, AgentError> {
+        let stream = self.open(request).await?;
+        let session_id = stream.session_id;
         let (mut reader, writer) = tokio::io::split(stream);
         match read_frame::<_, GuestFrame>(&mut reader).await? {
             Some(GuestFrame::Started { pid }) => {
-                Ok(ExecSession { pid, reader, input: ExecInput(Arc::new(tokio::sync::Mutex::new(writer))), finished: false })
+                Ok(ExecSession { pid, session_id, reader, input: ExecInput(Arc::new(tokio::sync::Mutex::new(writer))), finished: false })
             }
             Some(GuestFrame::Error(e)) => Err(e.into()),
             Some(other) => Err(AgentError::unexpected("started", &other)),
@@ -630,6 +654,7 @@ pub enum ExecEvent {
 #[derive(Debug)]
 pub struct ExecSession {
     pid: u32,
+    session_id: u64,
     reader: ReadHalf<AgentStream>,
     input: ExecInput,
     finished: bool,
@@ -639,6 +664,12 @@ impl ExecSession {
     /// The command's pid inside the guest.
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The agent session it runs in: when the client's is another
+    /// ([`AgentClient::session_id`]), this one has ended with its session.
+    pub fn session_id(&self) -> u64 {
+        self.session_id
     }
 
     /// A handle for stdin, signals and cancellation, usable from another task.

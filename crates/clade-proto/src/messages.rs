@@ -47,6 +47,15 @@ pub enum Request {
     /// Changes the limits of user commands (the fields that are set) and
     /// answers [`Reply::Limits`] with those in force; all unset only asks.
     SetLimits(UserLimits),
+    /// Takes over an exec that outlives its host ([`ExecRequest::outlives_host`])
+    /// from the session that started it, which a pause, a hibernation or a
+    /// snapshot ended. The guest answers [`GuestFrame::Started`], the frames
+    /// it held since that session ended (the output's newest part, within a
+    /// bound, and how the command ended if it has), then the live ones, as
+    /// for an exec; the host's frames reach the command again. A pid the
+    /// guest holds no such exec for is [`ErrorKind::NotFound`]. A later
+    /// re-attach takes the exec over from this one.
+    Reattach { pid: u32 },
 }
 
 /// A volume the host has just attached to one of the guest's disk slots
@@ -135,7 +144,8 @@ pub struct ExecRequest {
     pub pty: Option<PtySize>,
     /// Keeps running when the host goes away (the substream or the whole
     /// session closes: a pause, a snapshot, a lost connection) instead of
-    /// being killed; its output is then read and dropped. E2B's processes
+    /// being killed; its frames are then held for a [`Request::Reattach`]
+    /// (the newest output within a bound, and its end). E2B's processes
     /// outlive their clients; a `Cancel` or a signal still ends it.
     pub outlives_host: bool,
 }

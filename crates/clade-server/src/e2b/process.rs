@@ -15,15 +15,20 @@
 //! The sandbox is held (`Running`) only while a call is served (a start, an
 //! input, a signal), never while a stream follows a process, so that a
 //! sandbox can be paused or hibernated under a client that follows one (as
-//! E2B's SDKs do a background command's). That ends the agent's session:
-//! the processes run on in the guest (`ExecRequest::outlives_host`), and
-//! their streams here end with an `unavailable` error (the SDKs then probe
-//! the sandbox's health), not with an exit; they are no longer listed.
+//! E2B's SDKs do a background command's). That ends the agent's session;
+//! the processes run on in the guest (`ExecRequest::outlives_host`), which
+//! holds their output's newest part and their ends. Their pumps wait, and
+//! they stay listed, and their followers stay attached. The next call that
+//! holds the sandbox (a `List`, a `Connect`, an input, a start: each wakes
+//! it) takes every such process up again in the new session
+//! (`AgentClient::reattach`), and its pump goes on. One the guest no longer
+//! holds ends with an `unavailable` error (the SDKs then probe the
+//! sandbox's health); the sandbox's deletion cuts them all.
 //!
 //! It must not touch the other envd services or the sandbox's lifecycle.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -36,7 +41,7 @@ use bytes::{Bytes, BytesMut};
 use clade_host::agent::{AgentError, ExecEvent, ExecInput, ExecSession};
 use clade_proto::{Command, ErrorKind, ExecRequest, ExitStatus, PtySize, CHUNK_SIZE};
 use serde::{Deserialize, Deserializer, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -58,6 +63,8 @@ const FOLLOWER_QUEUE: usize = 64;
 /// keeps its connection but reads no more) before it drops that follower,
 /// so that one stuck client cannot stall a process and its other followers.
 const FOLLOWER_STALL: Duration = if cfg!(test) { Duration::from_millis(200) } else { Duration::from_secs(60) };
+/// How often a pump whose session has ended looks whether its sandbox is being deleted.
+const DETACHED_CHECK: Duration = Duration::from_secs(5);
 /// `/etc/passwd` is read (to find a home for a relative `cwd`) up to this size.
 const PASSWD_LIMIT: u64 = 4 << 20;
 /// A terminal's size when `Start` asks for a pty without one.
@@ -79,7 +86,10 @@ pub(super) async fn call(
             Ok(()) => client_stream_answer(),
             Err(error) => connect::stream_error(error),
         },
-        "List" => connect::unary_response(unary::<serde::de::IgnoredAny>(&headers, body).await.map(|_| list(&envd, &target))),
+        "List" => connect::unary_response(match unary::<serde::de::IgnoredAny>(&headers, body).await {
+            Ok(_) => list(&envd, &target).await,
+            Err(error) => Err(error),
+        }),
         "SendInput" => connect::unary_response(match unary(&headers, body).await {
             Ok(request) => send_input(&envd, &target, request).await,
             Err(error) => Err(error),
@@ -525,6 +535,11 @@ impl Processes {
         running
     }
 
+    /// Whether the sandbox has processes that have not ended.
+    fn has_running(&self, sandbox_id: &str) -> bool {
+        lock(&self.by_sandbox).get(sandbox_id).is_some_and(|processes| processes.values().any(|p| !p.feed.has_ended()))
+    }
+
     /// Drops an ended process, unless its pid now belongs to another.
     fn forget(&self, sandbox_id: &str, process: &Arc<Process>) {
         let mut table = lock(&self.by_sandbox);
@@ -547,13 +562,24 @@ struct Process {
     started: Instant,
     /// Runs on a terminal: its output is `pty` data, its input `pty` input.
     pty: bool,
-    input: ExecInput,
+    /// Its input in the session that carries it (see `session_id`).
+    input: Mutex<ExecInput>,
+    /// The agent session that carries it, or is being asked to: one that is
+    /// not the sandbox's current session has ended, and the process is taken
+    /// up again in the current one (see [`reattach_detached`]).
+    session_id: AtomicU64,
+    /// Sessions that take it up, for its pump.
+    resumptions: mpsc::UnboundedSender<Resumption>,
     /// Reads the host's stdin (else /dev/null) and it was not closed yet.
     stdin_open: AtomicBool,
     feed: Feed,
 }
 
 impl Process {
+    fn input(&self) -> ExecInput {
+        lock(&self.input).clone()
+    }
+
     async fn write(&self, input: Input) -> Result<(), ConnectError> {
         let (data, what) = match (input, self.pty) {
             (Input::Stdin(data), false) => {
@@ -575,7 +601,7 @@ impl Process {
         };
         // The guest's frames are bounded; a large input goes in chunks.
         for chunk in data.chunks(CHUNK_SIZE) {
-            self.input.stdin(chunk).await.map_err(|e| self.input_error(what, e))?;
+            self.input().stdin(chunk).await.map_err(|e| self.input_error(what, e))?;
         }
         Ok(())
     }
@@ -594,8 +620,8 @@ impl Process {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Ending {
     Exited(EndEvent),
-    /// The agent session that carried it ended (the sandbox was paused,
-    /// hibernated, snapshotted or lost).
+    /// Its end was lost: the guest no longer held the process when a later
+    /// session asked for it, or reported no exit.
     Lost(String),
     /// The sandbox was deleted, and the process with it.
     Deleted,
@@ -703,11 +729,58 @@ impl Feed {
     }
 }
 
-/// Owns a process's session: moves its output into the feed until it ends,
-/// then keeps it findable for [`RETAIN_ENDED`].
-async fn pump(table: Arc<Processes>, entry: Arc<Entry>, process: Arc<Process>, mut session: ExecSession) {
+/// What takes a process up after its session ended (see [`reattach_detached`]).
+#[derive(Debug)]
+enum Resumption {
+    /// The current session, with the output held since and then the live one.
+    Session(ExecSession),
+    /// The guest holds it no more; told back once the feed has ended.
+    Gone(String, oneshot::Sender<()>),
+}
+
+/// How one session's part of a process's life ended.
+enum Relayed {
+    Ended(Ending),
+    /// The session ended (a pause, a hibernation, a snapshot): the process runs on.
+    Detached,
+}
+
+/// Owns a process's sessions, one after another: moves its output into the
+/// feed until it ends, then keeps it findable for [`RETAIN_ENDED`].
+async fn pump(
+    table: Arc<Processes>,
+    entry: Arc<Entry>,
+    process: Arc<Process>,
+    mut session: ExecSession,
+    mut resumptions: mpsc::UnboundedReceiver<Resumption>,
+) {
     let sandbox_id = entry.id.clone();
-    let ending = loop {
+    let (ending, told) = loop {
+        match relay_session(&entry, &process, &mut session).await {
+            Relayed::Ended(ending) => break (ending, None),
+            Relayed::Detached => {
+                tracing::debug!(sandbox = %sandbox_id, pid = process.pid, "an envd process's session ended; it waits for the next");
+                match next_resumption(&entry, &mut resumptions).await {
+                    Some(Resumption::Session(next)) => session = next,
+                    Some(Resumption::Gone(message, told)) => break (Ending::Lost(message), Some(told)),
+                    None => break (Ending::Deleted, None),
+                }
+            }
+        }
+    };
+    process.stdin_open.store(false, Ordering::SeqCst);
+    process.feed.end(ending).await;
+    if let Some(told) = told {
+        let _ = told.send(());
+    }
+    drop(session);
+    tokio::time::sleep(RETAIN_ENDED).await;
+    table.forget(&sandbox_id, &process);
+}
+
+/// Moves one session's output of the process into its feed.
+async fn relay_session(entry: &Entry, process: &Process, session: &mut ExecSession) -> Relayed {
+    loop {
         match session.next().await {
             Ok(Some(ExecEvent::Stdout(data))) => {
                 let data = Bytes::from(data);
@@ -715,25 +788,69 @@ async fn pump(table: Arc<Processes>, entry: Arc<Entry>, process: Arc<Process>, m
             }
             Ok(Some(ExecEvent::Stderr(data))) => process.feed.publish(Output::Stderr(Bytes::from(data))).await,
             Ok(Some(ExecEvent::Truncated { stream, limit })) => {
-                tracing::debug!(sandbox = %sandbox_id, pid = process.pid, ?stream, limit, "an envd process reached its output limit");
+                tracing::debug!(sandbox = %entry.id, pid = process.pid, ?stream, limit, "an envd process reached its output limit");
             }
-            Ok(Some(ExecEvent::Exited(status))) => break Ending::Exited(EndEvent::from_status(&status)),
-            Ok(None) => break Ending::Lost(format!("process {} ended without an exit status", process.pid)),
-            Err(_) if entry.is_deleting() => break Ending::Deleted,
+            Ok(Some(ExecEvent::Exited(status))) => return Relayed::Ended(Ending::Exited(EndEvent::from_status(&status))),
+            Ok(None) => return Relayed::Ended(Ending::Lost(format!("process {} ended without an exit status", process.pid))),
+            Err(_) if entry.is_deleting() => return Relayed::Ended(Ending::Deleted),
+            Err(error) if error.is_session_lost() => return Relayed::Detached,
+            Err(error) => return Relayed::Ended(Ending::Lost(format!("process {}'s end was lost: {error}", process.pid))),
+        }
+    }
+}
+
+/// The next session that takes the process up, or `None` once its sandbox is being deleted.
+async fn next_resumption(entry: &Entry, resumptions: &mut mpsc::UnboundedReceiver<Resumption>) -> Option<Resumption> {
+    loop {
+        tokio::select! {
+            resumption = resumptions.recv() => return resumption,
+            () = tokio::time::sleep(DETACHED_CHECK) => if entry.is_deleting() { return None },
+        }
+    }
+}
+
+/// Takes up, in the sandbox's current agent session, each of its processes
+/// whose session has ended (a pause, a hibernation, a snapshot), once: their
+/// pumps go on with the output the guest held meanwhile. One the guest no
+/// longer holds ends, and is no longer listed when this returns.
+async fn reattach_detached(envd: &Envd, target: &Target, running: &Running) {
+    let agent = running.vm.agent();
+    let Some(current) = agent.session_id() else { return };
+    let processes: Vec<Arc<Process>> = {
+        let table = lock(&envd.processes.by_sandbox);
+        let processes = table.get(&target.sandbox.id).into_iter().flat_map(|processes| processes.values());
+        processes.filter(|process| !process.feed.has_ended()).cloned().collect()
+    };
+    // Each is claimed by moving it to the current session, so that it is asked for once.
+    let claimed = processes.into_iter().filter_map(|process| {
+        let before = process.session_id.load(Ordering::SeqCst);
+        let claimed = before != current && process.session_id.compare_exchange(before, current, Ordering::SeqCst, Ordering::SeqCst).is_ok();
+        claimed.then_some((process, before))
+    });
+    let reattaches = claimed.map(|(process, before)| async move {
+        match agent.reattach(process.pid).await {
+            Ok(session) => {
+                *lock(&process.input) = session.input();
+                let _ = process.resumptions.send(Resumption::Session(session));
+            }
+            Err(AgentError::Guest(error)) => {
+                let message = format!(
+                    "process {} is gone: the sandbox's agent no longer holds it after its session ended ({})",
+                    process.pid, error.message
+                );
+                let (told, ended) = oneshot::channel();
+                if process.resumptions.send(Resumption::Gone(message, told)).is_ok() {
+                    let _ = ended.await;
+                }
+            }
             Err(error) => {
-                break Ending::Lost(format!(
-                    "the connection to sandbox {sandbox_id} ended before process {} did, which ended it \
-                     (a paused, hibernated, snapshotted or deleted sandbox ends its processes): {error}",
-                    process.pid
-                ))
+                // Not asked after all: the next call asks again.
+                process.session_id.store(before, Ordering::SeqCst);
+                tracing::warn!(sandbox = %target.sandbox.id, pid = process.pid, "taking up an envd process again: {error}");
             }
         }
-    };
-    process.stdin_open.store(false, Ordering::SeqCst);
-    process.feed.end(ending).await;
-    drop(session);
-    tokio::time::sleep(RETAIN_ENDED).await;
-    table.forget(&sandbox_id, &process);
+    });
+    futures::future::join_all(reattaches).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -840,6 +957,13 @@ async fn hold_sandbox(envd: &Envd, target: &Target) -> Result<Running, ConnectEr
     Ok(envd.app.service.running(&target.sandbox.workspace_id, &target.sandbox.id).await?)
 }
 
+/// Holds the sandbox, and takes up its processes whose session has ended.
+async fn hold_with_processes(envd: &Envd, target: &Target) -> Result<Running, ConnectError> {
+    let running = hold_sandbox(envd, target).await?;
+    reattach_detached(envd, target, &running).await;
+    Ok(running)
+}
+
 async fn start(envd: Envd, target: Target, headers: HeaderMap, body: Body) -> Response {
     let limits = StreamLimits::new(&headers, &envd);
     let request: StartRequest = match connect::stream_request(&headers, body).await {
@@ -869,7 +993,7 @@ async fn launch(envd: &Envd, target: &Target, request: StartRequest) -> Result<(
     // envd's default: stdin is a pipe unless the request turns it off
     // (then /dev/null); a terminal always takes input.
     let stdin = pty.is_none() && request.stdin.unwrap_or(true);
-    let running = hold_sandbox(envd, target).await?;
+    let running = hold_with_processes(envd, target).await?;
     let agent = running.vm.agent();
     let cwd = match classify_cwd(config.cwd.as_deref()) {
         Cwd::Default => None,
@@ -890,23 +1014,26 @@ async fn launch(envd: &Envd, target: &Target, request: StartRequest) -> Result<(
         output_limit: Some(OUTPUT_LIMIT),
         pty,
         // A pause or a snapshot closes the agent's connection: the process
-        // runs on (its output from then on is not seen), as on E2B.
+        // runs on, as on E2B, and the next session takes it up again.
         outlives_host: true,
     };
     let session = agent.exec(exec).await.map_err(|error| start_error(&config, error))?;
+    let (resumptions, resumed) = mpsc::unbounded_channel();
     let process = Arc::new(Process {
         pid: session.pid(),
         config,
         tag: request.tag,
         started: Instant::now(),
         pty: pty.is_some(),
-        input: session.input(),
+        input: Mutex::new(session.input()),
+        session_id: AtomicU64::new(session.session_id()),
+        resumptions,
         stdin_open: AtomicBool::new(stdin),
         feed: Feed::default(),
     });
     let following = process.feed.follow(false);
     envd.processes.insert(&target.sandbox.id, process.clone());
-    tokio::spawn(pump(envd.processes.clone(), running.entry.clone(), process.clone(), session));
+    tokio::spawn(pump(envd.processes.clone(), running.entry.clone(), process.clone(), session, resumed));
     Ok((process, following, running))
 }
 
@@ -978,12 +1105,20 @@ async fn follow(envd: Envd, target: Target, headers: HeaderMap, body: Body) -> R
     };
     // A running one's sandbox is woken if it sleeps (and counts as used),
     // not held; an ended one needs nothing of it (and must not wake it).
-    if !process.feed.has_ended() {
-        if let Err(error) = hold_sandbox(&envd, &target).await {
-            return connect::stream_error(error);
+    let running = if process.feed.has_ended() {
+        None
+    } else {
+        match hold_sandbox(&envd, &target).await {
+            Ok(running) => Some(running),
+            Err(error) => return connect::stream_error(error),
         }
-    }
+    };
     let following = process.feed.follow(request.replay.unwrap_or(false));
+    // After the follower is in: what the guest held while the process had
+    // no session comes to it too.
+    if let Some(running) = running {
+        reattach_detached(&envd, &target, &running).await;
+    }
     let (sender, response) = connect::stream_response();
     tokio::spawn(stream_events(limits, sender, process.pid, following));
     response
@@ -993,21 +1128,29 @@ async fn follow(envd: Envd, target: Target, headers: HeaderMap, body: Body) -> R
 // Unary methods and the input stream
 // ---------------------------------------------------------------------------
 
-fn list(envd: &Envd, target: &Target) -> ListResponse {
+/// The sandbox's running processes. When it has some, it is held (woken if
+/// it sleeps, as any envd call) so that those whose session ended are taken
+/// up again, or found gone.
+async fn list(envd: &Envd, target: &Target) -> Result<ListResponse, ConnectError> {
+    if envd.processes.has_running(&target.sandbox.id) {
+        hold_with_processes(envd, target).await?;
+    }
     let processes = envd
         .processes
         .running(&target.sandbox.id)
         .into_iter()
         .map(|process| ProcessInfo { config: process.config.clone(), pid: process.pid, tag: process.tag.clone() })
         .collect();
-    ListResponse { processes }
+    Ok(ListResponse { processes })
 }
 
 /// A running process of the sandbox, and the sandbox held while it is served.
 async fn running_process(envd: &Envd, target: &Target, selector: Option<SelectorMessage>) -> Result<(Arc<Process>, Running), ConnectError> {
     let selector = Selector::parse(selector)?;
+    envd.processes.find(&target.sandbox.id, &selector, Scope::Running)?;
+    let running = hold_with_processes(envd, target).await?;
+    // Taking it up may have found it gone.
     let process = envd.processes.find(&target.sandbox.id, &selector, Scope::Running)?;
-    let running = hold_sandbox(envd, target).await?;
     Ok((process, running))
 }
 
@@ -1028,7 +1171,7 @@ async fn close_stdin(envd: &Envd, target: &Target, request: CloseStdinRequest) -
     }
     // Closing what is closed (or was never open) is no error, as in envd.
     if process.stdin_open.swap(false, Ordering::SeqCst) {
-        process.input.close_stdin().await.map_err(|e| process.input_error("error closing stdin", e))?;
+        process.input().close_stdin().await.map_err(|e| process.input_error("error closing stdin", e))?;
     }
     Ok(Empty {})
 }
@@ -1037,7 +1180,7 @@ async fn send_signal(envd: &Envd, target: &Target, request: SendSignalRequest) -
     let signal = parse_signal(&request.signal)?;
     let (process, _running) = running_process(envd, target, request.process).await?;
     // To the process group: what the command started goes with it.
-    process.input.signal(signal).await.map_err(|e| process.input_error("error sending signal", e))?;
+    process.input().signal(signal).await.map_err(|e| process.input_error("error sending signal", e))?;
     Ok(Empty {})
 }
 
@@ -1048,7 +1191,7 @@ async fn update(envd: &Envd, target: &Target, request: UpdateRequest) -> Result<
         return Err(ConnectError::new(Code::Internal, "error resizing tty: tty not assigned to process"));
     }
     let size = pty.size.map_or(DEFAULT_PTY_SIZE, |size| size.to_size());
-    process.input.resize(size).await.map_err(|e| process.input_error("error resizing tty", e))?;
+    process.input().resize(size).await.map_err(|e| process.input_error("error resizing tty", e))?;
     Ok(Empty {})
 }
 
@@ -1060,8 +1203,10 @@ async fn stream_input(envd: &Envd, target: &Target, headers: &HeaderMap, body: B
     while let Some(message) = reader.next::<StreamInputMessage>().await? {
         match message.event()? {
             StreamInputEvent::Start(selector) => {
+                envd.processes.find(&target.sandbox.id, &selector, Scope::Running)?;
+                let running = hold_with_processes(envd, target).await?;
                 let process = envd.processes.find(&target.sandbox.id, &selector, Scope::Running)?;
-                receiver = Some((process, hold_sandbox(envd, target).await?));
+                receiver = Some((process, running));
             }
             StreamInputEvent::Data(input) => match &receiver {
                 Some((process, _running)) => process.write(input).await?,
