@@ -163,3 +163,29 @@ def test_a_snapshot_starts_new_sandboxes_with_the_sources_files(e2b):
         finally:
             assert Sandbox.delete_snapshot(snapshot.snapshot_id, request_timeout=REQUEST_TIMEOUT) is True
         assert Sandbox.delete_snapshot(snapshot.snapshot_id, request_timeout=REQUEST_TIMEOUT) is False
+
+
+def test_a_named_snapshot_is_listed_and_started_by_its_name(e2b):
+    name = f"e2b-snap-{RUN}"
+    with own_sandbox(metadata={"purpose": "named-snapshot"}) as source:
+        source.files.write("/home/user/named.txt", "in the named snapshot")
+        snapshot = source.create_snapshot(name=name)
+        try:
+            assert snapshot.names == [name], snapshot
+            listed = Sandbox.list_snapshots(name=name, request_timeout=REQUEST_TIMEOUT).next_items()
+            assert [s.snapshot_id for s in listed] == [snapshot.snapshot_id], listed
+            assert listed[0].names == [name]
+            # E2B's filter takes an id too; a name nobody has finds nothing.
+            by_id = Sandbox.list_snapshots(name=snapshot.snapshot_id, request_timeout=REQUEST_TIMEOUT).next_items()
+            assert [s.snapshot_id for s in by_id] == [snapshot.snapshot_id]
+            assert Sandbox.list_snapshots(name=f"{name}-none", request_timeout=REQUEST_TIMEOUT).next_items() == []
+
+            # Its name is a template name, as on E2B.
+            child = new_sandbox(metadata={"purpose": "from-named-snapshot"}, template=name)
+            try:
+                assert child.files.read("/home/user/named.txt") == "in the named snapshot"
+            finally:
+                child.kill()
+        finally:
+            assert Sandbox.delete_snapshot(name, request_timeout=REQUEST_TIMEOUT) is True
+        assert Sandbox.list_snapshots(name=name, request_timeout=REQUEST_TIMEOUT).next_items() == []

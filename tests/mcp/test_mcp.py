@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import uuid
 from typing import Any, List
 
 import pytest
@@ -208,8 +209,12 @@ async def test_snapshot_hibernate_and_wake(server):
     async with connect("http", server) as client:
         sandbox = structured(await client.call_tool("create_sandbox", {}))["id"]
         ok(await client.call_tool("write_file", {"sandbox_id": sandbox, "path": "/home/user/kept.txt", "content": "kept"}))
-        snapshot = structured(await client.call_tool("snapshot_sandbox", {"sandbox_id": sandbox}))["snapshot_id"]
-        restored = structured(await client.call_tool("create_sandbox", {"from_snapshot": snapshot}))["id"]
+        name = f"mcp-{uuid.uuid4().hex[:8]}"
+        taken = structured(await client.call_tool("snapshot_sandbox", {"sandbox_id": sandbox, "name": name}))
+        assert taken["name"] == name, taken
+        snapshot = taken["snapshot_id"]
+        # The name starts a sandbox as the id does.
+        restored = structured(await client.call_tool("create_sandbox", {"from_snapshot": name}))["id"]
         assert text_of(ok(await client.call_tool("read_file", {"sandbox_id": restored, "path": "/home/user/kept.txt"}))) == "kept"
         assert structured(await client.call_tool("hibernate_sandbox", {"sandbox_id": sandbox}))["status"] == "hibernated"
         assert structured(await client.call_tool("wake_sandbox", {"sandbox_id": sandbox}))["status"] == "running"

@@ -35,7 +35,7 @@ pub enum SandboxCommand {
         /// (the value may hold commas and `=`), repeatable.
         #[arg(long = "env", short, value_name = "KEY=VALUE")]
         env: Vec<String>,
-        /// Make it from a snapshot (`clade sandbox snapshot`).
+        /// Make it from a snapshot (`clade sandbox snapshot`), by its id or name.
         #[arg(long)]
         from_snapshot: Option<String>,
         /// Memory of all its commands together, MiB (default: its memory less what its agent keeps).
@@ -138,6 +138,9 @@ pub enum SandboxCommand {
     /// Snapshot a sandbox (it runs on); prints the snapshot id.
     Snapshot {
         id: String,
+        /// A name for the snapshot, unique in the workspace; `--from-snapshot` takes it as it takes the id.
+        #[arg(long)]
+        name: Option<String>,
         /// Run it at most once: a retry of this command with the same key
         /// (within 24 h) prints the first answer instead of acting again.
         #[arg(long, value_name = "KEY")]
@@ -332,10 +335,11 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
                 }
             }
         }
-        SandboxCommand::Snapshot { id, idempotency_key } => {
+        SandboxCommand::Snapshot { id, name, idempotency_key } => {
             let snapshot = {
                 let _progress = Progress::start(&format!("snapshotting {id}"));
-                client.json(keyed(client.request(Method::POST, &["sandboxes", &id, "snapshots"]), &idempotency_key)).await?
+                let request = client.request(Method::POST, &["sandboxes", &id, "snapshots"]).json(&json!({ "name": name }));
+                client.json(keyed(request, &idempotency_key)).await?
             };
             if json_out {
                 output::json(&snapshot);

@@ -43,7 +43,7 @@ pub struct CreateSandbox {
     /// when the session ends. A persistent sandbox is also never deleted for being idle.
     #[serde(default)]
     pub persistent: bool,
-    /// A snapshot id (from snapshot_sandbox) to create the sandbox from instead of a template:
+    /// A snapshot id or name (from snapshot_sandbox) to create the sandbox from instead of a template:
     /// its files, processes and memory as they were.
     #[serde(default)]
     pub from_snapshot: Option<String>,
@@ -75,6 +75,17 @@ pub struct NoArguments {}
 pub struct SandboxId {
     /// The sandbox's id, as create_sandbox or list_sandboxes gave it.
     pub sandbox_id: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotSandbox {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// A name for the snapshot, unique in the workspace (1 to 128 letters, digits, '.', '_',
+    /// '-'); create_sandbox's from_snapshot then takes the name as it takes the id.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -235,9 +246,10 @@ fn definitions() -> [Definition; 15] {
              memory), e.g. to try several approaches at once. Returns the copies' ids; promote_sandbox keeps the winner."),
         definition!("promote_sandbox", PromoteSandbox, read_only: false, destructive: true,
             "Promote a fork: it becomes the result of its fork tree, and its siblings are deleted unless delete_siblings is false."),
-        definition!("snapshot_sandbox", SandboxId, read_only: false, destructive: false,
-            "Snapshot a sandbox (files, processes, memory). Returns the snapshot id; create_sandbox with \
-             from_snapshot starts new sandboxes from it. Snapshots outlive the session."),
+        definition!("snapshot_sandbox", SnapshotSandbox, read_only: false, destructive: false,
+            "Snapshot a sandbox (files, processes, memory), optionally named. Returns the snapshot id; \
+             create_sandbox with from_snapshot (the id or the name) starts new sandboxes from it. Snapshots \
+             outlive the session."),
         definition!("hibernate_sandbox", SandboxId, read_only: false, destructive: false,
             "Hibernate a sandbox: it stops using CPU and memory, its state kept on disk. wake_sandbox resumes it where it was."),
         definition!("wake_sandbox", SandboxId, read_only: false, destructive: false,
@@ -359,8 +371,8 @@ pub async fn call(name: &str, arguments: Map<String, Value>, call: &mut Call<'_>
             Ok(args) => promote_sandbox(call, args).await,
             Err(e) => Err(e),
         },
-        "snapshot_sandbox" => match parse::<SandboxId>(name, arguments) {
-            Ok(args) => snapshot_sandbox(call, &args.sandbox_id).await,
+        "snapshot_sandbox" => match parse::<SnapshotSandbox>(name, arguments) {
+            Ok(args) => snapshot_sandbox(call, &args.sandbox_id, args.name).await,
             Err(e) => Err(e),
         },
         "hibernate_sandbox" => match parse::<SandboxId>(name, arguments) {
@@ -681,10 +693,12 @@ async fn promote_sandbox(call: &Call<'_>, args: PromoteSandbox) -> Result<CallTo
     })))
 }
 
-async fn snapshot_sandbox(call: &Call<'_>, id: &str) -> Result<CallToolResult, ToolError> {
-    let snapshot = call.api.json(call.api.request(Method::POST, &["sandboxes", id, "snapshots"]).json(&json!({}))).await?;
+async fn snapshot_sandbox(call: &Call<'_>, id: &str, name: Option<String>) -> Result<CallToolResult, ToolError> {
+    let request = call.api.request(Method::POST, &["sandboxes", id, "snapshots"]).json(&json!({ "name": name }));
+    let snapshot = call.api.json(request).await?;
     Ok(json_result(json!({
         "snapshot_id": snapshot["id"],
+        "name": snapshot["name"],
         "sandbox_id": snapshot["sandbox_id"],
         "template": snapshot["template"],
         "size_bytes": snapshot["size_bytes"],

@@ -65,6 +65,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0011_key_expiry.sql"),
         postgres: include_str!("../migrations/postgres/0011_key_expiry.sql"),
     },
+    Migration {
+        version: 12,
+        sqlite: include_str!("../migrations/sqlite/0012_snapshot_names.sql"),
+        postgres: include_str!("../migrations/postgres/0012_snapshot_names.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+
+import pytest
+
 import clade
 from conftest import EXEC_TIMEOUT
 
@@ -49,3 +53,22 @@ def test_snapshot_and_create_from_it(client: clade.Clade) -> None:
             assert restored.files.read_text("/root/saved") == "in the snapshot"
     finally:
         client.snapshots.delete(snap.id)
+
+
+def test_a_named_snapshot_is_found_and_used_by_its_name(client: clade.Clade) -> None:
+    name = f"sdk-{uuid.uuid4().hex[:8]}"
+    with client.sandboxes.create() as sb:
+        sb.files.write("/root/saved", "named")
+        snap = sb.snapshot(name=name)
+        assert snap.name == name
+        with pytest.raises(clade.ConflictError):
+            sb.snapshot(name=name)
+    try:
+        assert [s.id for s in client.snapshots.list(name=name)] == [snap.id]
+        assert client.snapshots.get(name).id == snap.id
+        with client.sandboxes.create(from_snapshot=name) as restored:
+            assert restored.info.from_snapshot == snap.id
+            assert restored.files.read_text("/root/saved") == "named"
+    finally:
+        client.snapshots.delete(name)
+    assert client.snapshots.list(name=name) == []

@@ -280,9 +280,13 @@ export class Sandbox implements AsyncDisposable {
     return fromWire<PromoteResult>('PromoteResult', await this.call('POST', '/promote', options, json));
   }
 
-  /** A snapshot of memory, disk and processes (the sandbox runs on); create from it with `fromSnapshot`. */
-  async snapshot(options: RequestOptions = {}): Promise<Snapshot> {
-    const answer = await this.transport.json({ method: 'POST', path: `${this.path}/snapshots`, idempotent: true }, options);
+  /**
+   * A snapshot of memory, disk and processes (the sandbox runs on); create from it with `fromSnapshot`,
+   * by its id or its `name` (unique in the workspace).
+   */
+  async snapshot(options: RequestOptions & { name?: string } = {}): Promise<Snapshot> {
+    const json = toWire('CreateSnapshotBody', { name: options.name });
+    const answer = await this.transport.json({ method: 'POST', path: `${this.path}/snapshots`, idempotent: true, json }, options);
     return fromWire<Snapshot>('Snapshot', answer);
   }
 

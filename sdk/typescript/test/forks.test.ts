@@ -2,7 +2,7 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { NotFoundError } from '../src/index.js';
+import { ConflictError, NotFoundError } from '../src/index.js';
 import { client, sh, SKIP } from './helpers.js';
 
 describe('forks and snapshots', { skip: SKIP }, () => {
@@ -56,5 +56,22 @@ describe('forks and snapshots', { skip: SKIP }, () => {
     }
     await clade.snapshots.delete(snapshot.id);
     await assert.rejects(clade.snapshots.get(snapshot.id), NotFoundError);
+  });
+
+  test('a named snapshot is found and used by its name', async () => {
+    const name = `sdk-ts-${Date.now().toString(36)}`;
+    await using sb = await clade.sandboxes.create();
+    await sh(sb, 'echo named > /root/state');
+    const snapshot = await sb.snapshot({ name });
+    assert.equal(snapshot.name, name);
+    await assert.rejects(sb.snapshot({ name }), ConflictError);
+    assert.deepEqual((await clade.snapshots.list({ name })).map((s) => s.id), [snapshot.id]);
+    {
+      await using restored = await clade.sandboxes.create({ fromSnapshot: name });
+      assert.equal(restored.info.fromSnapshot, snapshot.id);
+      assert.equal(await sh(restored, 'cat /root/state'), 'named\n');
+    }
+    await clade.snapshots.delete(name);
+    assert.deepEqual(await clade.snapshots.list({ name }), []);
   });
 });

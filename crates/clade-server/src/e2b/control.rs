@@ -13,8 +13,9 @@
 //!   `hibernate_after_seconds`) it hibernates (memory and disk kept) instead
 //!   of ending; `pause` hibernates it now and
 //!   `connect` wakes it. A paused sandbox also wakes on its first envd call.
-//! - Snapshots are Clade's snapshots; a create whose `templateID` names one
-//!   makes a sandbox from it. Template `code-interpreter-v1` is Clade's
+//! - Snapshots are Clade's snapshots, a snapshot's `names` its name; a
+//!   create whose `templateID` names one (by id or name) makes a sandbox
+//!   from it. Template `code-interpreter-v1` is Clade's
 //!   `code-interpreter`.
 //! - Errors are E2B's `{"code", "message"}` with the API's status.
 
@@ -538,9 +539,15 @@ async fn pause(State(control): State<Control>, headers: HeaderMap, Path(id): Pat
 async fn snapshot(State(control): State<Control>, Path(id): Path<String>, request: Request) -> Answer {
     let (headers, body) = read_body(request).await?;
     let api = control.api(&headers)?;
-    let snapshot = api.json(api.request(Method::POST, &["sandboxes", &id, "snapshots"])).await?;
-    let names: Vec<String> = body.get("name").and_then(Value::as_str).map(|n| vec![n.to_string()]).unwrap_or_default();
-    Ok(created(json!({ "snapshotID": text(&snapshot, "id"), "names": names })))
+    let name = body.get("name").and_then(Value::as_str).filter(|name| !name.is_empty());
+    let snapshot = api.json(api.request(Method::POST, &["sandboxes", &id, "snapshots"]).json(&json!({ "name": name }))).await?;
+    Ok(created(snapshot_info(&snapshot)))
+}
+
+/// E2B's `SnapshotInfo`: its names are those a create's `templateID` takes.
+fn snapshot_info(snapshot: &Value) -> Value {
+    let names: Vec<&str> = snapshot["name"].as_str().into_iter().collect();
+    json!({ "snapshotID": text(snapshot, "id"), "names": names })
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -548,18 +555,23 @@ struct SnapshotQuery {
     /// Only the snapshots of this sandbox.
     #[serde(rename = "sandboxID")]
     sandbox_id: Option<String>,
+    /// Only the snapshot with this name or id.
+    name: Option<String>,
 }
 
 async fn list_snapshots(State(control): State<Control>, headers: HeaderMap, Query(query): Query<SnapshotQuery>) -> Answer {
     let api = control.api(&headers)?;
-    let listed = api.json(api.request(Method::GET, &["snapshots"])).await?;
-    let wanted = query.sandbox_id.filter(|id| !id.is_empty());
+    let sandbox_filter: Vec<(&str, &str)> =
+        query.sandbox_id.as_deref().filter(|id| !id.is_empty()).map(|id| ("sandbox_id", id)).into_iter().collect();
+    let listed = api.json(api.request(Method::GET, &["snapshots"]).query(&sandbox_filter)).await?;
+    // E2B's `name` filter takes a name or an id.
+    let wanted = query.name.filter(|name| !name.is_empty());
     let snapshots: Vec<Value> = listed["snapshots"]
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|s| wanted.as_deref().is_none_or(|id| s["sandbox_id"].as_str() == Some(id)))
-        .map(|s| json!({ "snapshotID": text(s, "id"), "names": [] }))
+        .filter(|s| wanted.as_deref().is_none_or(|wanted| s["name"].as_str() == Some(wanted) || s["id"].as_str() == Some(wanted)))
+        .map(snapshot_info)
         .collect();
     Ok(Json(snapshots).into_response())
 }

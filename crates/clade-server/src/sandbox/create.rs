@@ -64,7 +64,7 @@ impl SandboxService {
         let _reservation = self.reserve(&workspace.id, 1).await?;
         let mut params = params;
         let (volumes, _claim) = self.claim_volumes(&workspace.id, &params.volumes).await?;
-        let vm = match &params.from_snapshot {
+        let vm = match params.from_snapshot.clone() {
             Some(_) if !params.env.is_empty() => {
                 return Err(ApiError::bad_request(
                     "env cannot be given with from_snapshot: a sandbox made from a snapshot has the snapshot's environment",
@@ -78,17 +78,19 @@ impl SandboxService {
             Some(snapshot_id) => {
                 let snapshot = self
                     .store()
-                    .snapshot(&workspace.id, snapshot_id)
+                    .snapshot(&workspace.id, &snapshot_id)
                     .await?
-                    .ok_or_else(|| super::snapshot::snapshot_not_found(snapshot_id))?;
+                    .ok_or_else(|| super::snapshot::snapshot_not_found(&snapshot_id))?;
                 params.template = snapshot.template.clone();
+                // It may have been named by its name: the row names it by id.
+                params.from_snapshot = Some(snapshot.id.clone());
                 let created = self
                     .runtime()
-                    .create_from_snapshot_with_network(snapshot_id, Lifetime::Persistent, watchdog(), params.network.clone())
+                    .create_from_snapshot_with_network(&snapshot.id, Lifetime::Persistent, watchdog(), params.network.clone())
                     .await;
                 match created {
                     Ok(vm) => vm,
-                    Err(VmError::SnapshotNotFound(_)) => return Err(super::snapshot::snapshot_not_found(snapshot_id)),
+                    Err(VmError::SnapshotNotFound(_)) => return Err(super::snapshot::snapshot_not_found(&snapshot_id)),
                     Err(e) => return Err(vm_error("creating the sandbox from the snapshot", e)),
                 }
             }

@@ -34,7 +34,28 @@ async fn snapshots_are_workspace_scoped_and_make_sandboxes() {
     let snap = snapshot["id"].as_str().unwrap().to_string();
     assert_eq!((snapshot["sandbox_id"].as_str(), snapshot["template"].as_str()), (Some(id.as_str()), Some("base")));
     assert!(snapshot["size_bytes"].as_u64().unwrap() > 0, "{snapshot}");
+    assert!(snapshot["name"].is_null(), "{snapshot}");
     api.exec(&id, "echo after > /root/f").await;
+
+    // A name: checked, unique in the workspace, and it names the snapshot as its id does.
+    let snapshots = format!("/v1/sandboxes/{id}/snapshots");
+    assert!(api.post(&snapshots, json!({ "name": "../x" })).await.expect(400).error().contains("invalid snapshot name"));
+    let named = api.post(&snapshots, json!({ "name": "release-1" })).await;
+    named.expect(201);
+    let named_id = named.json()["id"].as_str().unwrap().to_string();
+    assert_eq!(named.json()["name"], "release-1");
+    assert!(api.post(&snapshots, json!({ "name": "release-1" })).await.expect(409).error().contains("release-1"));
+    let by_name = api.get("/v1/snapshots?name=release-1").await.expect(200).json();
+    assert_eq!(by_name["snapshots"].as_array().unwrap().iter().map(|s| s["id"].clone()).collect::<Vec<_>>(), [json!(named_id)]);
+    assert_eq!(api.get("/v1/snapshots/release-1").await.expect(200).json()["id"], named_id.as_str());
+    other.get("/v1/snapshots/release-1").await.expect(404);
+    let from_name = create(&api, json!({ "from_snapshot": "release-1" })).await;
+    let from_name_id = from_name["id"].as_str().unwrap().to_string();
+    assert_eq!(from_name["from_snapshot"], named_id.as_str());
+    assert_eq!(api.exec(&from_name_id, "cat /root/f").await["stdout"], "after\n");
+    api.delete(&format!("/v1/sandboxes/{from_name_id}")).await.expect(204);
+    api.delete("/v1/snapshots/release-1").await.expect(204);
+    api.get(&format!("/v1/snapshots/{named_id}")).await.expect(404);
 
     // The registry: key `snapshots`, newest first, filterable by sandbox.
     let listed = api.get("/v1/snapshots").await.expect(200).json();

@@ -234,7 +234,7 @@ async fn events_and_snapshots_round_trip() {
         assert!(store.events_after(&a.id, "sb1", events[2].id, 10).await.unwrap().is_empty());
         assert!(store.events_after(&b.id, "sb1", 0, 10).await.unwrap().is_empty());
 
-        for (id, at) in [("s1", 1000), ("s2", 2000)] {
+        for (id, at, name) in [("s1", 1000, Some("first")), ("s2", 2000, None), ("s3", 3000, None)] {
             let row = SnapshotRow {
                 id: id.into(),
                 workspace_id: a.id.clone(),
@@ -242,14 +242,25 @@ async fn events_and_snapshots_round_trip() {
                 template: "base".into(),
                 size_bytes: 1 << 33,
                 created_at: at,
+                name: name.map(str::to_string),
             };
             store.insert_snapshot(&row).await.unwrap();
         }
-        let all = store.list_snapshots(&a.id, None).await.unwrap();
-        assert_eq!(all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s2", "s1"], "newest first");
+        let all = store.list_snapshots(&a.id, None, None).await.unwrap();
+        assert_eq!(all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s3", "s2", "s1"], "newest first");
         assert_eq!(all[0].size_bytes, 1 << 33);
-        assert_eq!(store.list_snapshots(&a.id, Some("sb1")).await.unwrap().len(), 2);
-        assert!(store.list_snapshots(&a.id, Some("other")).await.unwrap().is_empty(), "{}", db.name());
+        assert_eq!(store.list_snapshots(&a.id, Some("sb1"), None).await.unwrap().len(), 3);
+        assert!(store.list_snapshots(&a.id, Some("other"), None).await.unwrap().is_empty(), "{}", db.name());
+        // A name: unique in its workspace, a way to find the snapshot, a filter.
+        let named = store.list_snapshots(&a.id, None, Some("first")).await.unwrap();
+        assert_eq!(named.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s1"]);
+        assert_eq!(store.snapshot(&a.id, "first").await.unwrap().map(|s| s.id), Some("s1".to_string()));
+        assert_eq!(store.snapshot(&b.id, "first").await.unwrap(), None);
+        let taken = SnapshotRow { id: "s4".into(), created_at: 4000, ..named[0].clone() };
+        assert!(matches!(store.insert_snapshot(&taken).await, Err(StoreError::Conflict(_))), "{}", db.name());
+        let elsewhere = SnapshotRow { workspace_id: b.id.clone(), ..taken };
+        store.insert_snapshot(&elsewhere).await.unwrap();
+        assert!(store.delete_snapshot(&b.id, "s4").await.unwrap());
         assert_eq!(store.snapshot(&b.id, "s1").await.unwrap(), None);
         assert!(!store.delete_snapshot(&b.id, "s1").await.unwrap());
         assert!(store.delete_snapshot(&a.id, "s1").await.unwrap());

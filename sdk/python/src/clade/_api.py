@@ -435,14 +435,15 @@ def set_limits(sandbox_id: str, limits: gen.Limits) -> Call[gen.Limits]:
 
 # Snapshots ---------------------------------------------------------------
 
-def create_snapshot(sandbox_id: str, idempotency_key: Optional[str]) -> Call[gen.Snapshot]:
+def create_snapshot(sandbox_id: str, idempotency_key: Optional[str], name: Optional[str] = None) -> Call[gen.Snapshot]:
+    body = gen.CreateSnapshotBody(name=name).to_json()
     return Call("createSnapshot", "POST", sandbox_path(sandbox_id, "/snapshots"), _json(gen.Snapshot.from_json),
-                headers=idempotency_headers(idempotency_key))
+                headers=idempotency_headers(idempotency_key), json=body)
 
 
-def list_snapshots(sandbox_id: Optional[str]) -> Call[List[gen.Snapshot]]:
+def list_snapshots(sandbox_id: Optional[str], name: Optional[str] = None) -> Call[List[gen.Snapshot]]:
     return Call("listSnapshots", "GET", "/v1/snapshots", lambda r: gen.Snapshots.from_json(r.json()).snapshots,
-                params=without_none(sandbox_id=sandbox_id))
+                params=without_none(sandbox_id=sandbox_id, name=name))
 
 
 def get_snapshot(snapshot_id: str) -> Call[gen.Snapshot]:

@@ -336,9 +336,10 @@ class AsyncSandbox:
         """Makes this child of a fork tree the winner (deleting its siblings with `cleanup_siblings`)."""
         return await self._transport.request(api.promote(self.id, cleanup_siblings, tree_id))
 
-    async def snapshot(self, *, idempotency_key: Optional[str] = None) -> gen.Snapshot:
-        """Memory, disk and processes; `sandboxes.create(from_snapshot=...)` makes sandboxes from it."""
-        return await self._transport.request(api.create_snapshot(self.id, idempotency_key))
+    async def snapshot(self, *, name: Optional[str] = None, idempotency_key: Optional[str] = None) -> gen.Snapshot:
+        """Memory, disk and processes; `sandboxes.create(from_snapshot=...)` makes sandboxes from it, by
+        its id or its `name` (unique in the workspace)."""
+        return await self._transport.request(api.create_snapshot(self.id, idempotency_key, name))
 
     # Events, logs, previews -----------------------------------------------
 
@@ -671,8 +672,8 @@ class AsyncSnapshots:
     def __init__(self, transport: AsyncTransport) -> None:
         self._transport = transport
 
-    async def list(self, *, sandbox_id: Optional[str] = None) -> List[gen.Snapshot]:
-        return await self._transport.request(api.list_snapshots(sandbox_id))
+    async def list(self, *, sandbox_id: Optional[str] = None, name: Optional[str] = None) -> List[gen.Snapshot]:
+        return await self._transport.request(api.list_snapshots(sandbox_id, name))
 
     async def get(self, snapshot_id: str) -> gen.Snapshot:
         return await self._transport.request(api.get_snapshot(snapshot_id))

@@ -169,6 +169,21 @@ class CreateSandboxBody(Model):
 
 
 @dataclasses.dataclass
+class CreateSnapshotBody(Model):
+    """`POST /v1/sandboxes/{id}/snapshots`; an empty body is no name."""
+
+    #: A name for it, unique in the workspace: 1 to 128 letters, digits, `.`, `_` and `-`, beginning with a
+    #: letter or a digit.
+    name: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateSnapshotBody:
+        return cls(
+            name=data.get("name"),
+        )
+
+
+@dataclasses.dataclass
 class CreateToken(Model):
     """`CreateToken` in docs/openapi.json."""
 
@@ -884,6 +899,9 @@ class Snapshot(Model):
     created_at: str
     #: The workspace's name.
     workspace: str
+    #: Its name, unique in the workspace, if it was given one: it names the snapshot wherever its id does
+    #: (`from_snapshot`, get, delete).
+    name: Optional[str] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Snapshot:
@@ -895,6 +913,7 @@ class Snapshot(Model):
             size_bytes=data["size_bytes"],
             created_at=data["created_at"],
             workspace=data["workspace"],
+            name=data.get("name"),
         )
 
 
@@ -1200,6 +1219,7 @@ MODELS = {
     "CodeContext": CodeContext,
     "CreateContextBody": CreateContextBody,
     "CreateSandboxBody": CreateSandboxBody,
+    "CreateSnapshotBody": CreateSnapshotBody,
     "CreateToken": CreateToken,
     "CreateVolumeBody": CreateVolumeBody,
     "DirListing": DirListing,

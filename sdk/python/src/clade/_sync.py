@@ -334,9 +334,10 @@ class Sandbox:
         """Makes this child of a fork tree the winner (deleting its siblings with `cleanup_siblings`)."""
         return self._transport.request(api.promote(self.id, cleanup_siblings, tree_id))
 
-    def snapshot(self, *, idempotency_key: Optional[str] = None) -> gen.Snapshot:
-        """Memory, disk and processes; `sandboxes.create(from_snapshot=...)` makes sandboxes from it."""
-        return self._transport.request(api.create_snapshot(self.id, idempotency_key))
+    def snapshot(self, *, name: Optional[str] = None, idempotency_key: Optional[str] = None) -> gen.Snapshot:
+        """Memory, disk and processes; `sandboxes.create(from_snapshot=...)` makes sandboxes from it, by
+        its id or its `name` (unique in the workspace)."""
+        return self._transport.request(api.create_snapshot(self.id, idempotency_key, name))
 
     # Events, logs, previews -----------------------------------------------
 
@@ -669,8 +670,8 @@ class Snapshots:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    def list(self, *, sandbox_id: Optional[str] = None) -> List[gen.Snapshot]:
-        return self._transport.request(api.list_snapshots(sandbox_id))
+    def list(self, *, sandbox_id: Optional[str] = None, name: Optional[str] = None) -> List[gen.Snapshot]:
+        return self._transport.request(api.list_snapshots(sandbox_id, name))
 
     def get(self, snapshot_id: str) -> gen.Snapshot:
         return self._transport.request(api.get_snapshot(snapshot_id))

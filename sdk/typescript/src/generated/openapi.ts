@@ -111,6 +111,15 @@ export interface CreateSandboxBody {
   env?: Record<string, string> | null;
 }
 
+/** `POST /v1/sandboxes/{id}/snapshots`; an empty body is no name. */
+export interface CreateSnapshotBody {
+  /**
+   * A name for it, unique in the workspace: 1 to 128 letters, digits,
+   * `.`, `_` and `-`, beginning with a letter or a digit.
+   */
+  name?: string | null;
+}
+
 export interface CreateToken {
   /** The key's name (`api` when absent), at most 200 bytes. */
   label?: string | null;
@@ -632,6 +641,11 @@ export interface Snapshot {
   createdAt: string;
   /** The workspace's name. */
   workspace: string;
+  /**
+   * Its name, unique in the workspace, if it was given one: it names the
+   * snapshot wherever its id does (`from_snapshot`, get, delete).
+   */
+  name?: string | null;
 }
 
 export interface Snapshots {
@@ -848,6 +862,7 @@ export type SchemaName =
   | 'CodeContext'
   | 'CreateContextBody'
   | 'CreateSandboxBody'
+  | 'CreateSnapshotBody'
   | 'CreateToken'
   | 'CreateVolumeBody'
   | 'DirListing'
@@ -935,6 +950,9 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     previewAuth: { wire: 'preview_auth' },
     limits: { wire: 'limits', ref: 'Limits' },
     env: { wire: 'env' },
+  },
+  CreateSnapshotBody: {
+    name: { wire: 'name' },
   },
   CreateToken: {
     label: { wire: 'label' },
@@ -1133,6 +1151,7 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     sizeBytes: { wire: 'size_bytes' },
     createdAt: { wire: 'created_at' },
     workspace: { wire: 'workspace' },
+    name: { wire: 'name' },
   },
   Snapshots: {
     snapshots: { wire: 'snapshots', ref: 'Snapshot', array: true },

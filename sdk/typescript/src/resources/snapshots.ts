@@ -7,10 +7,10 @@ import { fromWire } from '../wire.js';
 export class Snapshots {
   constructor(private readonly transport: Transport) {}
 
-  /** The workspace's snapshots, or those of one sandbox. */
-  async list(options: RequestOptions & { sandboxId?: string } = {}): Promise<Snapshot[]> {
+  /** The workspace's snapshots, or those of one sandbox, or the one with a name. */
+  async list(options: RequestOptions & { sandboxId?: string; name?: string } = {}): Promise<Snapshot[]> {
     const answer = await this.transport.json<{ snapshots: unknown[] }>(
-      { method: 'GET', path: '/v1/snapshots', query: { sandbox_id: options.sandboxId } },
+      { method: 'GET', path: '/v1/snapshots', query: { sandbox_id: options.sandboxId, name: options.name } },
       options,
     );
     return fromWire<Snapshot[]>('Snapshot', answer.snapshots);
