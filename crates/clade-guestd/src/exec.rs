@@ -855,6 +855,13 @@ mod tests {
         h.shutdown().await;
     }
 
+    async fn started_pid(s: &mut clade_proto::mux::Substream) -> u32 {
+        match next(s).await {
+            Some(GuestFrame::Started { pid }) => pid,
+            other => panic!("expected Started, got {other:?}"),
+        }
+    }
+
     async fn started(s: &mut clade_proto::mux::Substream) {
         match next(s).await {
             Some(GuestFrame::Started { .. }) => {}
@@ -909,10 +916,7 @@ mod tests {
         let h = Harness::start().await;
         let request = ExecRequest { outlives_host: true, stdin: true, ..shell("echo first; read line; echo \"got $line\"; exit 4") };
         let mut s = h.open(&Request::Exec(request)).await;
-        let pid = match next(&mut s).await {
-            Some(GuestFrame::Started { pid }) => pid,
-            other => panic!("expected Started, got {other:?}"),
-        };
+        let pid = started_pid(&mut s).await;
         assert_eq!(next(&mut s).await, Some(GuestFrame::Stdout(b"first\n".to_vec())));
         // A pause: the session ends, the command waits on its input.
         let h = h.next_session().await;
@@ -933,10 +937,7 @@ mod tests {
         let h = Harness::start().await;
         let request = ExecRequest { outlives_host: true, ..shell("sleep 0.3; echo while away; echo to stderr >&2; exit 3") };
         let mut s = h.open(&Request::Exec(request)).await;
-        let pid = match next(&mut s).await {
-            Some(GuestFrame::Started { pid }) => pid,
-            other => panic!("expected Started, got {other:?}"),
-        };
+        let pid = started_pid(&mut s).await;
         let h = h.next_session().await;
         tokio::time::sleep(Duration::from_millis(800)).await;
         let out = collect(&mut h.open(&Request::Reattach { pid }).await).await;
@@ -955,10 +956,7 @@ mod tests {
         let h = Harness::start().await;
         let request = ExecRequest { outlives_host: true, stdin: true, ..shell("while read line; do echo \"$line\"; done") };
         let mut s = h.open(&Request::Exec(request)).await;
-        let pid = match next(&mut s).await {
-            Some(GuestFrame::Started { pid }) => pid,
-            other => panic!("expected Started, got {other:?}"),
-        };
+        let pid = started_pid(&mut s).await;
         let mut first = h.open(&Request::Reattach { pid }).await;
         assert_eq!(next(&mut first).await, Some(GuestFrame::Started { pid }));
         send(&mut first, HostFrame::Stdin(b"one\n".to_vec())).await;
