@@ -287,7 +287,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             if json_out {
                 output::json(&settings);
             } else {
-                for key in ["status", "ttl_seconds", "persistent", "hibernate_after_seconds", "idle_seconds"] {
+                for key in ["status", "ttl_seconds", "persistent", "hibernate_after_seconds", "idle_seconds", "last_used_at"] {
                     println!("{key:<23}  {}", output::field(&settings, key));
                 }
             }

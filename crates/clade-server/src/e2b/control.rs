@@ -334,10 +334,12 @@ async fn listed(api: &Api, sandbox: &Value) -> Result<Option<Value>, E2bError> {
         Err(ApiError::Status { status: 404, .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let idle = lifecycle["idle_seconds"].as_u64().unwrap_or(0);
+    // From the last use to the millisecond, so that two readings with no
+    // use between them agree.
+    let last_used_ms = lifecycle["last_used_at"].as_str().and_then(instant_ms).unwrap_or_else(clade_store::now_ms);
     let end_ms = match idle_limit(&lifecycle) {
         0 => clade_store::now_ms() + 10 * 365 * 24 * 3600 * 1000,
-        limit => clade_store::now_ms() + limit.saturating_sub(idle) as i64 * 1000,
+        limit => last_used_ms + limit as i64 * 1000,
     };
     let disk_mb = sandbox["disk"]["size_bytes"].as_u64().unwrap_or(0) >> 20;
     Ok(Some(json!({

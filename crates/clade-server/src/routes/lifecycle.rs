@@ -98,6 +98,9 @@ pub struct LifecycleSettings {
     /// else the server's; 0: never).
     pub hibernate_after_seconds: u64,
     pub idle_seconds: u64,
+    /// When it was last used (RFC 3339, milliseconds): the idle limits run
+    /// from here, so it ends (or hibernates) at this plus its limit if left alone.
+    pub last_used_at: String,
     pub status: String,
 }
 
@@ -109,6 +112,7 @@ async fn settings(state: &AppState, workspace_id: &str, id: &str) -> Result<Json
         persistent: row.persistent,
         hibernate_after_seconds: row.hibernate_after_seconds.unwrap_or(state.service.settings().idle_hibernate_seconds),
         idle_seconds: entry.idle_seconds(),
+        last_used_at: crate::http::rfc3339(entry.last_used_ms()),
         status: row.state.as_str().to_string(),
     }))
 }

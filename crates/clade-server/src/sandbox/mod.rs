@@ -243,6 +243,11 @@ impl Entry {
     pub fn idle_ms(&self) -> u64 {
         (now_ms() - self.last_activity.load(Ordering::Relaxed)).max(0) as u64
     }
+
+    /// When it was last used, unix milliseconds: its idle limits run from here.
+    pub fn last_used_ms(&self) -> i64 {
+        self.last_activity.load(Ordering::Relaxed)
+    }
 }
 
 impl SandboxService {

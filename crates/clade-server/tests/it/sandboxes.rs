@@ -152,6 +152,11 @@ async fn a_sandbox_from_create_to_delete() {
     let got = api.get(&lifecycle).await.expect(200).json();
     assert_eq!((got["ttl_seconds"].as_u64(), got["persistent"].as_bool()), (Some(300), Some(false)));
     assert!(got["idle_seconds"].is_u64());
+    // The last use, to the millisecond: two readings with no use between agree, and a use moves it.
+    let last_used = got["last_used_at"].as_str().expect("last_used_at").to_string();
+    assert_eq!(api.get(&lifecycle).await.json()["last_used_at"], last_used.as_str());
+    api.exec(&id, "true").await;
+    assert!(api.get(&lifecycle).await.json()["last_used_at"].as_str().unwrap() > last_used.as_str());
     let patched = api.send(Method::PATCH, &lifecycle, Some(br#"{"ttl_seconds": 60}"#.to_vec())).await.expect(200).json();
     assert_eq!(patched["ttl_seconds"], 60);
     let patched = api.send(Method::PATCH, &lifecycle, Some(br#"{"persistent": true}"#.to_vec())).await.expect(200).json();

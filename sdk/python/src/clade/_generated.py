@@ -536,6 +536,9 @@ class LifecycleSettings(Model):
     #: A persistent sandbox's idle time before it is hibernated (its own, else the server's; 0: never).
     hibernate_after_seconds: int
     idle_seconds: int
+    #: When it was last used (RFC 3339, milliseconds): the idle limits run from here, so it ends (or
+    #: hibernates) at this plus its limit if left alone.
+    last_used_at: str
     status: str
 
     @classmethod
@@ -545,6 +548,7 @@ class LifecycleSettings(Model):
             persistent=data["persistent"],
             hibernate_after_seconds=data["hibernate_after_seconds"],
             idle_seconds=data["idle_seconds"],
+            last_used_at=data["last_used_at"],
             status=data["status"],
         )
 

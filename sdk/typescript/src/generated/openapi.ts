@@ -340,6 +340,13 @@ export interface LifecycleSettings {
   hibernateAfterSeconds: number;
   /** Wire name: `idle_seconds`. */
   idleSeconds: number;
+  /**
+   * When it was last used (RFC 3339, milliseconds): the idle limits run
+   * from here, so it ends (or hibernates) at this plus its limit if left alone.
+   *
+   * Wire name: `last_used_at`.
+   */
+  lastUsedAt: string;
   status: string;
 }
 
@@ -1052,6 +1059,7 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     persistent: { wire: 'persistent' },
     hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
     idleSeconds: { wire: 'idle_seconds' },
+    lastUsedAt: { wire: 'last_used_at' },
     status: { wire: 'status' },
   },
   LifecycleStatus: {
