@@ -124,20 +124,20 @@ impl Reattachable {
     }
 }
 
-/// `Request::Reattach`: hands the substream to the exec with `pid`, or
-/// answers that there is none.
-pub(crate) async fn reattach<S>(table: &Reattachable, pid: u32, stream: S, session: CancellationToken)
+/// `Request::Reattach`: hands the substream (of `session`) to the exec
+/// with `pid`; when there is none, answers so and gives back the reader
+/// (the host may still be sending).
+pub(crate) async fn hand_over<S>(table: &Reattachable, pid: u32, stream: S, session: CancellationToken) -> Result<(), FrameReader>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (reader, writer) = tokio::io::split(stream);
-    let attachment = Attachment { reader: Box::new(reader), writer: Box::new(writer), session: session.clone() };
-    if let Err(Attachment { mut reader, mut writer, .. }) = table.attach(pid, attachment) {
-        let message = format!("no process {pid} to re-attach to: it was not started to outlive its host, or its end was told already");
-        let _ = write_frame(&mut writer, &GuestFrame::Error(GuestError::new(ErrorKind::NotFound, message))).await;
-        let _ = writer.shutdown().await;
-        crate::agent::drain_until_closed(&mut reader, &session).await;
-    }
+    let attachment = Attachment { reader: Box::new(reader), writer: Box::new(writer), session };
+    let Err(Attachment { reader, mut writer, .. }) = table.attach(pid, attachment) else { return Ok(()) };
+    let message = format!("no process {pid} to re-attach to: it was not started to outlive its host, or its end was told already");
+    let _ = write_frame(&mut writer, &GuestFrame::Error(GuestError::new(ErrorKind::NotFound, message))).await;
+    let _ = writer.shutdown().await;
+    Err(reader)
 }
 
 /// Reads a substream's host frames into `host` until the host closes it,

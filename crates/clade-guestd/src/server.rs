@@ -109,8 +109,10 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
             return;
         }
         Request::Reattach { pid } => {
-            // Hands the stream to the exec, which owns it from there.
-            crate::reattach::reattach(agent.reattachable(), pid, stream, session).await;
+            // Handed over, the exec owns the stream from there.
+            if let Err(mut refused) = crate::reattach::hand_over(agent.reattachable(), pid, stream, session.clone()).await {
+                drain_until_closed(&mut refused, &session).await;
+            }
             return;
         }
         Request::Connect { port } => {
