@@ -37,6 +37,9 @@ pub struct AgentConfig {
     /// The image's defaults for every command (`clade_proto::image_defaults`),
     /// read once at start; none when absent.
     pub image_defaults: Option<PathBuf>,
+    /// What a cold boot of this disk gets back (`clade_proto::boot_state`):
+    /// read at start, written when the host asks; none keeps nothing.
+    pub boot_state: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -48,6 +51,7 @@ impl AgentConfig {
             limit_user_commands: true,
             run_dir: "/run/clade".into(),
             image_defaults: Some(clade_proto::IMAGE_DEFAULTS_PATH.into()),
+            boot_state: Some(clade_proto::BOOT_STATE_PATH.into()),
         }
     }
 
@@ -59,6 +63,7 @@ impl AgentConfig {
             limit_user_commands: false,
             run_dir: std::env::temp_dir().join(format!("clade-guestd-{}", std::process::id())),
             image_defaults: None,
+            boot_state: None,
         }
     }
 }
@@ -76,6 +81,8 @@ pub struct Agent {
     image_defaults: clade_proto::ImageDefaults,
     /// Execs that outlive their host, for a later session to re-attach to.
     reattachable: Arc<Reattachable>,
+    /// Where the boot state is kept (see [`AgentConfig::boot_state`]).
+    boot_state: Option<PathBuf>,
 }
 
 impl Agent {
@@ -105,14 +112,18 @@ impl Agent {
             },
             None => clade_proto::ImageDefaults::default(),
         };
+        // A cold boot of a disk a filesystem-only hibernation left: the
+        // variables the sandbox's hooks had set are its defaults again.
+        let saved = config.boot_state.as_deref().map(crate::boot_state::load).unwrap_or_default();
         Ok(Arc::new(Self {
             version: crate::VERSION.to_string(),
             reaper: Reaper::start(config.reap_scope)?,
             cgroups,
             run_dir: config.run_dir,
-            default_env: std::sync::Mutex::default(),
+            default_env: std::sync::Mutex::new(saved.env),
             image_defaults,
             reattachable: Arc::default(),
+            boot_state: config.boot_state,
         }))
     }
 
@@ -146,6 +157,16 @@ impl Agent {
 
     pub(crate) fn image_defaults(&self) -> &clade_proto::ImageDefaults {
         &self.image_defaults
+    }
+
+    /// Writes what the next cold boot of this disk needs (see
+    /// `boot_state`): the hooks' variables and the machine id in force.
+    pub(crate) fn save_boot_state(&self) -> Result<(), clade_proto::GuestError> {
+        let Some(path) = &self.boot_state else {
+            return Err(clade_proto::GuestError::new(clade_proto::ErrorKind::Io, "this agent keeps no boot state"));
+        };
+        let env = self.default_env.lock().expect("env lock").clone();
+        crate::boot_state::save(path, env, &crate::identity::IdentityFiles::system())
     }
 
     /// Merges a post-restore hook's variables into the default environment:

@@ -58,17 +58,19 @@ impl IdentityFiles {
         self.etc.join("machine-id")
     }
 
-    /// At boot: fills `run` (the hostname given, the image's machine id or a
-    /// fresh one) and makes the `etc` names links to it. A read-only root
-    /// leaves the files where they are; the hook then writes the disk.
-    pub fn prepare(&self, hostname: &str) -> Result<(), IdentityError> {
+    /// At boot: fills `run` (the hostname given; the machine id `saved` for
+    /// the next boot, else the image's, else a fresh one) and makes the
+    /// `etc` names links to it. A read-only root leaves the files where
+    /// they are; the hook then writes the disk.
+    pub fn prepare(&self, hostname: &str, saved_machine_id: Option<&str>) -> Result<(), IdentityError> {
         let at = |path: &Path| {
             let path = path.to_path_buf();
             move |source| IdentityError { path, source }
         };
         std::fs::create_dir_all(&self.run).map_err(at(&self.run))?;
-        let machine_id = std::fs::read_to_string(self.machine_id())
-            .ok()
+        let machine_id = saved_machine_id
+            .map(str::to_string)
+            .or_else(|| std::fs::read_to_string(self.machine_id()).ok())
             .map(|id| id.trim().to_string())
             .filter(|id| valid_machine_id(id))
             .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
@@ -119,7 +121,7 @@ mod tests {
         std::fs::write(files.hostname(), "image\n").unwrap();
         std::fs::write(files.machine_id(), "0123456789abcdef0123456789abcdef\n").unwrap();
 
-        files.prepare("box-1").unwrap();
+        files.prepare("box-1", None).unwrap();
         for name in ["hostname", "machine-id"] {
             assert_eq!(std::fs::read_link(files.etc.join(name)).unwrap(), files.run.join(name));
         }
@@ -132,10 +134,15 @@ mod tests {
         // Booting again (a fresh tmpfs) keeps the links and makes a new id
         // for an image whose link points nowhere yet.
         std::fs::remove_dir_all(&files.run).unwrap();
-        files.prepare("box-2").unwrap();
+        files.prepare("box-2", None).unwrap();
         let id = std::fs::read_to_string(files.machine_id()).unwrap();
         assert!(valid_machine_id(id.trim()), "{id:?}");
         assert_eq!(std::fs::read_to_string(files.hostname()).unwrap(), "box-2\n");
+
+        // A boot after a filesystem-only hibernation: the saved id is the one.
+        std::fs::remove_dir_all(&files.run).unwrap();
+        files.prepare("box-3", Some("ffffffffffffffffffffffffffffffff")).unwrap();
+        assert_eq!(std::fs::read_to_string(files.machine_id()).unwrap(), "ffffffffffffffffffffffffffffffff\n");
         let leftovers: Vec<_> = std::fs::read_dir(&files.etc).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(leftovers.len(), 2, "{leftovers:?}");
     }

@@ -112,7 +112,9 @@ pub fn prepare_system() {
     if let Err(e) = nix::unistd::sethostname(&hostname).map_err(InitError::Hostname) {
         tracing::warn!("{}", crate::error_chain(&e));
     }
-    if let Err(e) = IdentityFiles::system().prepare(&hostname) {
+    // A cold boot after a filesystem-only hibernation keeps the machine id.
+    let saved = crate::boot_state::load(Path::new(clade_proto::BOOT_STATE_PATH));
+    if let Err(e) = IdentityFiles::system().prepare(&hostname, saved.machine_id.as_deref()) {
         tracing::warn!("{}", crate::error_chain(&e));
     }
 }

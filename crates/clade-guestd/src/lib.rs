@@ -8,6 +8,7 @@
 //! here may use NSS: accounts are read from /etc directly ([`users`]).
 
 pub mod agent;
+pub mod boot_state;
 pub mod cgroup;
 pub mod channel;
 pub mod exec;

@@ -168,6 +168,13 @@ async fn handle_substream(agent: Arc<Agent>, mut stream: Substream, session: Can
             quiesce.cancel();
             answer
         }
+        Request::SaveBootState => {
+            let agent = agent.clone();
+            match blocking(move || agent.save_boot_state()).await {
+                Ok(()) => reply(&mut stream, Reply::Done).await,
+                Err(e) => Err(e.into()),
+            }
+        }
         Request::Restore(req) => {
             // A few quick syscalls, right after a restore: a blocking-pool
             // thread would cost more than it saves here.
@@ -264,6 +271,40 @@ mod tests {
         s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
         assert!(matches!(next(&mut s).await, Some(GuestFrame::Error(_))));
         assert!(matches!(h.call(Request::Ping).await, GuestFrame::Reply(Reply::Pong { .. })));
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn variables_saved_for_a_cold_boot_are_the_next_agents_defaults() {
+        let dir = crate::testing::temp_dir();
+        let config = crate::agent::AgentConfig {
+            cgroup_root: None,
+            boot_state: Some(dir.path().join("boot-state")),
+            ..crate::agent::AgentConfig::unprivileged()
+        };
+        let h = Harness::with_config(config.clone()).await;
+        let hook = clade_proto::RestoreRequest {
+            entropy: Vec::new(),
+            unix_time_ns: 0,
+            hostname: None,
+            machine_id: None,
+            sandbox_id: None,
+            env: vec![("SAVED_TOKEN".into(), "kept across the boot".into())],
+            volumes: Vec::new(),
+        };
+        assert_eq!(h.call(Request::Restore(hook)).await, GuestFrame::Reply(Reply::Done));
+        assert_eq!(h.call(Request::SaveBootState).await, GuestFrame::Reply(Reply::Done));
+        h.shutdown().await;
+
+        // The next boot of that disk: a new agent reading the same file.
+        let h = Harness::with_config(config).await;
+        let out = h.exec(clade_proto::ExecRequest::new(clade_proto::Command::Shell("printf %s \"$SAVED_TOKEN\"".into()))).await;
+        assert_eq!(out.stdout_text(), "kept across the boot");
+        h.shutdown().await;
+
+        // An agent that keeps no boot state says so.
+        let h = Harness::start().await;
+        assert!(matches!(h.call(Request::SaveBootState).await, GuestFrame::Error(e) if e.kind == ErrorKind::Io));
         h.shutdown().await;
     }
 

@@ -624,6 +624,13 @@ impl AgentClient {
         outcome
     }
 
+    /// Has the guest write to its disk what the next cold boot of that disk
+    /// needs (its hooks' variables, its machine id): before a
+    /// filesystem-only hibernation, whose [`Self::quiesce`] then syncs it.
+    pub async fn save_boot_state(&self) -> Result<(), AgentError> {
+        self.done(Request::SaveBootState).await
+    }
+
     async fn done(&self, request: Request) -> Result<(), AgentError> {
         match self.simple(request).await? {
             Reply::Done => Ok(()),

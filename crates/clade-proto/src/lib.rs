@@ -9,6 +9,7 @@
 //! This crate owns the wire format only; what an operation does belongs to
 //! `clade-guestd`, when and why to call it to `clade-host`.
 
+pub mod boot_state;
 pub mod frame;
 pub mod guest_net;
 pub mod handshake;
@@ -16,6 +17,7 @@ pub mod image_defaults;
 pub mod messages;
 pub mod mux;
 
+pub use boot_state::{BootState, BOOT_STATE_PATH};
 pub use frame::{read_frame, write_frame, FrameError};
 pub use image_defaults::{ImageDefaults, IMAGE_DEFAULTS_PATH};
 pub use messages::*;

@@ -56,6 +56,12 @@ pub enum Request {
     /// guest holds no such exec for is [`ErrorKind::NotFound`]. A later
     /// re-attach takes the exec over from this one.
     Reattach { pid: u32 },
+    /// Before a filesystem-only hibernation: the guest writes what its next
+    /// cold boot needs and no host can give back (its hooks' default
+    /// environment and its machine id, see [`crate::boot_state`]) to its
+    /// disk, and answers [`Reply::Done`]. A [`Request::Quiesce`] follows
+    /// to sync it.
+    SaveBootState,
 }
 
 /// A volume the host has just attached to one of the guest's disk slots

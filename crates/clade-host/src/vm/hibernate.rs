@@ -1,13 +1,28 @@
 //! Hibernation: a VM saved whole to its directory, its QEMU ended
 //! ([`Vm::hibernate`]), and brought back under the same id
 //! ([`VmRuntime::wake`]).
+//!
+//! A filesystem-only hibernation ([`Vm::hibernate_disk_only`]) keeps the
+//! disk and nothing of the memory: the guest first writes what only it
+//! knows and a boot needs (`clade_proto::boot_state`: its variables and
+//! machine id) and syncs, then QEMU ends. Its wake boots that disk, with
+//! the same network and volumes and the sandbox's own identity: what ran
+//! in memory is gone, as after a reboot. It costs no memory file, and its
+//! wake needs no template on the host.
+
+use std::path::PathBuf;
+
+use clade_proto::RestoreRequest;
 
 use super::error::{io_err, task_err, VmError};
 use super::handle::{State, Vm};
 use super::launch::Memory;
 use super::migrate::Translations;
 use super::record::{Lifetime, Phase, VmRecord};
-use super::restore::{attach_deferred_disk, memory_task, restore_into, restore_request, run_restore_hook, spawn_qemu, RestoredMemory};
+use super::restore::{
+    attach_deferred_disk, connect_qmp, memory_task, restore_into, restore_request, run_restore_hook, spawn_qemu, wait_for_agent,
+    RestoredMemory,
+};
 use super::runtime::{qcow2_virtual_size, VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
@@ -35,6 +50,9 @@ impl VmRuntime {
             let (leftover_dir, leftover) = (dir.clone(), record.clone());
             tokio::task::spawn_blocking(move || record::settle_hibernated(&leftover_dir, leftover)).await.map_err(task_err("settling"))?;
             (_, record) = self.load_record(id)?;
+        }
+        if record.wakes_cold {
+            return self.wake_cold(id, dir, record, watchdog).await;
         }
         let _admitted = self.admit(1, record.memory_mb, 0)?;
         let key = record.template.clone().ok_or_else(|| VmError::Records("hibernated VM has no template".into()))?;
@@ -104,6 +122,86 @@ impl VmRuntime {
         let _ = std::fs::remove_file(&memory_file);
         Ok(Vm::attach(self, record, dir, qmp, agent, exit_rx, watchdog, BootKind::Woken))
     }
+
+    /// Wakes a VM hibernated with its disk only: boots the disk, its
+    /// volumes in their slots before the kernel looks, then gives the
+    /// guest its sandbox's name and id (its variables and machine id it
+    /// reads from its disk). A failure leaves it hibernated, as a wake's.
+    async fn wake_cold(&self, id: &str, dir: PathBuf, mut record: VmRecord, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
+        let _admitted = self.admit(1, record.memory_mb, 0)?;
+        let image =
+            self.images.cached(&record.image)?.ok_or_else(|| VmError::Records(format!("image {} of VM {id} is gone", record.image)))?;
+        let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
+        // Its RAM maps the template's, as every sandbox's does, so that a
+        // later hibernation, snapshot or fork of it works as for any other
+        // (their memory is what differs from the template). The boot
+        // overwrites what it uses; a kernel never counts on RAM being zero.
+        let key = record.template.clone().ok_or_else(|| VmError::Records("hibernated VM has no template".into()))?;
+        let template = Template { dir: self.templates_dir.join(&key), key };
+        if !template.is_complete() {
+            return Err(VmError::Records(format!("template {} of VM {id} is gone", template.key)));
+        }
+        let disk = launch::Disk::Chain(self.disk_chain(&dir.join("disk.qcow2"), &record)?);
+        let netns = self.attach_network(&dir, record.network.as_ref()).await?;
+        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| {
+            if let Some(vmm) = vmm {
+                vmm.kill();
+            }
+            crate::net::release_for(&dir);
+            record.phase = Phase::Hibernated;
+            record.vmm = None;
+            let _ = record.save(&dir);
+            e
+        };
+        record.phase = Phase::Waking;
+        record.owner = ProcessId::current();
+        if let Err(e) = record.save(&dir) {
+            return Err(give_up(&mut record, None, io_err("writing the VM record")(e)));
+        }
+        let mut launch = self.launch_spec(id, &dir, &spec, disk, Memory::FromTemplate(template.ram()), false);
+        launch.tap = netns.is_some();
+        // Held at its first instruction while the volumes go in.
+        launch.stay_paused = !record.volumes.is_empty();
+        let (vmm, exit_rx) = match spawn_qemu(self, &launch, record.lifetime == Lifetime::Ephemeral, netns.as_deref()) {
+            Ok(spawned) => spawned,
+            Err(e) => return Err(give_up(&mut record, None, e)),
+        };
+        record.vmm = Some(vmm);
+        if let Err(e) = record.save(&dir) {
+            return Err(give_up(&mut record, Some(vmm), io_err("writing the VM record")(e)));
+        }
+        let timeout = self.boot_timeout();
+        let booted = async {
+            let qmp = match launch.stay_paused {
+                true => {
+                    let qmp = connect_qmp(&launch::qmp_socket(&dir), timeout).await?;
+                    super::volumes::attach(&qmp, &record.volumes).await?;
+                    qmp.execute("cont", None).await?;
+                    Some(qmp)
+                }
+                false => None,
+            };
+            let (qmp, agent) = wait_for_agent(&dir, &exit_rx, qmp, timeout).await?;
+            let hook = RestoreRequest {
+                // The one it saved is read back at boot.
+                machine_id: None,
+                volumes: super::volumes::guest_requests(&record.volumes, timeout),
+                ..restore_request(id, true)
+            };
+            run_restore_hook(&agent, hook, timeout).await?;
+            Ok::<_, VmError>((qmp, agent))
+        }
+        .await;
+        let (qmp, agent) = match booted {
+            Ok(pair) => pair,
+            Err(e) => return Err(give_up(&mut record, Some(vmm), e)),
+        };
+        record.phase = Phase::Running;
+        record.wakes_cold = false;
+        record.save(&dir).map_err(io_err("writing the VM record"))?;
+        tracing::info!(vm = %id, "woken by booting its disk (it was hibernated without memory)");
+        Ok(Vm::attach(self, record, dir, qmp, agent, exit_rx, watchdog, BootKind::Cold))
+    }
 }
 
 impl Vm {
@@ -169,6 +267,54 @@ impl Vm {
             let _ = record.save(&self.inner.dir);
         }
         // The slot goes back to the pool; a wake leases a new one.
+        crate::net::release_for(&self.inner.dir);
+        *self.inner.state.lock().expect("vm state lock") = State::Stopped;
+        Ok(())
+    }
+}
+
+impl Vm {
+    /// Hibernates the VM keeping its disk only (see the module's text):
+    /// no memory is saved, and the wake boots the disk. The guest must
+    /// answer: one that does not save what its boot needs is refused, and
+    /// the VM runs on (a paused one is paused again).
+    pub async fn hibernate_disk_only(&self) -> Result<(), VmError> {
+        let was = *self.inner.state.lock().expect("vm state lock");
+        self.transition(&[State::Running, State::Paused], State::Stopping)?;
+        if was == State::Paused {
+            self.inner.qmp.execute("cont", None).await?;
+            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        }
+        let agent = &self.inner.agent;
+        if let Err(e) = async {
+            agent.save_boot_state().await?;
+            agent.quiesce().await
+        }
+        .await
+        {
+            let _ = agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+            *self.inner.state.lock().expect("vm state lock") = State::Running;
+            if was == State::Paused {
+                let _ = self.pause().await;
+            }
+            return Err(VmError::Vmm(format!("hibernating without memory: the guest did not save what its boot needs: {e}")));
+        }
+        // Stopping the vCPUs drains and flushes every disk: what the guest
+        // wrote after its sync is in the layer too, as a power cut leaves it.
+        if let Err(e) = self.inner.qmp.execute("stop", None).await {
+            let _ = agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+            *self.inner.state.lock().expect("vm state lock") = State::Running;
+            return Err(e.into());
+        }
+        crate::durable::sync_file(&self.inner.dir.join("disk.qcow2")).map_err(io_err("flushing the disk layer"))?;
+        self.inner.record.lock().expect("record lock").wakes_cold = true;
+        self.set_phase(Phase::Hibernated)?;
+        self.end_process().await;
+        {
+            let mut record = self.inner.record.lock().expect("record lock");
+            record.vmm = None;
+            let _ = record.save(&self.inner.dir);
+        }
         crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         Ok(())

@@ -81,6 +81,10 @@ pub struct VmRecord {
     /// Its volumes, by slot (see `vm::volumes`).
     #[serde(default)]
     pub volumes: Vec<super::volumes::AttachedVolume>,
+    /// Hibernated with its disk only (no memory saved): the next wake boots
+    /// that disk (see `hibernate`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wakes_cold: bool,
 }
 
 const RECORD: &str = "vm.json";
@@ -246,6 +250,7 @@ mod tests {
             tag: None,
             network: None,
             volumes: Vec::new(),
+            wakes_cold: false,
         }
     }
 

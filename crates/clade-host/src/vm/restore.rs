@@ -187,14 +187,19 @@ pub(super) fn exited_during_boot(dir: &Path, status: Option<String>) -> VmError 
     })
 }
 
-/// Connects QMP and the agent of a booting VM, failing early if QEMU exits.
+/// Connects QMP (unless the caller has) and the agent of a booting VM,
+/// failing early if QEMU exits.
 pub(super) async fn wait_for_agent(
     dir: &Path,
     exit_rx: &watch::Receiver<Option<String>>,
+    qmp: Option<Qmp>,
     timeout: Duration,
 ) -> Result<(Qmp, AgentClient), VmError> {
     let connect = async {
-        let qmp = connect_qmp(&launch::qmp_socket(dir), timeout).await?;
+        let qmp = match qmp {
+            Some(qmp) => qmp,
+            None => connect_qmp(&launch::qmp_socket(dir), timeout).await?,
+        };
         let agent = AgentClient::connect(&launch::agent_socket(dir), timeout).await?;
         Ok::<_, VmError>((qmp, agent))
     };

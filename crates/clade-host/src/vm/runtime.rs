@@ -334,6 +334,7 @@ impl VmRuntime {
             tag: spec.tag.clone(),
             network: spec.network.clone(),
             volumes: Vec::new(),
+            wakes_cold: false,
         };
         let saved = match template {
             Some(template) => template::record_use(&self.templates_dir, template, || record.save(&dir)).await,
@@ -386,7 +387,7 @@ impl VmRuntime {
             record.vmm = Some(vmm);
             record.save(&dir).map_err(io_err("writing the VM record"))?;
             let timeout = spec.boot_timeout.unwrap_or_else(|| self.boot_timeout());
-            let (qmp, agent) = wait_for_agent(&dir, &exit_rx, timeout).await?;
+            let (qmp, agent) = wait_for_agent(&dir, &exit_rx, None, timeout).await?;
             // The guest has no RTC (`rtc=off`): without the host's clock it
             // would read 1970 and find every TLS certificate not yet valid. The
             // hook that follows a restore sets it (and adds host entropy);

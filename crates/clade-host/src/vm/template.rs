@@ -288,7 +288,7 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
     };
     let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true, None)?;
     let outcome = async {
-        let (qmp, agent) = wait_for_agent(dir, &exit_rx, runtime.boot_timeout()).await?;
+        let (qmp, agent) = wait_for_agent(dir, &exit_rx, None, runtime.boot_timeout()).await?;
         // Bounded like the boot: a guest that stops answering mid-warm-up
         // fails the bake instead of holding every create waiting on it.
         let steps = async {

@@ -86,3 +86,47 @@ fn fork_children_get_the_volume_as_of_the_fork_and_write_only_to_themselves() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     });
 }
+
+#[test]
+fn a_disk_only_hibernation_boots_the_disk_with_its_identity_variables_and_volumes() {
+    let Some(env) = vm_env() else { return };
+    block_on(async {
+        env.runtime.volumes().create("vol-cold", 32).await.unwrap();
+        let spec = VmSpec { env: vec![("GREETING".into(), "hello\nworld".into())], ..with_volumes(&env, vec![rw("vol-cold", "/v")]) };
+        let vm = env.runtime.create(spec).await.unwrap();
+        let id = vm.id();
+        let probe = "cat /proc/sys/kernel/random/boot_id /etc/machine-id; hostname; echo \"$CLADE_SANDBOX_ID\"; \
+                     printf '%s\\n' \"$GREETING\"; cat /root/keep /v/keep 2>&1; pgrep -x sleep >/dev/null && echo running || echo gone";
+        let setup = "echo on-root > /root/keep && echo on-volume > /v/keep && (setsid sleep 1000 </dev/null >/dev/null 2>&1 &)";
+        assert_eq!(vm.run(sh(setup)).await.unwrap().exit_code(), 0);
+        let before = vm.run(sh(probe)).await.unwrap().stdout_str();
+        let before: Vec<&str> = before.leak().lines().collect();
+        assert_eq!(&before[2..], [&format!("sb-{id}"), id.as_str(), "hello", "world", "on-root", "on-volume", "running"]);
+
+        let vmm = vm.vmm();
+        vm.hibernate_disk_only().await.unwrap();
+        assert!(!vmm.is_alive(), "the hibernation ends the QEMU process");
+        for saved in ["hibernated.state", "hibernated.memory"] {
+            assert!(!vm.dir().join(saved).exists(), "no memory is saved: {saved}");
+        }
+        drop(vm);
+
+        let woken = env.runtime.wake(&id, None).await.unwrap();
+        assert!(matches!(woken.boot_kind(), clade_host::vm::BootKind::Cold), "{:?}", woken.boot_kind());
+        let after = woken.run(sh(probe)).await.unwrap().stdout_str();
+        let after: Vec<&str> = after.leak().lines().collect();
+        assert_ne!(after[0], before[0], "a new boot");
+        assert_eq!(&after[1..], [before[1], &format!("sb-{id}"), id.as_str(), "hello", "world", "on-root", "on-volume", "gone"]);
+
+        // What it runs now is memory again: a memory hibernation keeps it.
+        assert_eq!(woken.run(sh("(setsid sleep 1000 </dev/null >/dev/null 2>&1 &)")).await.unwrap().exit_code(), 0);
+        woken.hibernate().await.unwrap();
+        drop(woken);
+        let woken = env.runtime.wake(&id, None).await.unwrap();
+        assert!(matches!(woken.boot_kind(), clade_host::vm::BootKind::Woken), "{:?}", woken.boot_kind());
+        let again = woken.run(sh(probe)).await.unwrap().stdout_str();
+        assert_eq!(again.lines().next(), Some(after[0]), "the same boot");
+        assert!(again.ends_with("running\n"), "{again}");
+        woken.stop().await.unwrap();
+    });
+}
