@@ -103,6 +103,51 @@ def test_a_paused_sandbox_resumes_on_connect_with_its_files_and_processes(e2b):
         assert sandbox.commands.run("echo awake", timeout=COMMAND_TIMEOUT).stdout == "awake\n"
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def test_a_filesystem_only_pause_boots_the_disk_on_connect_with_its_files_and_envs(e2b):
+    with own_sandbox(metadata={"purpose": "pause-filesystem"}, envs={"KEPT_VAR": "from the create"}) as sandbox:
+        sandbox.files.write("/home/user/kept.txt", "before the pause")
+        boot_before = sandbox.files.read(BOOT_ID).strip()
+        started = sandbox.commands.run("setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $!", timeout=COMMAND_TIMEOUT)
+        pid = int(started.stdout.strip())
+
+        assert sandbox.pause(mode="filesystem") is True
+        assert Sandbox.get_info(sandbox.sandbox_id, request_timeout=REQUEST_TIMEOUT).state == SandboxState.PAUSED
+        assert sandbox.is_running(request_timeout=REQUEST_TIMEOUT) is False
+
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        assert resumed.sandbox_id == sandbox.sandbox_id
+        assert resumed.files.read(BOOT_ID).strip() != boot_before, "the wake booted the disk"
+        assert resumed.files.read("/home/user/kept.txt") == "before the pause"
+        # What the create set is the sandbox's still; what ran in memory is gone.
+        assert resumed.commands.run("echo $KEPT_VAR", timeout=COMMAND_TIMEOUT).stdout == "from the create\n"
+        assert _gone(resumed, pid), "a process of the old boot still runs"
+        # A memory pause of the booted sandbox keeps that boot.
+        assert resumed.pause() is True
+        again = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        assert again.files.read(BOOT_ID).strip() == resumed.files.read(BOOT_ID).strip()
+
+
+def _gone(sandbox: Sandbox, pid: int) -> bool:
+    """Whether no process `pid` runs `sleep 3600` in the sandbox."""
+    out = sandbox.commands.run(f"tr '\\0' ' ' < /proc/{pid}/cmdline 2>/dev/null || true", timeout=COMMAND_TIMEOUT)
+    return out.stdout.strip() != "sleep 3600"
+
+
+def test_a_filesystem_only_auto_pause_at_the_timeout_boots_the_disk_on_connect(e2b):
+    lifecycle = {"on_timeout": {"action": "pause", "mode": "filesystem"}}
+    with own_sandbox(metadata={"purpose": "auto-pause-filesystem"}, timeout=SHORT_TIMEOUT, lifecycle=lifecycle) as sandbox:
+        sandbox.files.write("/home/user/kept.txt", "before the timeout")
+        boot_before = sandbox.files.read(BOOT_ID).strip()
+        wait_for(lambda: sandbox.sandbox_id in listed_ids(state=[SandboxState.PAUSED]), timeout=GONE_WITHIN, interval=3,
+                 what=f"the sandbox paused {SHORT_TIMEOUT} s after its last use")
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3600, request_timeout=REQUEST_TIMEOUT)
+        assert resumed.files.read(BOOT_ID).strip() != boot_before, "the wake booted the disk"
+        assert resumed.files.read("/home/user/kept.txt") == "before the timeout"
+
+
 def test_background_commands_are_listed_followed_fed_and_killed_after_a_pause(e2b):
     with own_sandbox(metadata={"purpose": "pause-processes"}) as sandbox:
         waiting = sandbox.commands.run(

@@ -219,6 +219,14 @@ async def test_snapshot_hibernate_and_wake(server):
         assert structured(await client.call_tool("hibernate_sandbox", {"sandbox_id": sandbox}))["status"] == "hibernated"
         assert structured(await client.call_tool("wake_sandbox", {"sandbox_id": sandbox}))["status"] == "running"
         assert text_of(ok(await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "/home/user/kept.txt"}))) == "kept"
+        # Disk only: the wake boots the disk, the file stays.
+        boot_id = "/proc/sys/kernel/random/boot_id"
+        booted = text_of(ok(await client.call_tool("read_file", {"sandbox_id": sandbox, "path": boot_id})))
+        hibernated = structured(await client.call_tool("hibernate_sandbox", {"sandbox_id": sandbox, "memory": False}))
+        assert hibernated["status"] == "hibernated"
+        assert structured(await client.call_tool("wake_sandbox", {"sandbox_id": sandbox}))["status"] == "running"
+        assert text_of(ok(await client.call_tool("read_file", {"sandbox_id": sandbox, "path": boot_id}))) != booted
+        assert text_of(ok(await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "/home/user/kept.txt"}))) == "kept"
     for gone in (sandbox, restored):
         wait_for(lambda: not sandbox_exists(server, gone, server.admin_key), timeout=60, what=f"{gone} deleted with its session")
     server.api("DELETE", f"/v1/snapshots/{snapshot}", server.admin_key)

@@ -28,6 +28,10 @@ pub enum SandboxCommand {
         /// (default: the server's; 0: never).
         #[arg(long, value_name = "SECONDS")]
         hibernate_after: Option<u64>,
+        /// Its idle hibernation keeps only the disk (the wake boots it)
+        /// instead of memory and disk.
+        #[arg(long)]
+        hibernate_disk_only: bool,
         /// KEY=VALUE, repeatable.
         #[arg(long = "metadata", short, value_name = "KEY=VALUE")]
         metadata: Vec<String>,
@@ -110,6 +114,9 @@ pub enum SandboxCommand {
         /// A persistent sandbox's idle time before it is hibernated, seconds (0: never).
         #[arg(long, value_name = "SECONDS")]
         hibernate_after: Option<u64>,
+        /// Whether that hibernation keeps the memory (false: only the disk, and the wake boots it).
+        #[arg(long, value_name = "true|false")]
+        hibernate_memory: Option<bool>,
     },
     /// Show the limits of the sandbox's commands, or change them.
     Limits {
@@ -151,7 +158,13 @@ pub enum SandboxCommand {
     /// Run a paused sandbox again.
     Resume { id: String },
     /// Save the sandbox to disk and stop its VM (any later use wakes it).
-    Hibernate { id: String },
+    Hibernate {
+        id: String,
+        /// Keep only its disk, not its memory: the wake boots the disk (as
+        /// a reboot would) and what ran is gone.
+        #[arg(long)]
+        disk_only: bool,
+    },
     /// Start a hibernated sandbox again.
     Wake { id: String },
     /// Ports of a sandbox: what listens, labels, proxy and preview URLs.
@@ -186,6 +199,7 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             ttl,
             persistent,
             hibernate_after,
+            hibernate_disk_only,
             metadata,
             env,
             from_snapshot,
@@ -206,6 +220,9 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             }
             if let Some(seconds) = hibernate_after {
                 body.insert("hibernate_after_seconds".into(), json!(seconds));
+            }
+            if hibernate_disk_only {
+                body.insert("hibernate_memory".into(), json!(false));
             }
             if !metadata.is_empty() {
                 body.insert("metadata".into(), parse_metadata(&metadata)?);
@@ -276,18 +293,25 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
         SandboxCommand::Shell { id, command } => return crate::shell::run(client, &id, &command).await,
         SandboxCommand::Logs { id, follow, stream } => logs(client, &id, follow, &stream, json_out).await?,
         SandboxCommand::Events { id, follow, tail } => events(client, &id, follow, tail, json_out).await?,
-        SandboxCommand::Lifecycle { id, ttl, persistent, hibernate_after } => {
-            let request = if ttl.is_none() && persistent.is_none() && hibernate_after.is_none() {
+        SandboxCommand::Lifecycle { id, ttl, persistent, hibernate_after, hibernate_memory } => {
+            let request = if ttl.is_none() && persistent.is_none() && hibernate_after.is_none() && hibernate_memory.is_none() {
                 client.request(Method::GET, &["sandboxes", &id, "lifecycle"])
             } else {
-                let body = json!({ "ttl_seconds": ttl, "persistent": persistent, "hibernate_after_seconds": hibernate_after });
+                let body = json!({
+                    "ttl_seconds": ttl,
+                    "persistent": persistent,
+                    "hibernate_after_seconds": hibernate_after,
+                    "hibernate_memory": hibernate_memory,
+                });
                 client.request(Method::PATCH, &["sandboxes", &id, "lifecycle"]).json(&body)
             };
             let settings = client.json(request).await?;
             if json_out {
                 output::json(&settings);
             } else {
-                for key in ["status", "ttl_seconds", "persistent", "hibernate_after_seconds", "idle_seconds", "last_used_at"] {
+                for key in
+                    ["status", "ttl_seconds", "persistent", "hibernate_after_seconds", "hibernate_memory", "idle_seconds", "last_used_at"]
+                {
                     println!("{key:<23}  {}", output::field(&settings, key));
                 }
             }
@@ -356,10 +380,11 @@ pub async fn run(command: SandboxCommand, client: &Client, json_out: bool) -> an
             client.send(client.request(Method::POST, &["sandboxes", &id, "resume"])).await?;
             state_change(&id, Value::Null, "running", json_out);
         }
-        SandboxCommand::Hibernate { id } => {
+        SandboxCommand::Hibernate { id, disk_only } => {
             let answer = {
                 let _progress = Progress::start(&format!("hibernating {id}"));
-                client.json(client.request(Method::POST, &["sandboxes", &id, "hibernate"])).await?
+                let body = json!({ "memory": !disk_only });
+                client.json(client.request(Method::POST, &["sandboxes", &id, "hibernate"]).json(&body)).await?
             };
             state_change(&id, answer, "hibernated", json_out);
         }

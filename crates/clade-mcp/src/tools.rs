@@ -79,6 +79,17 @@ pub struct SandboxId {
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+pub struct HibernateSandbox {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// Keep its memory (default true), so that wake_sandbox resumes its processes where they
+    /// were. False keeps only its disk: the wake boots it, its files kept and what ran gone.
+    #[serde(default)]
+    pub memory: Option<bool>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SnapshotSandbox {
     /// The sandbox's id.
     pub sandbox_id: String,
@@ -250,8 +261,9 @@ fn definitions() -> [Definition; 15] {
             "Snapshot a sandbox (files, processes, memory), optionally named. Returns the snapshot id; \
              create_sandbox with from_snapshot (the id or the name) starts new sandboxes from it. Snapshots \
              outlive the session."),
-        definition!("hibernate_sandbox", SandboxId, read_only: false, destructive: false,
-            "Hibernate a sandbox: it stops using CPU and memory, its state kept on disk. wake_sandbox resumes it where it was."),
+        definition!("hibernate_sandbox", HibernateSandbox, read_only: false, destructive: false,
+            "Hibernate a sandbox: it stops using CPU and memory, its state kept on disk. wake_sandbox resumes it where it was \
+             (with memory false, only the disk is kept and the wake boots it)."),
         definition!("wake_sandbox", SandboxId, read_only: false, destructive: false,
             "Wake a hibernated sandbox: its processes continue where they were."),
         definition!("expose_port", ExposePort, read_only: false, destructive: false,
@@ -375,8 +387,8 @@ pub async fn call(name: &str, arguments: Map<String, Value>, call: &mut Call<'_>
             Ok(args) => snapshot_sandbox(call, &args.sandbox_id, args.name).await,
             Err(e) => Err(e),
         },
-        "hibernate_sandbox" => match parse::<SandboxId>(name, arguments) {
-            Ok(args) => lifecycle(call, &args.sandbox_id, "hibernate").await,
+        "hibernate_sandbox" => match parse::<HibernateSandbox>(name, arguments) {
+            Ok(args) => hibernate_sandbox(call, args).await,
             Err(e) => Err(e),
         },
         "wake_sandbox" => match parse::<SandboxId>(name, arguments) {
@@ -709,6 +721,12 @@ async fn snapshot_sandbox(call: &Call<'_>, id: &str, name: Option<String>) -> Re
 async fn lifecycle(call: &Call<'_>, id: &str, verb: &str) -> Result<CallToolResult, ToolError> {
     let status = call.api.json(call.api.request(Method::POST, &["sandboxes", id, verb])).await?;
     Ok(json_result(json!({ "sandbox_id": id, "status": status["status"] })))
+}
+
+async fn hibernate_sandbox(call: &Call<'_>, args: HibernateSandbox) -> Result<CallToolResult, ToolError> {
+    let body = json!({ "memory": args.memory.unwrap_or(true) });
+    let status = call.api.json(call.api.request(Method::POST, &["sandboxes", &args.sandbox_id, "hibernate"]).json(&body)).await?;
+    Ok(json_result(json!({ "sandbox_id": args.sandbox_id, "status": status["status"] })))
 }
 
 async fn expose_port(call: &Call<'_>, args: ExposePort) -> Result<CallToolResult, ToolError> {

@@ -70,6 +70,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0012_snapshot_names.sql"),
         postgres: include_str!("../migrations/postgres/0012_snapshot_names.sql"),
     },
+    Migration {
+        version: 13,
+        sqlite: include_str!("../migrations/sqlite/0013_hibernate_memory.sql"),
+        postgres: include_str!("../migrations/postgres/0013_hibernate_memory.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -61,6 +61,9 @@ pub struct SandboxRow {
     pub ttl_seconds: u64,
     /// Idle time after which a persistent sandbox is hibernated (unset: never).
     pub hibernate_after_seconds: Option<u64>,
+    /// Whether its idle hibernation keeps its memory (else only its disk:
+    /// the wake boots it).
+    pub hibernate_memory: bool,
     pub persistent: bool,
     pub created_at: UnixMillis,
     pub last_activity_at: UnixMillis,
@@ -81,6 +84,7 @@ pub struct LifecycleChange {
     pub ttl_seconds: Option<u64>,
     pub persistent: Option<bool>,
     pub hibernate_after_seconds: Option<u64>,
+    pub hibernate_memory: Option<bool>,
 }
 
 /// What a create stores; the rest starts at its defaults.
@@ -96,6 +100,8 @@ pub struct NewSandbox {
     pub ttl_seconds: u64,
     /// A persistent sandbox's idle time before it hibernates (`None`: the server's).
     pub hibernate_after_seconds: Option<u64>,
+    /// See [`SandboxRow::hibernate_memory`].
+    pub hibernate_memory: bool,
     pub persistent: bool,
     pub fork_tree_id: Option<String>,
     pub from_snapshot: Option<String>,
@@ -108,7 +114,7 @@ pub struct NewSandbox {
 
 const COLUMNS: &str = "id, workspace_id, template, state, state_reason, metadata, cpu, memory_mb, ttl_seconds, \
                        hibernate_after_seconds, persistent, created_at, last_activity_at, fork_tree_id, from_snapshot, \
-                       preview_auth, host_id, replica_host_id";
+                       preview_auth, host_id, replica_host_id, hibernate_memory";
 
 impl SandboxRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -126,6 +132,7 @@ impl SandboxRow {
             memory_mb: col::<i64>(row, "memory_mb")? as u32,
             ttl_seconds: col::<i64>(row, "ttl_seconds")?.max(0) as u64,
             hibernate_after_seconds: col::<Option<i64>>(row, "hibernate_after_seconds")?.map(|s| s.max(0) as u64),
+            hibernate_memory: col::<i64>(row, "hibernate_memory")? != 0,
             persistent: col::<i64>(row, "persistent")? != 0,
             created_at: col(row, "created_at")?,
             last_activity_at: col(row, "last_activity_at")?,
@@ -144,7 +151,7 @@ impl Store {
         let metadata = serde_json::to_string(&new.metadata).expect("a string map serialises");
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({COLUMNS}, idempotency_key) \
-             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, $16, $9, $10, $10, $11, $12, $13, $14, NULL, $15)"
+             VALUES ($1, $2, $3, $4, NULL, $5, $6, $7, $8, $16, $9, $10, $10, $11, $12, $13, $14, NULL, $17, $15)"
         ))
         .bind(&new.id)
         .bind(&new.workspace_id)
@@ -162,6 +169,7 @@ impl Store {
         .bind(&new.host_id)
         .bind(&new.idempotency_key)
         .bind(new.hibernate_after_seconds.map(|s| s as i64))
+        .bind(i64::from(new.hibernate_memory))
         .execute(&self.pool)
         .await?;
         Ok(SandboxRow {
@@ -175,6 +183,7 @@ impl Store {
             memory_mb: new.memory_mb,
             ttl_seconds: new.ttl_seconds,
             hibernate_after_seconds: new.hibernate_after_seconds,
+            hibernate_memory: new.hibernate_memory,
             persistent: new.persistent,
             created_at: now,
             last_activity_at: now,
@@ -298,16 +307,19 @@ impl Store {
     }
 
     /// Changes what is given: the idle TTL, the persistent flag, a
-    /// persistent sandbox's idle time before it hibernates.
+    /// persistent sandbox's idle time before it hibernates and whether that
+    /// hibernation keeps its memory.
     pub async fn set_sandbox_lifecycle(&self, id: &str, change: LifecycleChange) -> Result<(), StoreError> {
         let updated = sqlx::query(
             "UPDATE sandboxes SET ttl_seconds = COALESCE($1, ttl_seconds), persistent = COALESCE($2, persistent), \
-             hibernate_after_seconds = COALESCE($3, hibernate_after_seconds) WHERE id = $4",
+             hibernate_after_seconds = COALESCE($3, hibernate_after_seconds), \
+             hibernate_memory = COALESCE($5, hibernate_memory) WHERE id = $4",
         )
         .bind(change.ttl_seconds.map(|t| t as i64))
         .bind(change.persistent.map(i64::from))
         .bind(change.hibernate_after_seconds.map(|t| t as i64))
         .bind(id)
+        .bind(change.hibernate_memory.map(i64::from))
         .execute(&self.pool)
         .await?;
         if updated.rows_affected() == 0 {

@@ -60,6 +60,14 @@ def test_lifecycle_pause_resume_hibernate_wake_and_policy(client: clade.Clade) -
         assert sb.hibernate() == "hibernated"
         assert sb.wake() == "running"
         assert sb.files.read_text("/root/state") == "kept\n"
+        # Disk only: the wake boots the disk, the files stay.
+        boot_id = sb.files.read_text("/proc/sys/kernel/random/boot_id")
+        assert sb.hibernate(memory=False) == "hibernated"
+        assert sb.wake() == "running"
+        assert sb.files.read_text("/proc/sys/kernel/random/boot_id") != boot_id
+        assert sb.files.read_text("/root/state") == "kept\n"
+        assert sb.get_lifecycle().hibernate_memory is True
+        assert sb.set_lifecycle(hibernate_memory=False).hibernate_memory is False
         settings = sb.set_lifecycle(ttl_seconds=900)
         assert settings.ttl_seconds == 900 and sb.get_lifecycle().ttl_seconds == 900
         settings = sb.set_lifecycle(persistent=True, hibernate_after_seconds=120)
@@ -67,6 +75,7 @@ def test_lifecycle_pause_resume_hibernate_wake_and_policy(client: clade.Clade) -
         sb.set_lifecycle(persistent=False)
         kinds = [event.type for event in sb.events()]
         assert kinds[0] == "created" and "hibernated" in kinds and "woken" in kinds
+        assert [event.payload.get("memory") for event in sb.events() if event.type == "hibernated"] == [True, False]
 
 
 def test_stop_and_start(client: clade.Clade) -> None:

@@ -301,9 +301,14 @@ export class Sandbox implements AsyncDisposable {
     await this.call('POST', '/resume', options);
   }
 
-  /** Saves memory and disk and stops the VM; {@link wake} (or any use) restores it. */
-  async hibernate(options: RequestOptions = {}): Promise<string> {
-    return (await this.call<{ status: string }>('POST', '/hibernate', options)).status;
+  /**
+   * Saves memory and disk and stops the VM; {@link wake} (or any use) restores it.
+   * With `memory: false` only the disk is kept: the wake boots it, and what ran is
+   * gone (its files, variables, network and volumes stay).
+   */
+  async hibernate(options: RequestOptions & { memory?: boolean } = {}): Promise<string> {
+    const json = options.memory === false ? toWire('HibernateBody', { memory: false }) : undefined;
+    return (await this.call<{ status: string }>('POST', '/hibernate', options, json)).status;
   }
 
   async wake(options: RequestOptions = {}): Promise<string> {

@@ -196,6 +196,14 @@ describe('lifecycle', { skip: SKIP }, () => {
     assert.equal((await sb.getLifecycle()).ttlSeconds, 1234);
     const hibernating = await sb.setLifecycle({ hibernateAfterSeconds: 120 });
     assert.equal(hibernating.hibernateAfterSeconds, 120);
+    assert.equal(hibernating.hibernateMemory, true);
+    assert.equal((await sb.setLifecycle({ hibernateMemory: false })).hibernateMemory, false);
+    // Disk only: the wake boots the disk, the files stay.
+    const bootId = await sh(sb, 'cat /proc/sys/kernel/random/boot_id');
+    assert.equal(await sb.hibernate({ memory: false }), 'hibernated');
+    assert.equal(await sb.wake(), 'running');
+    assert.notEqual(await sh(sb, 'cat /proc/sys/kernel/random/boot_id'), bootId);
+    assert.equal(await sh(sb, 'cat /root/state'), 'kept\n');
   });
 });
 

@@ -197,6 +197,12 @@ fn a_sandbox_through_the_cli() {
     let woken = ok_json(&mut clade(&["sandbox", "wake", "--json", &id]));
     assert_eq!(woken["status"], "running");
     assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &id, "wc -c < /root/d/bin.dat"]))).trim(), data.len().to_string());
+    // Disk only: the wake boots the disk (a new boot id), the files stay.
+    let boot_id = text(&ok(&mut clade(&["sandbox", "exec", &id, "cat /proc/sys/kernel/random/boot_id"])));
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "hibernate", "--disk-only", &id]))), format!("{id} hibernated\n"));
+    assert_eq!(ok_json(&mut clade(&["sandbox", "wake", "--json", &id]))["status"], "running");
+    assert_ne!(text(&ok(&mut clade(&["sandbox", "exec", &id, "cat /proc/sys/kernel/random/boot_id"]))), boot_id);
+    assert_eq!(text(&ok(&mut clade(&["sandbox", "exec", &id, "wc -c < /root/d/bin.dat"]))).trim(), data.len().to_string());
 
     // Delete; afterwards the id is unknown (exit 125 with the server's message).
     assert_eq!(text(&ok(&mut clade(&["sandbox", "rm", &id]))), format!("deleted {id}\n"));
@@ -238,8 +244,11 @@ fn logs_fork_and_snapshots_through_the_cli() {
     assert!(shown.contains("max_processes  300"), "{shown}");
     let settings = ok_json(&mut clade(&["sandbox", "lifecycle", "--json", &id, "--ttl", "900", "--hibernate-after", "120"]));
     assert_eq!((settings["ttl_seconds"].as_u64(), settings["hibernate_after_seconds"].as_u64()), (Some(900), Some(120)), "{settings}");
+    let settings = ok_json(&mut clade(&["sandbox", "lifecycle", "--json", &id, "--hibernate-memory", "false"]));
+    assert_eq!(settings["hibernate_memory"], false, "{settings}");
     let shown = text(&ok(&mut clade(&["sandbox", "lifecycle", &id])));
     assert!(shown.lines().any(|l| l.starts_with("hibernate_after_seconds") && l.ends_with(" 120")), "{shown}");
+    assert!(shown.lines().any(|l| l.starts_with("hibernate_memory") && l.ends_with(" false")), "{shown}");
 
     // Fork: one child (--json), then a tree of two (ids, one per line); each
     // child has the parent's files and answers an exec.

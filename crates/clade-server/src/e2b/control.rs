@@ -13,6 +13,9 @@
 //!   `hibernate_after_seconds`) it hibernates (memory and disk kept) instead
 //!   of ending; `pause` hibernates it now and
 //!   `connect` wakes it. A paused sandbox also wakes on its first envd call.
+//!   A filesystem-only pause (`pause {"memory": false}`, or `autoPauseMemory:
+//!   false` for the timeout's) is Clade's hibernation without memory
+//!   (`hibernate_memory`): the wake boots the disk.
 //! - Snapshots are Clade's snapshots, a snapshot's `names` its name; a
 //!   create whose `templateID` names one (by id or name) makes a sandbox
 //!   from it. Template `code-interpreter-v1` is Clade's
@@ -247,6 +250,7 @@ async fn create(State(control): State<Control>, request: Request) -> Answer {
         "ttl_seconds": timeout,
         "hibernate_after_seconds": timeout,
         "persistent": body.get("autoPause").and_then(Value::as_bool).unwrap_or(false),
+        "hibernate_memory": body.get("autoPauseMemory").and_then(Value::as_bool).unwrap_or(true),
     });
     // A snapshot's id names a snapshot of the caller's workspace, else a template.
     match api.json(api.request(Method::GET, &["snapshots", template])).await {
@@ -480,7 +484,8 @@ async fn time_out_now(api: &Api, id: &str) -> Answer {
     let paused = matches!(lifecycle["status"].as_str(), Some("hibernated" | "paused"));
     if lifecycle["persistent"].as_bool().unwrap_or(false) {
         if !paused {
-            api.json(api.request(Method::POST, &["sandboxes", id, "hibernate"])).await?;
+            let memory = lifecycle["hibernate_memory"].as_bool().unwrap_or(true);
+            api.json(api.request(Method::POST, &["sandboxes", id, "hibernate"]).json(&json!({ "memory": memory }))).await?;
         }
     } else {
         api.send(api.request(Method::DELETE, &["sandboxes", id])).await?;
@@ -524,17 +529,19 @@ async fn connect(State(control): State<Control>, Path(id): Path<String>, request
     })
 }
 
-/// Pause keeps memory and disk (Clade's hibernation) whichever `memory` asks:
-/// a filesystem-only pause loses what a memory pause keeps, never the reverse.
-async fn pause(State(control): State<Control>, headers: HeaderMap, Path(id): Path<String>) -> Answer {
+/// Pause is Clade's hibernation: with the memory, or with the disk only
+/// when `memory` is false (the wake then boots it).
+async fn pause(State(control): State<Control>, Path(id): Path<String>, request: Request) -> Answer {
+    let (headers, body) = read_body(request).await?;
     let api = control.api(&headers)?;
+    let memory = body.get("memory").and_then(Value::as_bool).unwrap_or(true);
     let sandbox = api.json(api.request(Method::GET, &["sandboxes", &id])).await?;
     match sandbox["status"].as_str().unwrap_or_default() {
         "hibernated" | "paused" => return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox {id} is already paused"))),
         "running" => {}
         _ => return Err(not_found(&id)),
     }
-    api.json(api.request(Method::POST, &["sandboxes", &id, "hibernate"])).await?;
+    api.json(api.request(Method::POST, &["sandboxes", &id, "hibernate"]).json(&json!({ "memory": memory }))).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -121,6 +121,9 @@ pub struct CreateBody {
     /// 300; 0: never).
     #[schema(minimum = 0)]
     hibernate_after_seconds: Option<i64>,
+    /// Whether that idle hibernation keeps the memory (default true); false
+    /// keeps only the disk, and the wake boots it (see `POST …/hibernate`).
+    hibernate_memory: Option<bool>,
     /// A snapshot id to create the sandbox from.
     from_snapshot: Option<String>,
     /// The egress policy (default: the internet, nothing private); see `PUT /v1/sandboxes/{id}/network`.
@@ -178,6 +181,7 @@ impl CreateBody {
             ttl_seconds,
             persistent: self.persistent.unwrap_or(false),
             hibernate_after_seconds,
+            hibernate_memory: self.hibernate_memory.unwrap_or(true),
             from_snapshot,
             preview_auth: self.preview_auth.unwrap_or(false),
             network,

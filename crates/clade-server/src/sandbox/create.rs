@@ -23,6 +23,8 @@ pub struct CreateParams {
     pub persistent: bool,
     /// A persistent sandbox's idle time before it hibernates (`None`: the server's).
     pub hibernate_after_seconds: Option<u64>,
+    /// Its idle hibernation keeps its memory (else only its disk).
+    pub hibernate_memory: bool,
     /// Made from this snapshot (of the same workspace) instead of the template.
     pub from_snapshot: Option<String>,
     /// Its egress policy; absent: the default (or, from a snapshot, the snapshot's).
@@ -197,6 +199,7 @@ impl SandboxService {
             memory_mb: settings.memory_mb,
             ttl_seconds: params.ttl_seconds.unwrap_or(settings.default_ttl_seconds),
             hibernate_after_seconds: params.hibernate_after_seconds,
+            hibernate_memory: params.hibernate_memory,
             persistent: params.persistent,
             fork_tree_id: None,
             from_snapshot: params.from_snapshot.clone(),
@@ -233,6 +236,7 @@ impl SandboxService {
             slot.vm = Some(vm);
         }
         self.insert(entry.clone());
+        self.reaper_sees_new(&row);
         self.metrics().observe_create(started.elapsed());
         let detail = serde_json::json!({
             "template": row.template,

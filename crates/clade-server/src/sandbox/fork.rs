@@ -157,6 +157,7 @@ impl SandboxService {
                 memory_mb: parent.memory_mb,
                 ttl_seconds,
                 hibernate_after_seconds: None,
+                hibernate_memory: true,
                 persistent: false,
                 fork_tree_id: tree_id.clone(),
                 from_snapshot: None,
@@ -203,6 +204,7 @@ impl SandboxService {
                 slot.vm = Some(vm);
             }
             self.insert(child.clone());
+            self.reaper_sees_new(row);
             self.metrics().observe_create(started.elapsed());
             let detail = serde_json::json!({ "template": row.template, "forked_from": parent.id, "tree_id": tree_id, "boot_ms": boot_ms });
             self.record(&child, "created", detail).await;

@@ -56,28 +56,35 @@ impl SandboxService {
         self.wake_entry(&entry, false).await
     }
 
-    pub async fn hibernate(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+    /// Hibernates the sandbox: with its memory (the wake restores it as it
+    /// was), or with only its disk (`memory` false: the wake boots it).
+    pub async fn hibernate(&self, workspace_id: &str, id: &str, memory: bool) -> Result<(), ApiError> {
         let entry = self.entry(workspace_id, id)?;
         self.run_to_end(move |service| async move {
             let mut slot = entry.slot.write().await;
-            if service.hibernate_locked(&entry, &mut slot).await? {
+            if service.hibernate_locked(&entry, &mut slot, memory).await? {
                 drop(slot);
                 service.replicate_in_background(&entry.id);
-                service.record(&entry, "hibernated", serde_json::json!({})).await;
+                service.record(&entry, "hibernated", serde_json::json!({ "memory": memory })).await;
             }
             Ok(())
         })
         .await
     }
 
-    /// Hibernates the sandbox whose slot the caller holds; false when it already was.
-    pub(super) async fn hibernate_locked(&self, entry: &Entry, slot: &mut Slot) -> Result<bool, ApiError> {
+    /// Hibernates the sandbox whose slot the caller holds, with its memory
+    /// or with only its disk; false when it already was hibernated.
+    pub(super) async fn hibernate_locked(&self, entry: &Entry, slot: &mut Slot, memory: bool) -> Result<bool, ApiError> {
         let vm = match (slot.state, &slot.vm) {
             (SandboxState::Hibernated, _) => return Ok(false),
             (SandboxState::Running | SandboxState::Paused, Some(vm)) => vm.clone(),
             (state, _) => return Err(not_usable(&entry.id, state, slot.reason.as_deref())),
         };
-        vm.hibernate().await.map_err(|e| vm_error("hibernating the sandbox", e))?;
+        let hibernated = match memory {
+            true => vm.hibernate().await,
+            false => vm.hibernate_disk_only().await,
+        };
+        hibernated.map_err(|e| vm_error("hibernating the sandbox", e))?;
         slot.stop_watching();
         slot.vm = None;
         self.set_state(entry, slot, SandboxState::Hibernated, None).await?;

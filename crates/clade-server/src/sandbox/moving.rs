@@ -202,7 +202,7 @@ impl SandboxService {
         let mut slot = entry.slot.write().await;
         match slot.state {
             SandboxState::Running | SandboxState::Paused => {
-                self.hibernate_locked(entry, &mut slot).await?;
+                self.hibernate_locked(entry, &mut slot, true).await?;
                 self.record(entry, "hibernated", serde_json::json!({ "to_move": true })).await;
             }
             SandboxState::Hibernated => {}

@@ -51,6 +51,15 @@ impl SandboxService {
         self.inner.reaper_wake.notify_one();
     }
 
+    /// For a sandbox just made: has the reaper look again if its idle limit
+    /// may come due before the reaper's next pass, which was reckoned
+    /// without it.
+    pub(super) fn reaper_sees_new(&self, row: &clade_store::SandboxRow) {
+        if self.reap_rule(row).is_some_and(|(_, limit)| Duration::from_secs(limit) < self.settings().reaper_interval) {
+            self.wake_reaper();
+        }
+    }
+
     /// One pass over the sandboxes; how long until the soonest of those not
     /// due yet is due (`None`: none will be).
     pub async fn reap_idle(&self) -> Option<Duration> {
@@ -109,7 +118,7 @@ impl SandboxService {
         }
         let outcome = match action {
             Reap::Delete => self.delete_locked(entry, &mut slot).await.map(|()| true),
-            Reap::Hibernate => self.hibernate_locked(entry, &mut slot).await,
+            Reap::Hibernate => self.hibernate_locked(entry, &mut slot, row.hibernate_memory).await,
         };
         drop(slot);
         let (action_name, limit_name) = match action {
@@ -122,7 +131,10 @@ impl SandboxService {
                     self.replicate_in_background(&entry.id);
                 }
                 tracing::info!(sandbox = %entry.id, idle_seconds, action = action_name, "reaped an idle sandbox");
-                let detail = serde_json::json!({ "action": action_name, "idle_seconds": idle_seconds, limit_name: limit });
+                let mut detail = serde_json::json!({ "action": action_name, "idle_seconds": idle_seconds, limit_name: limit });
+                if action == Reap::Hibernate {
+                    detail["memory"] = row.hibernate_memory.into();
+                }
                 self.record(entry, "reaped", detail).await;
             }
             Ok(false) => {}

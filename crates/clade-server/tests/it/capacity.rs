@@ -161,6 +161,10 @@ async fn a_burst_of_one_workspace_waits_its_turn_behind_another_workspaces_creat
     config.sandboxes.max_concurrent_creates = 1;
     config.sandboxes.create_queue_timeout = Duration::from_secs(120);
     config.limits.rate_per_sec = 0;
+    // Each create starts its own VMM: a turn lasts far longer than the
+    // other workspace's request takes to reach the line, so what had
+    // finished when it was sent is what had finished when it got in line.
+    config.sandboxes.standby = 0;
     let server = clade_server::Server::start(config).await.unwrap();
     let api = Api::new(server.addr(), server.admin_key());
     let other_ws = server.store().create_workspace("other").await.unwrap();

@@ -141,6 +141,7 @@ fn new_sandbox(id: &str, workspace_id: &str) -> NewSandbox {
         memory_mb: 512,
         ttl_seconds: 300,
         hibernate_after_seconds: None,
+        hibernate_memory: true,
         persistent: false,
         fork_tree_id: None,
         from_snapshot: None,
@@ -167,11 +168,16 @@ async fn sandboxes_are_scoped_to_their_workspace_and_keep_state() {
         store.set_sandbox_lifecycle(&row.id, LifecycleChange { ttl_seconds: Some(60), ..Default::default() }).await.unwrap();
         store.set_sandbox_lifecycle(&row.id, LifecycleChange { persistent: Some(true), ..Default::default() }).await.unwrap();
         store.set_sandbox_lifecycle(&row.id, LifecycleChange { hibernate_after_seconds: Some(90), ..Default::default() }).await.unwrap();
+        store.set_sandbox_lifecycle(&row.id, LifecycleChange { hibernate_memory: Some(false), ..Default::default() }).await.unwrap();
         let changed = store.sandbox(&a.id, &row.id).await.unwrap().unwrap();
-        assert_eq!((changed.ttl_seconds, changed.persistent, changed.hibernate_after_seconds), (60, true, Some(90)));
-        let made = NewSandbox { hibernate_after_seconds: Some(30), ..new_sandbox("hib1", &a.id) };
+        assert_eq!(
+            (changed.ttl_seconds, changed.persistent, changed.hibernate_after_seconds, changed.hibernate_memory),
+            (60, true, Some(90), false)
+        );
+        let made = NewSandbox { hibernate_after_seconds: Some(30), hibernate_memory: false, ..new_sandbox("hib1", &a.id) };
         let made = store.insert_sandbox(made).await.unwrap();
-        assert_eq!(store.sandbox(&a.id, &made.id).await.unwrap().unwrap().hibernate_after_seconds, Some(30), "{}", db.name());
+        let read = store.sandbox(&a.id, &made.id).await.unwrap().unwrap();
+        assert_eq!((read.hibernate_after_seconds, read.hibernate_memory), (Some(30), false), "{}", db.name());
         store.set_sandbox_state(&made.id, SandboxState::Deleted, None).await.unwrap();
         store.touch_sandbox(&row.id, changed.last_activity_at + 5000).await.unwrap();
         store.touch_sandbox(&row.id, changed.last_activity_at + 1000).await.unwrap(); // never goes back

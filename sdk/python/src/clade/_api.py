@@ -384,12 +384,13 @@ def resume(sandbox_id: str) -> Call[None]:
     return Call("resume", "POST", sandbox_path(sandbox_id, "/resume"), _nothing)
 
 
-def _status(operation: str, sandbox_id: str, verb: str) -> Call[str]:
-    return Call(operation, "POST", sandbox_path(sandbox_id, f"/{verb}"), lambda r: gen.LifecycleStatus.from_json(r.json()).status)
+def _status(operation: str, sandbox_id: str, verb: str, body: Optional[Any] = None) -> Call[str]:
+    return Call(operation, "POST", sandbox_path(sandbox_id, f"/{verb}"), lambda r: gen.LifecycleStatus.from_json(r.json()).status,
+                json=body)
 
 
-def hibernate(sandbox_id: str) -> Call[str]:
-    return _status("hibernate", sandbox_id, "hibernate")
+def hibernate(sandbox_id: str, memory: bool = True) -> Call[str]:
+    return _status("hibernate", sandbox_id, "hibernate", None if memory else gen.HibernateBody(memory=False).to_json())
 
 
 def wake(sandbox_id: str) -> Call[str]:
@@ -410,8 +411,10 @@ def get_lifecycle(sandbox_id: str) -> Call[gen.LifecycleSettings]:
 
 def patch_lifecycle(
     sandbox_id: str, ttl_seconds: Optional[int], persistent: Optional[bool], hibernate_after_seconds: Optional[int] = None,
+    hibernate_memory: Optional[bool] = None,
 ) -> Call[gen.LifecycleSettings]:
-    body = gen.LifecyclePatch(ttl_seconds=ttl_seconds, persistent=persistent, hibernate_after_seconds=hibernate_after_seconds).to_json()
+    body = gen.LifecyclePatch(ttl_seconds=ttl_seconds, persistent=persistent, hibernate_after_seconds=hibernate_after_seconds,
+                              hibernate_memory=hibernate_memory).to_json()
     return Call("patchLifecycle", "PATCH", sandbox_path(sandbox_id, "/lifecycle"), _json(gen.LifecycleSettings.from_json), json=body)
 
 

@@ -99,6 +99,7 @@ class AsyncSandboxes:
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
         hibernate_after_seconds: Optional[int] = None,
+        hibernate_memory: Optional[bool] = None,
         from_snapshot: Optional[str] = None,
         network: Optional[gen.NetworkPolicy] = None,
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
@@ -112,7 +113,8 @@ class AsyncSandboxes:
         attachments = None if volumes is None else [gen.VolumeAttachment(name=v) if isinstance(v, str) else v for v in volumes]
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
-            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, from_snapshot=from_snapshot,
+            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, hibernate_memory=hibernate_memory,
+            from_snapshot=from_snapshot,
             network=network, volumes=attachments,
             preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
@@ -291,8 +293,11 @@ class AsyncSandbox:
     async def resume(self) -> None:
         await self._transport.request(api.resume(self.id))
 
-    async def hibernate(self) -> str:
-        return await self._transport.request(api.hibernate(self.id))
+    async def hibernate(self, *, memory: bool = True) -> str:
+        """Saves the sandbox and stops its VM; the next use wakes it. With
+        `memory=False` only the disk is kept: the wake boots it, and what ran
+        is gone (its files, variables, network and volumes stay)."""
+        return await self._transport.request(api.hibernate(self.id, memory))
 
     async def wake(self) -> str:
         return await self._transport.request(api.wake(self.id))
@@ -312,8 +317,10 @@ class AsyncSandbox:
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
         hibernate_after_seconds: Optional[int] = None,
+        hibernate_memory: Optional[bool] = None,
     ) -> gen.LifecycleSettings:
-        settings = await self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds))
+        settings = await self._transport.request(
+            api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds, hibernate_memory))
         self.info.persistent, self.info.ttl_seconds = settings.persistent, settings.ttl_seconds
         return settings
 

@@ -139,6 +139,9 @@ class CreateSandboxBody(Model):
     persistent: Optional[bool] = None
     #: A persistent sandbox's idle time before it is hibernated (default 300; 0: never).
     hibernate_after_seconds: Optional[int] = None
+    #: Whether that idle hibernation keeps the memory (default true); false keeps only the disk, and the
+    #: wake boots it (see `POST …/hibernate`).
+    hibernate_memory: Optional[bool] = None
     #: A snapshot id to create the sandbox from.
     from_snapshot: Optional[str] = None
     network: Optional[NetworkPolicy] = None
@@ -159,6 +162,7 @@ class CreateSandboxBody(Model):
             ttl_seconds=data.get("ttl_seconds"),
             persistent=data.get("persistent"),
             hibernate_after_seconds=data.get("hibernate_after_seconds"),
+            hibernate_memory=data.get("hibernate_memory"),
             from_snapshot=data.get("from_snapshot"),
             network=None if data.get("network") is None else NetworkPolicy.from_json(data["network"]),
             volumes=None if data.get("volumes") is None else [VolumeAttachment.from_json(item) for item in data["volumes"]],
@@ -492,6 +496,23 @@ class Health(Model):
 
 
 @dataclasses.dataclass
+class HibernateBody(Model):
+    """What a hibernation keeps; an empty body keeps everything."""
+
+    #: Keep the memory (default true): the wake restores the sandbox as it was, processes and all. False
+    #: keeps only the disk (a filesystem-only pause): nothing of the memory is saved and the wake boots the
+    #: disk, as a reboot would, with the sandbox's id, variables, network and volumes; what ran is gone.
+    #: The guest must answer for it (a 503 otherwise, and the sandbox runs on).
+    memory: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HibernateBody:
+        return cls(
+            memory=data.get("memory"),
+        )
+
+
+@dataclasses.dataclass
 class KeyRef(Model):
     """`KeyRef` in docs/openapi.json."""
 
@@ -515,6 +536,7 @@ class LifecyclePatch(Model):
     ttl_seconds: Optional[int] = None
     persistent: Optional[bool] = None
     hibernate_after_seconds: Optional[int] = None
+    hibernate_memory: Optional[bool] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LifecyclePatch:
@@ -522,6 +544,7 @@ class LifecyclePatch(Model):
             ttl_seconds=data.get("ttl_seconds"),
             persistent=data.get("persistent"),
             hibernate_after_seconds=data.get("hibernate_after_seconds"),
+            hibernate_memory=data.get("hibernate_memory"),
         )
 
 
@@ -535,6 +558,8 @@ class LifecycleSettings(Model):
     persistent: bool
     #: A persistent sandbox's idle time before it is hibernated (its own, else the server's; 0: never).
     hibernate_after_seconds: int
+    #: Whether that hibernation keeps the memory (else only the disk, and the wake boots it).
+    hibernate_memory: bool
     idle_seconds: int
     #: When it was last used (RFC 3339, milliseconds): the idle limits run from here, so it ends (or
     #: hibernates) at this plus its limit if left alone.
@@ -547,6 +572,7 @@ class LifecycleSettings(Model):
             ttl_seconds=data["ttl_seconds"],
             persistent=data["persistent"],
             hibernate_after_seconds=data["hibernate_after_seconds"],
+            hibernate_memory=data["hibernate_memory"],
             idle_seconds=data["idle_seconds"],
             last_used_at=data["last_used_at"],
             status=data["status"],
@@ -1238,6 +1264,7 @@ MODELS = {
     "ForkResult": ForkResult,
     "ForkTreeResult": ForkTreeResult,
     "Health": Health,
+    "HibernateBody": HibernateBody,
     "KeyRef": KeyRef,
     "LifecyclePatch": LifecyclePatch,
     "LifecycleSettings": LifecycleSettings,

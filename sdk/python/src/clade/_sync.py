@@ -97,6 +97,7 @@ class Sandboxes:
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
         hibernate_after_seconds: Optional[int] = None,
+        hibernate_memory: Optional[bool] = None,
         from_snapshot: Optional[str] = None,
         network: Optional[gen.NetworkPolicy] = None,
         volumes: Optional[Sequence[Union[gen.VolumeAttachment, str]]] = None,
@@ -110,7 +111,8 @@ class Sandboxes:
         attachments = None if volumes is None else [gen.VolumeAttachment(name=v) if isinstance(v, str) else v for v in volumes]
         body = gen.CreateSandboxBody(
             template=template, metadata=dict(metadata) if metadata is not None else None, ttl_seconds=ttl_seconds,
-            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, from_snapshot=from_snapshot,
+            persistent=persistent, hibernate_after_seconds=hibernate_after_seconds, hibernate_memory=hibernate_memory,
+            from_snapshot=from_snapshot,
             network=network, volumes=attachments,
             preview_auth=preview_auth, limits=limits, env=dict(env) if env is not None else None,
         )
@@ -289,8 +291,11 @@ class Sandbox:
     def resume(self) -> None:
         self._transport.request(api.resume(self.id))
 
-    def hibernate(self) -> str:
-        return self._transport.request(api.hibernate(self.id))
+    def hibernate(self, *, memory: bool = True) -> str:
+        """Saves the sandbox and stops its VM; the next use wakes it. With
+        `memory=False` only the disk is kept: the wake boots it, and what ran
+        is gone (its files, variables, network and volumes stay)."""
+        return self._transport.request(api.hibernate(self.id, memory))
 
     def wake(self) -> str:
         return self._transport.request(api.wake(self.id))
@@ -310,8 +315,10 @@ class Sandbox:
         ttl_seconds: Optional[int] = None,
         persistent: Optional[bool] = None,
         hibernate_after_seconds: Optional[int] = None,
+        hibernate_memory: Optional[bool] = None,
     ) -> gen.LifecycleSettings:
-        settings = self._transport.request(api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds))
+        settings = self._transport.request(
+            api.patch_lifecycle(self.id, ttl_seconds, persistent, hibernate_after_seconds, hibernate_memory))
         self.info.persistent, self.info.ttl_seconds = settings.persistent, settings.ttl_seconds
         return settings
 

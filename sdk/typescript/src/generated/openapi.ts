@@ -81,6 +81,13 @@ export interface CreateSandboxBody {
    */
   hibernateAfterSeconds?: number | null;
   /**
+   * Whether that idle hibernation keeps the memory (default true); false
+   * keeps only the disk, and the wake boots it (see `POST …/hibernate`).
+   *
+   * Wire name: `hibernate_memory`.
+   */
+  hibernateMemory?: boolean | null;
+  /**
    * A snapshot id to create the sandbox from.
    *
    * Wire name: `from_snapshot`.
@@ -306,6 +313,19 @@ export interface Health {
   status: string;
 }
 
+/** What a hibernation keeps; an empty body keeps everything. */
+export interface HibernateBody {
+  /**
+   * Keep the memory (default true): the wake restores the sandbox as it
+   * was, processes and all. False keeps only the disk (a
+   * filesystem-only pause): nothing of the memory is saved and the wake
+   * boots the disk, as a reboot would, with the sandbox's id, variables,
+   * network and volumes; what ran is gone. The guest must answer for it
+   * (a 503 otherwise, and the sandbox runs on).
+   */
+  memory?: boolean | null;
+}
+
 export interface KeyRef {
   id: string;
   prefix: string;
@@ -319,6 +339,8 @@ export interface LifecyclePatch {
   persistent?: boolean | null;
   /** Wire name: `hibernate_after_seconds`. */
   hibernateAfterSeconds?: number | null;
+  /** Wire name: `hibernate_memory`. */
+  hibernateMemory?: boolean | null;
 }
 
 /** A sandbox's idle settings (§3.7). */
@@ -338,6 +360,13 @@ export interface LifecycleSettings {
    * Wire name: `hibernate_after_seconds`.
    */
   hibernateAfterSeconds: number;
+  /**
+   * Whether that hibernation keeps the memory (else only the disk, and
+   * the wake boots it).
+   *
+   * Wire name: `hibernate_memory`.
+   */
+  hibernateMemory: boolean;
   /** Wire name: `idle_seconds`. */
   idleSeconds: number;
   /**
@@ -885,6 +914,7 @@ export type SchemaName =
   | 'ForkResult'
   | 'ForkTreeResult'
   | 'Health'
+  | 'HibernateBody'
   | 'KeyRef'
   | 'LifecyclePatch'
   | 'LifecycleSettings'
@@ -951,6 +981,7 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
     hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
+    hibernateMemory: { wire: 'hibernate_memory' },
     fromSnapshot: { wire: 'from_snapshot' },
     network: { wire: 'network', ref: 'NetworkPolicy' },
     volumes: { wire: 'volumes', ref: 'VolumeAttachment', array: true },
@@ -1044,6 +1075,9 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   Health: {
     status: { wire: 'status' },
   },
+  HibernateBody: {
+    memory: { wire: 'memory' },
+  },
   KeyRef: {
     id: { wire: 'id' },
     prefix: { wire: 'prefix' },
@@ -1053,11 +1087,13 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
     hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
+    hibernateMemory: { wire: 'hibernate_memory' },
   },
   LifecycleSettings: {
     ttlSeconds: { wire: 'ttl_seconds' },
     persistent: { wire: 'persistent' },
     hibernateAfterSeconds: { wire: 'hibernate_after_seconds' },
+    hibernateMemory: { wire: 'hibernate_memory' },
     idleSeconds: { wire: 'idle_seconds' },
     lastUsedAt: { wire: 'last_used_at' },
     status: { wire: 'status' },
