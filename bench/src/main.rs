@@ -400,28 +400,34 @@ async fn snapshot(creates: usize, density: usize, only: Option<String>) -> anyho
         density_of(&without_standby, &spec, density, "created in new QEMUs, one `true` run in each", true).await?;
     }
 
-    // Hibernate and wake a sandbox that has done some work.
+    // Hibernate and wake a sandbox that has done some work: with its
+    // memory, and with its disk only (the wake boots the disk).
     let spec_persistent = VmSpec { lifetime: clade_host::Lifetime::Persistent, ..spec.clone() };
-    let mut hib = Vec::new();
-    let mut wake = Vec::new();
-    for _ in 0..if want("hibernate") { 5 } else { 0 } {
-        let vm = runtime.create(spec_persistent.clone()).await?;
-        vm.agent().run(ExecRequest::new(Command::Shell("python3 -c 'x = bytearray(32 << 20)'".into()))).await?;
-        let id = vm.id();
-        let start = Instant::now();
-        vm.hibernate().await?;
-        hib.push(start.elapsed());
-        drop(vm);
-        let start = Instant::now();
-        let vm = runtime.wake(&id, None).await?;
-        vm.agent().run(true_cmd()).await?;
-        wake.push(start.elapsed());
-        runtime.remove(&id).await?;
-    }
-    hib.sort();
-    wake.sort();
-    if !hib.is_empty() {
-        println!("hibernate: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+    for memory in [true, false] {
+        let (mut hib, mut wake) = (Vec::new(), Vec::new());
+        for _ in 0..if want("hibernate") { 5 } else { 0 } {
+            let vm = runtime.create(spec_persistent.clone()).await?;
+            vm.agent().run(ExecRequest::new(Command::Shell("python3 -c 'x = bytearray(32 << 20)'".into()))).await?;
+            let id = vm.id();
+            let start = Instant::now();
+            match memory {
+                true => vm.hibernate().await?,
+                false => vm.hibernate_disk_only().await?,
+            }
+            hib.push(start.elapsed());
+            drop(vm);
+            let start = Instant::now();
+            let vm = runtime.wake(&id, None).await?;
+            vm.agent().run(true_cmd()).await?;
+            wake.push(start.elapsed());
+            runtime.remove(&id).await?;
+        }
+        hib.sort();
+        wake.sort();
+        if !hib.is_empty() {
+            let kind = if memory { "hibernate" } else { "hibernate, disk only" };
+            println!("{kind}: median {}; wake to first exec: median {} (n=5)", ms(hib[2]), ms(wake[2]));
+        }
     }
 
     // Fork: the parent has written N MiB of memory since its restore.
