@@ -9,7 +9,7 @@
 //! and reads it when it starts. Its text has [`crate::ImageDefaults`]'
 //! form: `env=NAME=VALUE` and `machine-id=HEX` lines, values escaped.
 
-use crate::image_defaults::{escape, unescape};
+use crate::image_defaults::{env_line, env_of, escape};
 
 /// Where the guest keeps it (root's only: the variables may be secrets).
 pub const BOOT_STATE_PATH: &str = "/var/lib/clade/boot-state";
@@ -26,7 +26,7 @@ impl BootState {
     pub fn to_text(&self) -> String {
         let mut text = String::from("# Written by the Clade agent for the next cold boot of this disk.\n");
         for (name, value) in &self.env {
-            text.push_str(&format!("env={}={}\n", escape(name), escape(value)));
+            text.push_str(&env_line(name, value));
         }
         if let Some(id) = &self.machine_id {
             text.push_str(&format!("machine-id={}\n", escape(id)));
@@ -40,12 +40,9 @@ impl BootState {
         for line in text.lines() {
             let Some((key, value)) = line.split_once('=') else { continue };
             match key {
-                "env" => {
-                    if let Some((name, value)) = value.split_once('=').filter(|(name, _)| !name.is_empty()) {
-                        state.env.push((unescape(name), unescape(value)));
-                    }
-                }
-                "machine-id" if !value.is_empty() => state.machine_id = Some(unescape(value)),
+                "env" => state.env.extend(env_of(value)),
+                // Hex digits only: nothing to unescape.
+                "machine-id" if !value.is_empty() => state.machine_id = Some(value.to_string()),
                 _ => {}
             }
         }

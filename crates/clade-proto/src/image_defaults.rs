@@ -31,7 +31,7 @@ impl ImageDefaults {
     pub fn to_text(&self) -> String {
         let mut text = String::from("# Written by Clade when the image was built: every command's defaults.\n");
         for (name, value) in &self.env {
-            text.push_str(&format!("env={}={}\n", escape(name), escape(value)));
+            text.push_str(&env_line(name, value));
         }
         if let Some(dir) = &self.workdir {
             text.push_str(&format!("workdir={}\n", escape(dir)));
@@ -49,11 +49,7 @@ impl ImageDefaults {
         for line in text.lines() {
             let Some((key, value)) = line.split_once('=') else { continue };
             match key {
-                "env" => {
-                    if let Some((name, value)) = value.split_once('=').filter(|(name, _)| !name.is_empty()) {
-                        defaults.env.push((unescape(name), unescape(value)));
-                    }
-                }
+                "env" => defaults.env.extend(env_of(value)),
                 "workdir" if value.starts_with('/') => defaults.workdir = Some(unescape(value)),
                 "user" if !value.is_empty() => defaults.user = Some(unescape(value)),
                 _ => {}
@@ -63,11 +59,22 @@ impl ImageDefaults {
     }
 }
 
+/// An `env=NAME=VALUE` line (the form this file and the boot state share).
+pub(crate) fn env_line(name: &str, value: &str) -> String {
+    format!("env={}={}\n", escape(name), escape(value))
+}
+
+/// The variable of an `env=` line's value (`NAME=VALUE`); none without a name.
+pub(crate) fn env_of(line_value: &str) -> Option<(String, String)> {
+    let (name, value) = line_value.split_once('=').filter(|(name, _)| !name.is_empty())?;
+    Some((unescape(name), unescape(value)))
+}
+
 pub(crate) fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('\n', "\\n")
 }
 
-pub(crate) fn unescape(value: &str) -> String {
+fn unescape(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     let mut chars = value.chars();
     while let Some(c) = chars.next() {

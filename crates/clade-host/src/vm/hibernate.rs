@@ -10,7 +10,7 @@
 //! in memory is gone, as after a reboot. It costs no memory file, and its
 //! wake needs no template on the host.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clade_proto::RestoreRequest;
 
@@ -55,32 +55,14 @@ impl VmRuntime {
             return self.wake_cold(id, dir, record, watchdog).await;
         }
         let _admitted = self.admit(1, record.memory_mb, 0)?;
-        let key = record.template.clone().ok_or_else(|| VmError::Records("hibernated VM has no template".into()))?;
-        let template = Template { dir: self.templates_dir.join(&key), key };
-        let image =
-            self.images.cached(&record.image)?.ok_or_else(|| VmError::Records(format!("image {} of VM {id} is gone", record.image)))?;
-        let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
+        let (spec, template) = self.wake_shape(id, &record)?;
         // Checked before anything starts: a chain its records do not give
         // is refused without a QEMU.
         let layers = self.disk_chain(&dir.join("disk.qcow2"), &record)?;
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
-        // A wake that fails keeps the hibernated state: the VM can be woken again.
-        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| {
-            if let Some(vmm) = vmm {
-                vmm.kill();
-            }
-            crate::net::release_for(&dir);
-            record.phase = Phase::Hibernated;
-            record.vmm = None;
-            let _ = record.save(&dir);
-            e
-        };
-        // Recorded before QEMU starts: if this process dies before the wake
-        // ends, the sweep finds the QEMU by the phase and ends it.
-        record.phase = Phase::Waking;
-        record.owner = ProcessId::current();
-        if let Err(e) = record.save(&dir) {
-            return Err(give_up(&mut record, None, io_err("writing the VM record")(e)));
+        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| undo_wake(&dir, record, vmm, e);
+        if let Err(e) = begin_wake(&dir, &mut record) {
+            return Err(give_up(&mut record, None, e));
         }
         // Its layer may stand on snapshot layers: attached after start.
         let spawned = qcow2_virtual_size(&dir.join("disk.qcow2")).and_then(|bytes| {
@@ -129,34 +111,19 @@ impl VmRuntime {
     /// reads from its disk). A failure leaves it hibernated, as a wake's.
     async fn wake_cold(&self, id: &str, dir: PathBuf, mut record: VmRecord, watchdog: Option<Watchdog>) -> Result<Vm, VmError> {
         let _admitted = self.admit(1, record.memory_mb, 0)?;
-        let image =
-            self.images.cached(&record.image)?.ok_or_else(|| VmError::Records(format!("image {} of VM {id} is gone", record.image)))?;
-        let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
         // Its RAM maps the template's, as every sandbox's does, so that a
         // later hibernation, snapshot or fork of it works as for any other
         // (their memory is what differs from the template). The boot
         // overwrites what it uses; a kernel never counts on RAM being zero.
-        let key = record.template.clone().ok_or_else(|| VmError::Records("hibernated VM has no template".into()))?;
-        let template = Template { dir: self.templates_dir.join(&key), key };
+        let (spec, template) = self.wake_shape(id, &record)?;
         if !template.is_complete() {
             return Err(VmError::Records(format!("template {} of VM {id} is gone", template.key)));
         }
         let disk = launch::Disk::Chain(self.disk_chain(&dir.join("disk.qcow2"), &record)?);
         let netns = self.attach_network(&dir, record.network.as_ref()).await?;
-        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| {
-            if let Some(vmm) = vmm {
-                vmm.kill();
-            }
-            crate::net::release_for(&dir);
-            record.phase = Phase::Hibernated;
-            record.vmm = None;
-            let _ = record.save(&dir);
-            e
-        };
-        record.phase = Phase::Waking;
-        record.owner = ProcessId::current();
-        if let Err(e) = record.save(&dir) {
-            return Err(give_up(&mut record, None, io_err("writing the VM record")(e)));
+        let give_up = |record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError| undo_wake(&dir, record, vmm, e);
+        if let Err(e) = begin_wake(&dir, &mut record) {
+            return Err(give_up(&mut record, None, e));
         }
         let mut launch = self.launch_spec(id, &dir, &spec, disk, Memory::FromTemplate(template.ram()), false);
         launch.tap = netns.is_some();
@@ -271,6 +238,38 @@ impl Vm {
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         Ok(())
     }
+}
+
+impl VmRuntime {
+    /// The shape a hibernated VM wakes in, and the template its RAM maps.
+    fn wake_shape(&self, id: &str, record: &VmRecord) -> Result<(VmSpec, Template), VmError> {
+        let key = record.template.clone().ok_or_else(|| VmError::Records("hibernated VM has no template".into()))?;
+        let image =
+            self.images.cached(&record.image)?.ok_or_else(|| VmError::Records(format!("image {} of VM {id} is gone", record.image)))?;
+        let spec = VmSpec { memory_mb: record.memory_mb, vcpus: record.vcpus, lifetime: record.lifetime, ..VmSpec::new(image) };
+        Ok((spec, Template { dir: self.templates_dir.join(&key), key }))
+    }
+}
+
+/// Records a wake begun, before QEMU starts: if this process dies before
+/// the wake ends, the sweep finds the QEMU by the phase and ends it.
+fn begin_wake(dir: &Path, record: &mut VmRecord) -> Result<(), VmError> {
+    record.phase = Phase::Waking;
+    record.owner = ProcessId::current();
+    record.save(dir).map_err(io_err("writing the VM record"))
+}
+
+/// Puts a wake that failed back as it was, hibernated (the VM can be
+/// woken again): its QEMU killed, its network slot given back.
+fn undo_wake(dir: &Path, record: &mut VmRecord, vmm: Option<ProcessId>, e: VmError) -> VmError {
+    if let Some(vmm) = vmm {
+        vmm.kill();
+    }
+    crate::net::release_for(dir);
+    record.phase = Phase::Hibernated;
+    record.vmm = None;
+    let _ = record.save(dir);
+    e
 }
 
 impl Vm {
