@@ -104,6 +104,22 @@ def test_a_command_of_a_sandbox_killed_under_it_says_the_sandbox_is_gone(e2b):
         handle.wait()
 
 
+def test_metrics_are_read_in_the_guest_and_an_interval_without_now_has_none(e2b, other_key, sandbox):
+    [metric] = sandbox.get_metrics(request_timeout=REQUEST_TIMEOUT)
+    assert metric.cpu_count >= 1 and 0 <= metric.cpu_used_pct <= 100, metric
+    assert 0 < metric.mem_used < metric.mem_total and 0 < metric.disk_used < metric.disk_total, metric
+    now = datetime.datetime.now(datetime.timezone.utc)
+    covering = sandbox.get_metrics(start=now - datetime.timedelta(minutes=1), end=now, request_timeout=REQUEST_TIMEOUT)
+    assert len(covering) == 1 and abs(covering[0].timestamp.timestamp() - now.timestamp()) < 10, covering
+    # No history is kept: an interval an hour ago has no sample.
+    past = sandbox.get_metrics(start=now - datetime.timedelta(hours=1), end=now - datetime.timedelta(minutes=30),
+                               request_timeout=REQUEST_TIMEOUT)
+    assert past == []
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_metrics(sandbox.sandbox_id, start=now - datetime.timedelta(hours=1), end=now - datetime.timedelta(minutes=30),
+                            api_key=other_key, request_timeout=REQUEST_TIMEOUT)
+
+
 def test_an_unknown_sandbox_is_not_found(e2b):
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("sandbox-that-never-was", request_timeout=REQUEST_TIMEOUT)

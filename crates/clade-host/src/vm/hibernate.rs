@@ -280,34 +280,10 @@ impl Vm {
     pub async fn hibernate_disk_only(&self) -> Result<(), VmError> {
         let was = *self.inner.state.lock().expect("vm state lock");
         self.transition(&[State::Running, State::Paused], State::Stopping)?;
-        if was == State::Paused {
-            self.inner.qmp.execute("cont", None).await?;
-            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        if let Err(e) = self.leave_a_bootable_disk(was).await {
+            self.run_on(was).await;
+            return Err(e);
         }
-        let agent = &self.inner.agent;
-        if let Err(e) = async {
-            agent.save_boot_state().await?;
-            agent.quiesce().await
-        }
-        .await
-        {
-            let _ = agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
-            *self.inner.state.lock().expect("vm state lock") = State::Running;
-            if was == State::Paused {
-                let _ = self.pause().await;
-            }
-            return Err(VmError::Vmm(format!("hibernating without memory: the guest did not save what its boot needs: {e}")));
-        }
-        // Stopping the vCPUs drains and flushes every disk: what the guest
-        // wrote after its sync is in the layer too, as a power cut leaves it.
-        if let Err(e) = self.inner.qmp.execute("stop", None).await {
-            let _ = agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
-            *self.inner.state.lock().expect("vm state lock") = State::Running;
-            return Err(e.into());
-        }
-        crate::durable::sync_file(&self.inner.dir.join("disk.qcow2")).map_err(io_err("flushing the disk layer"))?;
-        self.inner.record.lock().expect("record lock").wakes_cold = true;
-        self.set_phase(Phase::Hibernated)?;
         self.end_process().await;
         {
             let mut record = self.inner.record.lock().expect("record lock");
@@ -317,6 +293,42 @@ impl Vm {
         crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
         Ok(())
+    }
+
+    /// A disk-only hibernation up to QEMU's end: the guest's boot state
+    /// written and synced, the vCPUs stopped, the layer on disk, the VM
+    /// recorded hibernated to be booted.
+    async fn leave_a_bootable_disk(&self, was: State) -> Result<(), VmError> {
+        if was == State::Paused {
+            self.inner.qmp.execute("cont", None).await?;
+            self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await?;
+        }
+        let agent = &self.inner.agent;
+        let saved = async {
+            agent.save_boot_state().await?;
+            agent.quiesce().await
+        };
+        // Retried, it may answer: a guest under load, an agent restarting.
+        saved.await.map_err(|e| VmError::Busy(format!("the guest did not save what its boot needs ({e}); it runs on")))?;
+        // Stopping the vCPUs drains and flushes every disk: what the guest
+        // wrote after its sync is in the layer too, as a power cut leaves it.
+        self.inner.qmp.execute("stop", None).await?;
+        crate::durable::sync_file(&self.inner.dir.join("disk.qcow2")).map_err(io_err("flushing the disk layer"))?;
+        self.inner.record.lock().expect("record lock").wakes_cold = true;
+        self.set_phase(Phase::Hibernated)
+    }
+
+    /// After a disk-only hibernation that could not finish: the VM runs as
+    /// it did (a paused one is paused again), recorded so.
+    async fn run_on(&self, was: State) {
+        let _ = self.inner.qmp.execute("cont", None).await;
+        let _ = self.inner.agent.reconnect(AGENT_RECONNECT_TIMEOUT).await;
+        self.inner.record.lock().expect("record lock").wakes_cold = false;
+        let _ = self.set_phase(Phase::Running);
+        *self.inner.state.lock().expect("vm state lock") = State::Running;
+        if was == State::Paused {
+            let _ = self.pause().await;
+        }
     }
 }
 

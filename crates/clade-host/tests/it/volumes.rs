@@ -104,6 +104,8 @@ fn a_disk_only_hibernation_boots_the_disk_with_its_identity_variables_and_volume
         assert_eq!(&before[2..], [&format!("sb-{id}"), id.as_str(), "hello", "world", "on-root", "on-volume", "running"]);
 
         let vmm = vm.vmm();
+        // From a paused VM, as the API allows.
+        vm.pause().await.unwrap();
         vm.hibernate_disk_only().await.unwrap();
         assert!(!vmm.is_alive(), "the hibernation ends the QEMU process");
         for saved in ["hibernated.state", "hibernated.memory"] {

@@ -623,8 +623,33 @@ async fn update_network(State(control): State<Control>, Path(id): Path<String>, 
 }
 
 /// One sample of the sandbox's use, read in the guest (`/proc`, `df`).
-async fn metrics(State(control): State<Control>, headers: HeaderMap, Path(id): Path<String>) -> Answer {
+/// The interval of a metrics query: unix seconds, each end optional.
+#[derive(Debug, Default, Deserialize)]
+struct MetricsRange {
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+impl MetricsRange {
+    /// Whether a sample taken at `now_ms` falls in it (`end` is whole
+    /// seconds: its second counts whole).
+    fn covers(&self, now_ms: i64) -> bool {
+        let now_s = now_ms / 1000;
+        self.start.is_none_or(|start| start <= now_s) && self.end.is_none_or(|end| now_s <= end)
+    }
+}
+
+/// Clade keeps no history of a sandbox's metrics: a query is answered with
+/// one sample read in the guest now, if the query's interval covers now,
+/// and with none otherwise (without asking the guest, which a past
+/// interval does not wake).
+async fn metrics(State(control): State<Control>, headers: HeaderMap, Path(id): Path<String>, Query(range): Query<MetricsRange>) -> Answer {
     let api = control.api(&headers)?;
+    if !range.covers(clade_store::now_ms()) {
+        // Still a 404 for a sandbox the caller cannot see.
+        api.json(api.request(Method::GET, &["sandboxes", &id])).await?;
+        return Ok(Json(json!([])).into_response());
+    }
     let probe = "nproc; head -1 /proc/stat; sleep 0.2; head -1 /proc/stat; grep -E '^(MemTotal|MemAvailable|Cached):' /proc/meminfo; df -Pk / | tail -1";
     let out =
         api.json(api.request(Method::POST, &["sandboxes", &id, "exec"]).json(&json!({ "cmd": probe, "timeout_seconds": 10 }))).await?;
@@ -720,6 +745,16 @@ mod tests {
         assert_eq!(sample.cpu_used_pct, 50.0);
         assert_eq!((sample.mem_total, sample.mem_available, sample.mem_cache), (1000 << 10, 400 << 10, 100 << 10));
         assert_eq!((sample.disk_total, sample.disk_used), (2000 << 10, 500 << 10));
+    }
+
+    #[test]
+    fn a_metrics_interval_covers_now_or_answers_nothing() {
+        let now_ms = 1_700_000_000_500;
+        let range = |start, end| MetricsRange { start, end };
+        assert!(range(None, None).covers(now_ms));
+        assert!(range(Some(1_700_000_000 - 60), Some(1_700_000_000)).covers(now_ms), "the end's second counts whole");
+        assert!(!range(Some(1_700_000_000 - 3600), Some(1_700_000_000 - 1800)).covers(now_ms), "an hour ago");
+        assert!(!range(Some(1_700_000_001), None).covers(now_ms), "from the future");
     }
 
     #[test]
