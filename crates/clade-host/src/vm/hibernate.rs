@@ -7,8 +7,7 @@
 //! knows and a boot needs (`clade_proto::boot_state`: its variables and
 //! machine id) and syncs, then QEMU ends. Its wake boots that disk, with
 //! the same network and volumes and the sandbox's own identity: what ran
-//! in memory is gone, as after a reboot. It costs no memory file, and its
-//! wake needs no template on the host.
+//! in memory is gone, as after a reboot. It writes no memory file (ADR 30).
 
 use std::path::{Path, PathBuf};
 
