@@ -225,6 +225,13 @@ impl Vm {
         // The record names QEMU until it has ended: a host that dies in
         // between leaves a process the next wake or sweep can find and end.
         self.set_phase(Phase::Hibernated)?;
+        self.end_hibernated().await;
+        Ok(())
+    }
+
+    /// The end of every hibernation, once the record says hibernated: QEMU
+    /// ended, then dropped from the record, and the network slot given back.
+    async fn end_hibernated(&self) {
         self.end_process().await;
         {
             let mut record = self.inner.record.lock().expect("record lock");
@@ -235,7 +242,6 @@ impl Vm {
         // The slot goes back to the pool; a wake leases a new one.
         crate::net::release_for(&self.inner.dir);
         *self.inner.state.lock().expect("vm state lock") = State::Stopped;
-        Ok(())
     }
 }
 
@@ -283,14 +289,7 @@ impl Vm {
             self.run_on(was).await;
             return Err(e);
         }
-        self.end_process().await;
-        {
-            let mut record = self.inner.record.lock().expect("record lock");
-            record.vmm = None;
-            let _ = record.save(&self.inner.dir);
-        }
-        crate::net::release_for(&self.inner.dir);
-        *self.inner.state.lock().expect("vm state lock") = State::Stopped;
+        self.end_hibernated().await;
         Ok(())
     }
 
