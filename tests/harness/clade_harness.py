@@ -151,6 +151,10 @@ class CladeServer:
         # With `tls` the server serves HTTPS with a CA of its own
         # (`--tls-self-signed`), which `ca_path` names once it has started.
         self.args = [*(args or []), *(["--tls-self-signed"] if tls else [])]
+        # Every server gets its databases' PostgreSQL endpoint on a free
+        # port of its own (the default port is one per machine).
+        if not any(arg.startswith("--db-listen") for arg in self.args):
+            self.args += ["--db-listen", "127.0.0.1:0"]
         self.port = free_port()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.ca_path = self.data_dir / "tls" / "ca.pem" if tls else None

@@ -11,7 +11,7 @@ use clap::Subcommand;
 pub enum ImagesCommand {
     /// Build (or verify the cache of) images: kernel, root filesystem, agent.
     Build {
-        /// The image to build (repeatable): base, code-interpreter, agent.
+        /// The image to build (repeatable): base, code-interpreter, agent, postgres.
         #[arg(long = "image", default_value = "base")]
         images: Vec<String>,
     },

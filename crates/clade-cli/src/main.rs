@@ -5,6 +5,7 @@
 mod client;
 mod code;
 mod config;
+mod databases;
 mod fs;
 mod hosts;
 mod images;
@@ -100,6 +101,14 @@ enum Command {
         #[command(subcommand)]
         command: volumes::VolumeCommand,
     },
+    /// Managed PostgreSQL databases of a Clade server, over its API: create,
+    /// ls, get, rm, connect (runs psql), clone, reset-credentials.
+    Db {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: databases::DbCommand,
+    },
     /// Serve MCP (Model Context Protocol) over stdio for desktop clients and
     /// agent SDKs: sandboxes as tools, on the server the client settings name
     /// (flags > CLADE_API_URL/CLADE_API_KEY > ~/.config/clade/config.json).
@@ -152,6 +161,7 @@ fn main() -> ExitCode {
             Command::Fs { api, command } => fs::run(command, &client(&api)?, api.json).await,
             Command::Template { api, command } => templates::run(command, &client(&api)?, api.json).await,
             Command::Volume { api, command } => volumes::run(command, &client(&api)?, api.json).await,
+            Command::Db { api, command } => databases::run(command, &client(&api)?, api.json).await,
             Command::Mcp { api } => mcp::run(&api).await,
             Command::Openapi => {
                 print!("{}", clade_server::openapi::document());

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clade_host::HostConfig;
 use clade_server::cluster::ClusterSecret;
 use clade_server::replica::{Replica, ReplicaConfig};
@@ -46,7 +47,17 @@ pub struct ServerArgs {
     preview_suffix: String,
     #[command(flatten)]
     tls: TlsArgs,
+    /// Where the managed databases' PostgreSQL endpoint listens (TLS,
+    /// routed by server name `<id>.db.SUFFIX`, SUFFIX the preview suffix or
+    /// `localhost`); port 0 takes any free one; `off`: none. Unset:
+    /// 127.0.0.1:5433, or none (with a warning) when that port is taken.
+    /// Env: CLADE_DB_LISTEN.
+    #[arg(long, env = "CLADE_DB_LISTEN", value_name = "ADDR|off")]
+    db_listen: Option<String>,
 }
+
+/// Where the databases' endpoint listens when `--db-listen` is not given.
+const DEFAULT_DB_LISTEN: &str = "127.0.0.1:5433";
 
 /// HTTPS, which E2B's SDKs use for `https://api.DOMAIN` and
 /// `https://{port}-{id}.DOMAIN`. Without these flags: plain HTTP.
@@ -108,7 +119,7 @@ pub struct MachineArgs {
     #[arg(long, env = "CLADE_STANDBY_HORIZON", default_value_t = clade_host::vm::HORIZON_SECS)]
     standby_horizon: u64,
     /// A template name that resolves to an image (repeatable, NAME=IMAGE;
-    /// IMAGE is base, code-interpreter or agent). `ubuntu-24.04=base` is
+    /// IMAGE is base, code-interpreter, agent or postgres). `ubuntu-24.04=base` is
     /// kept unless given another image. Env: CLADE_TEMPLATE_ALIASES
     /// (comma-separated).
     #[arg(long = "template-alias", env = "CLADE_TEMPLATE_ALIASES", value_delimiter = ',', value_parser = parse_alias)]
@@ -220,6 +231,11 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     args.machine.apply(&mut config, "clade server");
     config.preview_suffix = args.preview_suffix;
     config.tls = args.tls.source();
+    config.db_listen = match args.db_listen.as_deref() {
+        Some("off") => None,
+        Some(addr) => Some(addr.parse().with_context(|| format!("--db-listen {addr:?}: expected ADDR:PORT or off"))?),
+        None => default_db_listen(),
+    };
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         show_admin_key(key, &data_dir);
@@ -228,6 +244,20 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     eprintln!("clade server: listening on {}", server.url());
     server.run_until(stop_signal()?).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The default endpoint address when it is free; none, said once, when
+/// another server (or a PostgreSQL) has it: a second server on one
+/// machine still starts.
+fn default_db_listen() -> Option<SocketAddr> {
+    let addr: SocketAddr = DEFAULT_DB_LISTEN.parse().expect("a valid default address");
+    match std::net::TcpListener::bind(addr) {
+        Ok(_) => Some(addr),
+        Err(e) => {
+            eprintln!("clade server: {addr} is not free ({e}): no databases endpoint; give one with --db-listen ADDR");
+            None
+        }
+    }
 }
 
 /// `clade server --no-vms`: the API over the hosts of the database.

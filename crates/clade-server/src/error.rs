@@ -85,6 +85,10 @@ pub enum ApiError {
     /// answer an operation in time.
     #[error("{0}")]
     Timeout(String),
+    /// 501: a part of the API Clade does not offer (yet); the message says
+    /// which and what to do instead.
+    #[error("{0}")]
+    NotImplemented(String),
     /// 500: `public` is shown, `cause` is logged.
     #[error("{public}")]
     Internal {
@@ -126,6 +130,7 @@ impl ApiError {
             Self::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
             Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -29,6 +29,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod databases;
 pub mod dockerfile;
 pub mod e2b;
 pub mod error;
@@ -116,6 +117,9 @@ pub struct ServerConfig {
     pub cluster: Option<cluster::HostMembership>,
     /// Serve HTTPS with this certificate; none: plain HTTP.
     pub tls: Option<tls::TlsSource>,
+    /// Where the managed databases' PostgreSQL endpoint listens (port 0:
+    /// any free one); none: no endpoint, and no database can be made.
+    pub db_listen: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -131,6 +135,7 @@ impl ServerConfig {
             host_lease: Duration::from_secs(15),
             cluster: None,
             tls: None,
+            db_listen: None,
         }
     }
 
@@ -185,6 +190,8 @@ pub struct AppState {
     /// Where this server's own API answers it (`http://127.0.0.1:PORT` for
     /// a wildcard listen address): its MCP sessions call the API there.
     pub own_url: Arc<str>,
+    /// Managed PostgreSQL databases (sandboxes of the `postgres` template).
+    pub databases: databases::DatabaseService,
 }
 
 /// A server accepting requests.
@@ -204,6 +211,8 @@ pub struct Server {
     heap_trim: tokio::task::JoinHandle<()>,
     /// Fills and tends the standby pool.
     standby: tokio::task::JoinHandle<()>,
+    /// The databases' PostgreSQL endpoint, when there is one.
+    db_endpoint: Option<tokio::task::JoinHandle<()>>,
     host_id: String,
 }
 
@@ -223,6 +232,26 @@ pub(crate) fn start_heap_trim() -> tokio::task::JoinHandle<()> {
             let _ = tokio::task::spawn_blocking(clade_host::process::return_freed_memory).await;
         }
     })
+}
+
+/// Binds the databases' PostgreSQL endpoint and serves it until `stopping`.
+/// Its certificate is the operator's (`--tls-cert`), else one of the
+/// server's own CA (`DATA_DIR/tls/ca.pem`, made if missing), for
+/// `*.db.SUFFIX`: the suffix is the preview suffix, `localhost` when none is set.
+async fn start_db_endpoint(
+    listen: SocketAddr,
+    config: &ServerConfig,
+    data_dir: &std::path::Path,
+    databases: &databases::DatabaseService,
+    stopping: &CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, ServerError> {
+    let suffix = if config.preview_suffix.is_empty() { preview::LOCAL_SUFFIX.to_string() } else { config.preview_suffix.clone() };
+    let tls = tls::database_endpoint_config(config.tls.as_ref(), data_dir, &suffix)?;
+    let (listener, bound) = bind(listen).await?;
+    databases.set_endpoint(databases::EndpointAddress::of(bound, &suffix));
+    tracing::info!(address = %bound, suffix = %suffix, "databases' PostgreSQL endpoint listening");
+    let router: Arc<dyn databases::endpoint::Databases> = Arc::new(databases.clone());
+    Ok(tokio::spawn(databases::endpoint::serve(listener, tls, suffix, router, stopping.clone())))
 }
 
 impl Server {
@@ -256,15 +285,23 @@ impl Server {
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
         let endpoint = Endpoint::bind(config.listen, tls.as_ref()).await?;
         let addr = endpoint.addr;
+        let databases = databases::DatabaseService::new(service.clone());
+        databases.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
+        let stopping = CancellationToken::new();
+        let db_endpoint = match config.db_listen {
+            Some(listen) => Some(start_db_endpoint(listen, &config, &data_dir, &databases, &stopping).await?),
+            None => None,
+        };
         let state = AppState {
             store,
             service,
             limits: Arc::new(config.limits.clone()),
             limiter,
-            stopping: CancellationToken::new(),
+            stopping,
             previews: Arc::new(preview::Previews::new(&config.preview_suffix)),
             cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
             own_url: endpoint.own_url().into(),
+            databases,
         };
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
@@ -273,7 +310,7 @@ impl Server {
         tracing::info!(%url, "clade server listening");
         let heap_trim = start_heap_trim();
         let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
-        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, host_id })
+        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, db_endpoint, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -311,6 +348,9 @@ impl Server {
     /// Stops accepting requests, lets those in flight finish, and lets go of
     /// the VMs, which keep running for the next start to adopt.
     pub async fn shutdown(self) {
+        if let Some(db_endpoint) = &self.db_endpoint {
+            db_endpoint.abort();
+        }
         self.reaper.abort();
         self.heap_trim.abort();
         self.standby.abort();

@@ -152,6 +152,42 @@ impl Tls {
     }
 }
 
+/// The TLS of the databases' PostgreSQL endpoint (`--db-listen`, the
+/// `databases` module's): the operator's certificate when `source`
+/// is [`TlsSource::Files`] (it must cover `*.db.SUFFIX`), else one the
+/// server's own CA (made if missing, the one `--tls-self-signed` uses)
+/// signs for `*.db.SUFFIX`. That certificate is kept apart from the HTTPS
+/// one, as `DATA_DIR/tls/db-server.*`, so that neither issues the other's
+/// again at each start. ALPN offers `postgresql`, which libpq 17 requires
+/// of a direct TLS connection (`sslnegotiation=direct`).
+pub fn database_endpoint_config(source: Option<&TlsSource>, data_dir: &Path, suffix: &str) -> Result<Arc<ServerConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let resolver = match source {
+        Some(TlsSource::Files { cert, key }) => CertResolver::fixed(operator_certificate(cert, key, &provider)?),
+        Some(TlsSource::SelfSigned { .. }) | None => {
+            let names = BTreeSet::from([database_wildcard(suffix)?]);
+            SelfSignedFiles::for_database_endpoint(data_dir).load(&names, provider.clone())?
+        }
+    };
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Config)?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(resolver));
+    config.alpn_protocols = vec![b"postgresql".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// `*.db.SUFFIX`, normalised as the preview suffix is; `*.db` without one
+/// (a single-label wildcard, which the resolver then issues name by name).
+fn database_wildcard(suffix: &str) -> Result<String, TlsError> {
+    let suffix = suffix.trim().trim_matches('.').to_ascii_lowercase();
+    match suffix.is_empty() {
+        true => checked_name("*.db"),
+        false => checked_name(&format!("*.db.{suffix}")),
+    }
+}
+
 /// The certificate of the server's own CA (`--tls-self-signed`).
 pub fn ca_path(data_dir: &Path) -> PathBuf {
     data_dir.join("tls").join("ca.pem")
@@ -234,6 +270,18 @@ impl SelfSignedFiles {
             server_cert: dir.join("server.pem"),
             server_key: dir.join("server.key"),
             issued_for: dir.join("server.issued"),
+        }
+    }
+
+    /// The same CA, with the database endpoint's certificate beside the
+    /// HTTPS one.
+    fn for_database_endpoint(data_dir: &Path) -> Self {
+        let dir = data_dir.join("tls");
+        Self {
+            server_cert: dir.join("db-server.pem"),
+            server_key: dir.join("db-server.key"),
+            issued_for: dir.join("db-server.issued"),
+            ..Self::new(data_dir)
         }
     }
 
@@ -509,6 +557,34 @@ mod tests {
         Tls::load(&TlsSource::SelfSigned { names: vec!["box.example".into()] }, dir.path(), "").unwrap();
         assert_ne!(std::fs::read(dir.path().join("tls/server.pem")).unwrap(), server, "new names: a new certificate");
         assert_eq!(std::fs::read(dir.path().join("tls/ca.pem")).unwrap(), ca, "and the same CA");
+    }
+
+    #[test]
+    fn the_database_endpoint_gets_a_certificate_of_its_own_from_the_same_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = TlsSource::SelfSigned { names: vec![] };
+        Tls::load(&source, dir.path(), "clade.example").unwrap();
+        let read = |name: &str| std::fs::read(dir.path().join("tls").join(name)).unwrap();
+        let (ca, server) = (read("ca.pem"), read("server.pem"));
+
+        let config = database_endpoint_config(Some(&source), dir.path(), ".Clade.Example.").unwrap();
+        assert_eq!(config.alpn_protocols, vec![b"postgresql".to_vec()]);
+        assert_eq!(read("ca.pem"), ca, "the same CA");
+        assert_eq!(read("server.pem"), server, "the HTTPS certificate is left alone");
+        assert!(String::from_utf8(read("db-server.issued")).unwrap().ends_with("\n*.db.clade.example\n"));
+        let database = read("db-server.pem");
+
+        database_endpoint_config(None, dir.path(), "clade.example").unwrap();
+        Tls::load(&source, dir.path(), "clade.example").unwrap();
+        assert_eq!((read("db-server.pem"), read("server.pem")), (database, server), "neither is issued again");
+    }
+
+    #[test]
+    fn the_database_endpoint_makes_the_ca_when_there_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        database_endpoint_config(None, dir.path(), "").unwrap();
+        assert!(ca_path(dir.path()).exists());
+        assert!(String::from_utf8(std::fs::read(dir.path().join("tls/db-server.issued")).unwrap()).unwrap().ends_with("\n*.db\n"));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! This crate owns rows, not policy: which workspace may see what is decided
 //! by the server, which passes the workspace id to every scoped query.
 
+mod databases;
 mod events;
 mod hosts;
 mod idempotency;
@@ -27,6 +28,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::AnyPool;
 
+pub use databases::{DatabaseRow, DatabaseStatus};
 pub use events::Event;
 pub use hosts::{HostLoad, HostRegistration, HostRow, HostState};
 pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};

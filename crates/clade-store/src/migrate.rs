@@ -75,6 +75,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0013_hibernate_memory.sql"),
         postgres: include_str!("../migrations/postgres/0013_hibernate_memory.sql"),
     },
+    Migration {
+        version: 14,
+        sqlite: include_str!("../migrations/sqlite/0014_databases.sql"),
+        postgres: include_str!("../migrations/postgres/0014_databases.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

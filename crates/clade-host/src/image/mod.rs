@@ -91,6 +91,18 @@ const RECIPES: &[Recipe] = &[
         category: "agent",
         tools: &["node", "npm", "git", "rg", "fd", "jq", "gcc", "make", "python3", "uv", "claude", "codex"],
     },
+    Recipe {
+        name: "postgres",
+        packages: include_str!("../../../../images/rootfs/postgres/packages"),
+        parent: Some("base"),
+        setup: Some(include_str!("../../../../images/rootfs/postgres/setup.sh")),
+        label: "Debian 12 with PostgreSQL 15, running",
+        description: "base plus Debian's PostgreSQL 15, started by the template's bake so that every sandbox is restored with it \
+                      accepting connections: cluster 15/main on port 5432, SCRAM over TCP, WAL archived for point-in-time \
+                      recovery, role and database clade (no password until one is set)",
+        category: "database",
+        tools: &["psql", "pg_ctlcluster", "pg_isready", "pg_dump", "pg_restore", "pg_basebackup", "python3"],
+    },
 ];
 
 /// Apparent size of a root filesystem image (sparse: only data takes space).
@@ -98,6 +110,17 @@ const IMAGE_SIZE: &str = "4G";
 
 /// Where the agent lives inside every image (and the kernel's `init=`).
 pub const GUESTD_PATH_IN_GUEST: &str = "/sbin/clade-guestd";
+
+/// An image's own step of its template's bake, when the image has it and it
+/// is executable: run as root after the warm-up and before the quiesce, so
+/// that what it starts (the `postgres` image's server) is running in every
+/// sandbox restored from the template. A non-zero exit fails the bake.
+pub const BAKE_HOOK_PATH_IN_GUEST: &str = "/etc/clade/bake";
+
+/// An image's way to start what its bake hook started, for a guest that
+/// booted from its disk instead of being restored from the template's
+/// memory (a disk-only wake). Optional; Clade's bake does not run it.
+pub const START_HOOK_PATH_IN_GUEST: &str = "/etc/clade/start";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -451,7 +474,7 @@ mod tests {
         assert_ne!(first.image_dir, second.image_dir, "but it does shape the image");
         assert!(store.cached("base").unwrap().is_none());
         let err = store.plan("nope").err().unwrap();
-        assert!(err.to_string().contains("available: base, code-interpreter, agent"), "{err}");
+        assert!(err.to_string().contains("available: base, code-interpreter, agent, postgres"), "{err}");
     }
 
     #[test]
@@ -460,10 +483,18 @@ mod tests {
         let guestd = dir.path().join("guestd");
         std::fs::write(&guestd, b"v1").unwrap();
         let store = ImageStore::new(dir.path(), Some(guestd));
-        let (base, code, agent) = (store.plan("base").unwrap(), store.plan("code-interpreter").unwrap(), store.plan("agent").unwrap());
+        let (base, code, agent, postgres) = (
+            store.plan("base").unwrap(),
+            store.plan("code-interpreter").unwrap(),
+            store.plan("agent").unwrap(),
+            store.plan("postgres").unwrap(),
+        );
         assert_eq!(code.kernel_dir, base.kernel_dir, "one kernel for all");
+        assert_eq!(postgres.kernel_dir, base.kernel_dir);
         assert!(base.tree_dir != code.tree_dir && code.tree_dir != agent.tree_dir && base.image_dir != agent.image_dir);
+        assert!(postgres.tree_dir != base.tree_dir && postgres.tree_dir != agent.tree_dir && postgres.image_dir != base.image_dir);
         assert_eq!(ImageStore::recipe("agent").unwrap().parent(), Some("base"));
+        assert_eq!(ImageStore::recipe("postgres").unwrap().parent(), Some("base"));
         // The same packages on no parent are another tree.
         let alone = Recipe { parent: None, ..*ImageStore::recipe("code-interpreter").unwrap() };
         assert_ne!(store.tree_key(&alone), code.tree_dir.file_name().unwrap().to_str().unwrap());

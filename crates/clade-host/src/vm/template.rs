@@ -11,6 +11,10 @@
 //!   template.json  what it was baked for: image, shape, bake time
 //! ```
 //!
+//! The bake boots the image, warms what every VM will use, runs the image's
+//! own bake hook when it has one ([`BAKE_HOOK_PATH_IN_GUEST`]: the
+//! `postgres` image starts its server there), quiesces and saves.
+//!
 //! The key hashes everything the saved state depends on: the image (kernel,
 //! root filesystem, agent), the VM shape, the accelerator and CPU model, the
 //! QEMU version. A change of any of them bakes a new template. A file lock per
@@ -39,7 +43,8 @@ use super::launch::{Disk, LaunchSpec, Memory};
 use super::migrate;
 use super::restore::{spawn_qemu, wait_for_agent};
 use super::runtime::VmRuntime;
-use crate::image::GuestImage;
+use crate::agent::{AgentClient, AgentError};
+use crate::image::{GuestImage, BAKE_HOOK_PATH_IN_GUEST};
 
 #[derive(Debug, Clone)]
 pub struct Template {
@@ -193,7 +198,7 @@ pub(super) fn key(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus
     let mut h = Sha256::new();
     let root_mount = super::launch::ROOT_MOUNT_ARGS.join(" ");
     for part in [
-        "template/6",
+        "template/7",
         &root_mount,
         &crate::contexts::daemon_digest(),
         &image.id,
@@ -289,14 +294,12 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
     let (vmm, exit_rx) = spawn_qemu(runtime, &launch, true, None)?;
     let outcome = async {
         let (qmp, agent) = wait_for_agent(dir, &exit_rx, None, runtime.boot_timeout()).await?;
-        // Bounded like the boot: a guest that stops answering mid-warm-up
-        // fails the bake instead of holding every create waiting on it.
-        let steps = async {
-            // Warm the page cache every VM will inherit, then quiesce: disk data
-            // synced, and no session open, so no byte is in flight on the channel.
-            // Also the agent's own first steps after a restore (hook, exec, files),
-            // so that their code is in the template's memory, not read from disk
-            // by every new VM.
+        // Each stage is bounded like the boot (see `within`).
+        let warm_up = async {
+            // Warm the page cache every VM will inherit. Also the agent's own
+            // first steps after a restore (hook, exec, files), so that their
+            // code is in the template's memory, not read from disk by every
+            // new VM.
             agent.restore_hook(super::restore::restore_request("template", false)).await?;
             agent.write_file("/tmp/.clade-warmup", b"warm").await?;
             agent.read_file("/tmp/.clade-warmup").await?;
@@ -307,17 +310,23 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
                     return Err(VmError::Vmm(format!("template warm-up failed: {}", out.stderr_str())));
                 }
             }
+            Ok::<_, VmError>(())
+        };
+        within(runtime.boot_timeout(), "template warm-up", warm_up).await?;
+        // The image's own step (a server to start), with a boot's time of its own.
+        within(runtime.boot_timeout(), "the image's bake hook", run_bake_hook(&agent, runtime.boot_timeout())).await?;
+        let settle = async {
             // The code-context daemon, with a ready Python kernel where the
             // image has one: the first context of each sandbox is taken, not
             // started (seconds under TCG).
             agent.write_file(crate::contexts::DAEMON_PATH, crate::contexts::DAEMON_SOURCE.as_bytes()).await?;
             agent.run(crate::contexts::bake_command()).await?;
+            // Then quiesce: disk data synced, and no session open, so no byte
+            // is in flight on the channel.
             agent.quiesce().await?;
             Ok::<_, VmError>(())
         };
-        tokio::time::timeout(runtime.boot_timeout(), steps)
-            .await
-            .map_err(|_| VmError::Vmm(format!("template warm-up: the guest did not finish within {:?}", runtime.boot_timeout())))??;
+        within(runtime.boot_timeout(), "template quiesce", settle).await?;
         migrate::save(&qmp, &dir.join("state"), true).await.map_err(|e| VmError::Vmm(format!("saving the template: {e}")))?;
         let _ = qmp.execute_timeout("quit", None, Duration::from_secs(2)).await;
         Ok::<_, VmError>(())
@@ -477,6 +486,60 @@ fn superseded(templates: &[(String, Option<TemplateMeta>)]) -> Vec<String> {
         .collect()
 }
 
+/// Fails `step` when the guest does not finish it within `limit`: a guest
+/// that stops answering mid-bake fails the bake instead of holding every
+/// create waiting on it.
+async fn within<T>(limit: Duration, what: &str, step: impl std::future::Future<Output = Result<T, VmError>>) -> Result<T, VmError> {
+    tokio::time::timeout(limit, step).await.map_err(|_| VmError::Vmm(format!("{what}: the guest did not finish within {limit:?}")))?
+}
+
+/// Runs the image's bake hook ([`BAKE_HOOK_PATH_IN_GUEST`]) when it has an
+/// executable one; the guest kills it, and whatever it started, after
+/// `limit`. A link is run as it is: one to nothing fails the bake, as an
+/// image that names a hook meant one.
+async fn run_bake_hook(agent: &AgentClient, limit: Duration) -> Result<(), VmError> {
+    use clade_proto::{Command, ErrorKind, ExecRequest, FileKind};
+    let hook = match agent.stat(BAKE_HOOK_PATH_IN_GUEST).await {
+        Ok(stat) => stat,
+        Err(AgentError::Guest(e)) if e.kind == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let executable = match hook.kind {
+        FileKind::File => hook.mode & 0o111 != 0,
+        FileKind::Symlink => true,
+        FileKind::Dir | FileKind::Other => false,
+    };
+    if !executable {
+        tracing::warn!(path = BAKE_HOOK_PATH_IN_GUEST, "the image's bake hook is not an executable file; not run");
+        return Ok(());
+    }
+    let mut request = ExecRequest::new(Command::Argv(vec![BAKE_HOOK_PATH_IN_GUEST.into()]));
+    request.timeout_ms = Some(limit.as_millis() as u64);
+    let out = agent.run(request).await?;
+    if out.status.as_ref().is_some_and(|status| status.timed_out) {
+        return Err(VmError::Vmm(format!("the image's bake hook {BAKE_HOOK_PATH_IN_GUEST} did not finish within {limit:?}")));
+    }
+    match out.exit_code() {
+        0 => Ok(()),
+        code => Err(VmError::Vmm(format!(
+            "the image's bake hook {BAKE_HOOK_PATH_IN_GUEST} failed (exit {code}): {}",
+            tail(&out.stderr_str(), HOOK_STDERR_SHOWN)
+        ))),
+    }
+}
+
+/// How much of a failed bake hook's stderr its error carries (the end of it).
+const HOOK_STDERR_SHOWN: usize = 4096;
+
+/// The last `max` bytes of `text` (at a character boundary), trimmed.
+fn tail(text: &str, max: usize) -> &str {
+    let mut start = text.len().saturating_sub(max);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].trim()
+}
+
 /// Run before the save: what they load stays in the template's page cache.
 fn warmup_commands() -> Vec<clade_proto::ExecRequest> {
     use clade_proto::{Command, ExecRequest};
@@ -578,6 +641,15 @@ mod tests {
             let ((), recorded) = tokio::join!(holder, recorded);
             recorded.expect("no deadlock").unwrap();
         });
+    }
+
+    #[test]
+    fn a_failed_hook_shows_the_end_of_its_stderr_cut_at_a_character() {
+        assert_eq!(tail("  short\n", 100), "short");
+        assert_eq!(tail("abcdef", 3), "def");
+        // 'é' is two bytes: a cut inside it moves past it.
+        assert_eq!(tail("aébc", 3), "bc");
+        assert_eq!(tail("aébc", 4), "ébc");
     }
 
     fn block_on<F: std::future::Future>(future: F) -> F::Output {

@@ -4,6 +4,7 @@
 
 pub(crate) mod builds;
 pub(crate) mod contexts;
+pub(crate) mod databases;
 pub(crate) mod exec;
 pub(crate) mod exec_stream;
 pub(crate) mod files;
@@ -87,6 +88,16 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(snapshots::get, snapshots::delete))
         .routes(routes!(volumes::create, volumes::list))
         .routes(routes!(volumes::get, volumes::patch, volumes::delete))
+        .routes(routes!(databases::create, databases::list))
+        .routes(routes!(databases::get, databases::patch, databases::delete))
+        .routes(routes!(databases::connection))
+        .routes(routes!(databases::reset_credentials))
+        .routes(routes!(databases::wake))
+        .routes(routes!(databases::clone))
+        .routes(routes!(databases::failover))
+        .routes(routes!(databases::stats))
+        .routes(routes!(databases::logs))
+        .routes(routes!(databases::proxy))
         .routes(routes!(fork::fork))
         .routes(routes!(fork::fork_tree))
         .routes(routes!(fork::promote))

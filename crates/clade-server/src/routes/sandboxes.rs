@@ -187,6 +187,7 @@ impl CreateBody {
             network,
             limits: self.limits.map(super::limits::Limits::to_user_limits).filter(|l| *l != Default::default()),
             idempotency_key: None,
+            shape: None,
             volumes,
             env,
         })

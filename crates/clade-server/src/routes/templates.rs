@@ -1,6 +1,6 @@
 //! `GET /v1/templates`, `GET`/`DELETE /v1/templates/{name}` (§3.11): the
 //! first-party images this build makes (`base`, `code-interpreter`,
-//! `agent`), global, the aliases that resolve to them, and the caller's
+//! `agent`, `postgres`), global, the aliases that resolve to them, and the caller's
 //! workspace's own templates (`routes::builds` makes them).
 
 use axum::extract::{Path, State};

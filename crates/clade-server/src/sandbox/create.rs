@@ -39,6 +39,10 @@ pub struct CreateParams {
     pub volumes: Vec<super::VolumeSpec>,
     /// The default environment of its commands (a template create's).
     pub env: Vec<(String, String)>,
+    /// Its vCPUs and memory (MiB) instead of the server's defaults, for an
+    /// image's template (a managed database's size); each new shape bakes
+    /// its own template snapshot on first use.
+    pub shape: Option<(u32, u32)>,
 }
 
 /// The template of a create that names none.
@@ -101,7 +105,7 @@ impl SandboxService {
                 // The row names what the sandbox runs: an alias's image (a
                 // workspace's own template keeps its name).
                 params.template = choice.name().to_string();
-                self.create_vm(&choice, params.network.clone(), volumes, params.env.clone()).await?
+                self.create_vm(&choice, params.network.clone(), volumes, params.env.clone(), params.shape).await?
             }
         };
         if let Some(limits) = params.limits {
@@ -124,12 +128,15 @@ impl SandboxService {
         network: Option<EgressPolicy>,
         volumes: Vec<clade_host::vm::VolumeRequest>,
         env: Vec<(String, String)>,
+        shape: Option<(u32, u32)>,
     ) -> Result<clade_host::Vm, ApiError> {
         let image = self.image_of(choice).await?;
         let network = self.runtime().network().map(|_| network.unwrap_or_default());
         let mut spec = VmSpec { network, volumes, env, ..self.vm_spec(image) };
-        if let super::images::TemplateChoice::Own(own) = choice {
-            (spec.vcpus, spec.memory_mb) = (own.cpu, own.memory_mb);
+        match (choice, shape) {
+            (super::images::TemplateChoice::Own(own), _) => (spec.vcpus, spec.memory_mb) = (own.cpu, own.memory_mb),
+            (_, Some(shape)) => (spec.vcpus, spec.memory_mb) = shape,
+            (_, None) => {}
         }
         self.runtime().create(spec).await.map_err(|e| vm_error("creating the sandbox", e))
     }
@@ -195,8 +202,8 @@ impl SandboxService {
             template: params.template.clone(),
             state: SandboxState::Running,
             metadata: params.metadata,
-            cpu: settings.vcpus,
-            memory_mb: settings.memory_mb,
+            cpu: params.shape.map_or(settings.vcpus, |(cpu, _)| cpu),
+            memory_mb: params.shape.map_or(settings.memory_mb, |(_, memory_mb)| memory_mb),
             ttl_seconds: params.ttl_seconds.unwrap_or(settings.default_ttl_seconds),
             hibernate_after_seconds: params.hibernate_after_seconds,
             hibernate_memory: params.hibernate_memory,

@@ -38,7 +38,7 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio::task::AbortHandle;
 
 pub use capacity::SCHEDULER_RETRY_AFTER;
-pub use create::CreateParams;
+pub use create::{Boot, CreateParams};
 pub use fork::{ChildError, ForkParams, Forked, Promoted};
 pub use moving::{reachable, ForkHere, RemoteFork};
 pub use snapshot::snapshot_not_found;

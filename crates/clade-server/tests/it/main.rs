@@ -6,6 +6,7 @@ mod basics;
 mod builds;
 mod capacity;
 mod cluster;
+mod databases;
 mod hostile;
 mod hosts;
 mod idempotency;

@@ -44,10 +44,11 @@ fn the_document_covers_the_api() {
         "/v1/sandboxes/{id}/proxy/{port}/{path}",
         "/v1/sandboxes/{id}/repl/sessions/{sid}/run",
         "/v1/volumes/{name}",
+        "/v1/databases/{id}/proxy",
     ] {
         assert!(paths.contains_key(path), "{path} is not in the document");
     }
-    assert_eq!(paths.len(), 50, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 60, "a path the test does not know: {:?}", paths.keys().collect::<Vec<_>>());
     let operations: Vec<&str> =
         paths.values().flat_map(|item| item.as_object().unwrap().values()).filter_map(|op| op["operationId"].as_str()).collect();
     let unique: std::collections::BTreeSet<&str> = operations.iter().copied().collect();
@@ -64,6 +65,7 @@ fn the_document_covers_the_api() {
     };
     assert!(body_of("/v1/sandboxes")["template"].is_object(), "{}", body_of("/v1/sandboxes"));
     assert!(body_of("/v1/volumes")["size_mb"].is_object(), "{}", body_of("/v1/volumes"));
+    assert!(document["components"]["schemas"]["CreateDatabaseBody"]["properties"]["always_on"].is_object());
     // The unauthenticated routes say so.
     for path in ["/healthz", "/version", "/metrics", "/openapi.json"] {
         assert_eq!(paths[path]["get"]["security"], serde_json::json!([{}]), "{path}");

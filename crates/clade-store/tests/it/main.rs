@@ -1,5 +1,6 @@
 //! The store's integration tests, one binary: SQLite and a real
 //! PostgreSQL cluster (`clade_testkit::pg`).
 
+mod databases;
 mod store;
 mod volumes;

@@ -82,6 +82,25 @@ class ChildError(Model):
 
 
 @dataclasses.dataclass
+class CloneBody(Model):
+    """`CloneBody` in docs/openapi.json."""
+
+    label: Optional[str] = None
+    #: RFC 3339: a clone as of that instant (point-in-time recovery; not offered yet: 501).
+    target_time: Optional[str] = None
+    #: A clone keeps its source's size; another size is refused.
+    size: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CloneBody:
+        return cls(
+            label=data.get("label"),
+            target_time=data.get("target_time"),
+            size=data.get("size"),
+        )
+
+
+@dataclasses.dataclass
 class CodeContext(Model):
     """A code context."""
 
@@ -108,6 +127,39 @@ class CodeContext(Model):
 
 
 @dataclasses.dataclass
+class Column(Model):
+    """A result column."""
+
+    name: str
+    #: PostgreSQL's name of its type: `int4`, `text`, `timestamptz`, …
+    type_name: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Column:
+        return cls(
+            name=data["name"],
+            type_name=data["type_name"],
+        )
+
+
+@dataclasses.dataclass
+class ConnectionInfo(Model):
+    """What `GET …/connection` answers."""
+
+    connection_url: str
+    broker_url: str
+    broker_token: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConnectionInfo:
+        return cls(
+            connection_url=data["connection_url"],
+            broker_url=data["broker_url"],
+            broker_token=data["broker_token"],
+        )
+
+
+@dataclasses.dataclass
 class CreateContextBody(Model):
     """`CreateContextBody` in docs/openapi.json."""
 
@@ -122,6 +174,31 @@ class CreateContextBody(Model):
         return cls(
             language=data.get("language"),
             cwd=data.get("cwd"),
+        )
+
+
+@dataclasses.dataclass
+class CreateDatabaseBody(Model):
+    """`CreateDatabaseBody` in docs/openapi.json."""
+
+    #: `1g` (512 MiB of memory, the default), `4g` (1 GiB) or `16g` (2 GiB).
+    size: Optional[str] = None
+    #: vCPUs, 1 to 8 (default 1).
+    cpu: Optional[int] = None
+    #: Memory in MiB, 256 to 16384, instead of the size's.
+    memory_mb: Optional[int] = None
+    label: Optional[str] = None
+    #: Never idled into hibernation (default false).
+    always_on: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateDatabaseBody:
+        return cls(
+            size=data.get("size"),
+            cpu=data.get("cpu"),
+            memory_mb=data.get("memory_mb"),
+            label=data.get("label"),
+            always_on=data.get("always_on"),
         )
 
 
@@ -225,6 +302,66 @@ class CreateVolumeBody(Model):
         return cls(
             name=data.get("name"),
             size_mb=data.get("size_mb"),
+        )
+
+
+@dataclasses.dataclass
+class Credentials(Model):
+    """How to reach a ready database (absent from lists, and until it is ready)."""
+
+    #: The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by).
+    host: str
+    port: int
+    database: str
+    username: str
+    password: str
+    #: `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not
+    #: resolve).
+    connection_url: str
+    #: `POST` a query here with `Authorization: Bearer <broker_token>`.
+    broker_url: str
+    broker_token: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Credentials:
+        return cls(
+            host=data["host"],
+            port=data["port"],
+            database=data["database"],
+            username=data["username"],
+            password=data["password"],
+            connection_url=data["connection_url"],
+            broker_url=data["broker_url"],
+            broker_token=data["broker_token"],
+        )
+
+
+@dataclasses.dataclass
+class DatabaseList(Model):
+    """What `GET /v1/databases` answers."""
+
+    items: List[DatabaseInfo]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DatabaseList:
+        return cls(
+            items=[DatabaseInfo.from_json(item) for item in data["items"]],
+            count=data["count"],
+        )
+
+
+@dataclasses.dataclass
+class DatabaseLogs(Model):
+    """`DatabaseLogs` in docs/openapi.json."""
+
+    #: The end of the server's log (at most 256 KiB).
+    logs: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DatabaseLogs:
+        return cls(
+            logs=data["logs"],
         )
 
 
@@ -707,6 +844,19 @@ class PatchBody(Model):
 
 
 @dataclasses.dataclass
+class PatchDatabaseBody(Model):
+    """`PatchDatabaseBody` in docs/openapi.json."""
+
+    always_on: Optional[bool] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PatchDatabaseBody:
+        return cls(
+            always_on=data.get("always_on"),
+        )
+
+
+@dataclasses.dataclass
 class PortInfo(Model):
     """A port of a sandbox (§3.10)."""
 
@@ -814,6 +964,49 @@ class PromoteResult(Model):
             tree_id=data["tree_id"],
             deleted=list(data["deleted"]),
             failures=dict(data["failures"]),
+        )
+
+
+@dataclasses.dataclass
+class QueryRequest(Model):
+    """One SQL statement and its parameters (`$1`, `$2`, …)."""
+
+    sql: str
+    #: In order: `params[0]` is `$1`. `null` is NULL; strings, numbers and booleans go as their text,
+    #: arrays and objects as JSON text, and PostgreSQL reads each as the type it inferred for its
+    #: placeholder.
+    params: Optional[List[Any]] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> QueryRequest:
+        return cls(
+            sql=data["sql"],
+            params=None if data.get("params") is None else list(data["params"]),
+        )
+
+
+@dataclasses.dataclass
+class QueryResult(Model):
+    """What a statement answered."""
+
+    #: Empty for a statement that returns no rows (DDL, INSERT without RETURNING).
+    columns: List[Column]
+    #: One array per row, in the order of `columns`. Numbers and booleans are JSON's; numeric, bytea (`\x…`
+    #: hex), uuid and the date and time types (ISO 8601; timestamptz in UTC with `Z`) are strings; json and
+    #: jsonb are JSON.
+    rows: List[List[Any]]
+    #: Rows returned or affected, as the command tag counts them.
+    row_count: int
+    #: PostgreSQL's command tag: `SELECT 2`, `INSERT 0 1`, `CREATE TABLE`.
+    command: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> QueryResult:
+        return cls(
+            columns=[Column.from_json(item) for item in data["columns"]],
+            rows=[list(item) for item in data["rows"]],
+            row_count=data["row_count"],
+            command=data["command"],
         )
 
 
@@ -1213,6 +1406,21 @@ class VolumeAttachment(Model):
 
 
 @dataclasses.dataclass
+class WakeStatus(Model):
+    """`WakeStatus` in docs/openapi.json."""
+
+    id: str
+    status: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WakeStatus:
+        return cls(
+            id=data["id"],
+            status=data["status"],
+        )
+
+
+@dataclasses.dataclass
 class WorkspaceRef(Model):
     """`WorkspaceRef` in docs/openapi.json."""
 
@@ -1246,12 +1454,19 @@ MODELS = {
     "AddPort": AddPort,
     "Attachment": Attachment,
     "ChildError": ChildError,
+    "CloneBody": CloneBody,
     "CodeContext": CodeContext,
+    "Column": Column,
+    "ConnectionInfo": ConnectionInfo,
     "CreateContextBody": CreateContextBody,
+    "CreateDatabaseBody": CreateDatabaseBody,
     "CreateSandboxBody": CreateSandboxBody,
     "CreateSnapshotBody": CreateSnapshotBody,
     "CreateToken": CreateToken,
     "CreateVolumeBody": CreateVolumeBody,
+    "Credentials": Credentials,
+    "DatabaseList": DatabaseList,
+    "DatabaseLogs": DatabaseLogs,
     "DirListing": DirListing,
     "ErrorBody": ErrorBody,
     "Event": Event,
@@ -1274,11 +1489,14 @@ MODELS = {
     "NetworkPolicy": NetworkPolicy,
     "NetworkStatus": NetworkStatus,
     "PatchBody": PatchBody,
+    "PatchDatabaseBody": PatchDatabaseBody,
     "PortInfo": PortInfo,
     "PreviewToken": PreviewToken,
     "PreviewTokenBody": PreviewTokenBody,
     "PromoteBody": PromoteBody,
     "PromoteResult": PromoteResult,
+    "QueryRequest": QueryRequest,
+    "QueryResult": QueryResult,
     "RunCodeBody": RunCodeBody,
     "Sandbox": Sandbox,
     "SandboxDisk": SandboxDisk,
@@ -1295,6 +1513,7 @@ MODELS = {
     "Version": Version,
     "Volume": Volume,
     "VolumeAttachment": VolumeAttachment,
+    "WakeStatus": WakeStatus,
     "WorkspaceRef": WorkspaceRef,
     "Written": Written,
 }

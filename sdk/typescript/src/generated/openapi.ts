@@ -31,6 +31,18 @@ export interface ChildError {
   err: string;
 }
 
+export interface CloneBody {
+  label?: string | null;
+  /**
+   * RFC 3339: a clone as of that instant (point-in-time recovery; not offered yet: 501).
+   *
+   * Wire name: `target_time`.
+   */
+  targetTime?: string | null;
+  /** A clone keeps its source's size; another size is refused. */
+  size?: string | null;
+}
+
 /** A code context. */
 export interface CodeContext {
   id: string;
@@ -49,6 +61,27 @@ export interface CodeContext {
   alive?: boolean | null;
 }
 
+/** A result column. */
+export interface Column {
+  name: string;
+  /**
+   * PostgreSQL's name of its type: `int4`, `text`, `timestamptz`, …
+   *
+   * Wire name: `type_name`.
+   */
+  typeName: string;
+}
+
+/** What `GET …/connection` answers. */
+export interface ConnectionInfo {
+  /** Wire name: `connection_url`. */
+  connectionUrl: string;
+  /** Wire name: `broker_url`. */
+  brokerUrl: string;
+  /** Wire name: `broker_token`. */
+  brokerToken: string;
+}
+
 export interface CreateContextBody {
   /**
    * `python` (default; also `py`, `python3`), `javascript` (`js`,
@@ -57,6 +90,26 @@ export interface CreateContextBody {
   language?: string | null;
   /** The context's working directory (default: the image's, else the user's home). */
   cwd?: string | null;
+}
+
+export interface CreateDatabaseBody {
+  /** `1g` (512 MiB of memory, the default), `4g` (1 GiB) or `16g` (2 GiB). */
+  size?: string | null;
+  /** vCPUs, 1 to 8 (default 1). */
+  cpu?: number | null;
+  /**
+   * Memory in MiB, 256 to 16384, instead of the size's.
+   *
+   * Wire name: `memory_mb`.
+   */
+  memoryMb?: number | null;
+  label?: string | null;
+  /**
+   * Never idled into hibernation (default false).
+   *
+   * Wire name: `always_on`.
+   */
+  alwaysOn?: boolean | null;
 }
 
 /** Every field is optional; an empty body creates a `base` sandbox. */
@@ -155,6 +208,44 @@ export interface CreateVolumeBody {
    * Wire name: `size_mb`.
    */
   sizeMb?: number | null;
+}
+
+/** How to reach a ready database (absent from lists, and until it is ready). */
+export interface Credentials {
+  /** The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by). */
+  host: string;
+  port: number;
+  database: string;
+  username: string;
+  password: string;
+  /**
+   * `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not resolve).
+   *
+   * Wire name: `connection_url`.
+   */
+  connectionUrl: string;
+  /**
+   * `POST` a query here with `Authorization: Bearer <broker_token>`.
+   *
+   * Wire name: `broker_url`.
+   */
+  brokerUrl: string;
+  /** Wire name: `broker_token`. */
+  brokerToken: string;
+}
+
+/** A managed PostgreSQL database (PandaStack's DatabaseInfo). */
+export type DatabaseInfo = unknown;
+
+/** What `GET /v1/databases` answers. */
+export interface DatabaseList {
+  items: DatabaseInfo[];
+  count: number;
+}
+
+export interface DatabaseLogs {
+  /** The end of the server's log (at most 256 KiB). */
+  logs: string;
 }
 
 export interface DirListing {
@@ -482,6 +573,11 @@ export interface PatchBody {
   sizeMb?: number | null;
 }
 
+export interface PatchDatabaseBody {
+  /** Wire name: `always_on`. */
+  alwaysOn?: boolean | null;
+}
+
 /** A port of a sandbox (§3.10). */
 export interface PortInfo {
   port: number;
@@ -560,6 +656,41 @@ export interface PromoteResult {
   deleted: string[];
   /** Siblings that could not be deleted, with the reason. */
   failures: Record<string, string>;
+}
+
+/** One SQL statement and its parameters (`$1`, `$2`, …). */
+export interface QueryRequest {
+  sql: string;
+  /**
+   * In order: `params[0]` is `$1`. `null` is NULL; strings, numbers and
+   * booleans go as their text, arrays and objects as JSON text, and
+   * PostgreSQL reads each as the type it inferred for its placeholder.
+   */
+  params?: unknown[];
+}
+
+/** What a statement answered. */
+export interface QueryResult {
+  /**
+   * Empty for a statement that returns no rows (DDL, INSERT without
+   * RETURNING).
+   */
+  columns: Column[];
+  /**
+   * One array per row, in the order of `columns`. Numbers and booleans
+   * are JSON's; numeric, bytea (`\x…` hex), uuid and the date and time
+   * types (ISO 8601; timestamptz in UTC with `Z`) are strings; json and
+   * jsonb are JSON.
+   */
+  rows: unknown[][];
+  /**
+   * Rows returned or affected, as the command tag counts them.
+   *
+   * Wire name: `row_count`.
+   */
+  rowCount: number;
+  /** PostgreSQL's command tag: `SELECT 2`, `INSERT 0 1`, `CREATE TABLE`. */
+  command: string;
 }
 
 export interface RunCodeBody {
@@ -874,6 +1005,11 @@ export interface VolumeAttachment {
   mountPath?: string | null;
 }
 
+export interface WakeStatus {
+  id: string;
+  status: string;
+}
+
 export interface WorkspaceRef {
   id: string;
   name: string;
@@ -895,12 +1031,20 @@ export type SchemaName =
   | 'AddPort'
   | 'Attachment'
   | 'ChildError'
+  | 'CloneBody'
   | 'CodeContext'
+  | 'Column'
+  | 'ConnectionInfo'
   | 'CreateContextBody'
+  | 'CreateDatabaseBody'
   | 'CreateSandboxBody'
   | 'CreateSnapshotBody'
   | 'CreateToken'
   | 'CreateVolumeBody'
+  | 'Credentials'
+  | 'DatabaseInfo'
+  | 'DatabaseList'
+  | 'DatabaseLogs'
   | 'DirListing'
   | 'ErrorBody'
   | 'Event'
@@ -924,11 +1068,14 @@ export type SchemaName =
   | 'NetworkPolicy'
   | 'NetworkStatus'
   | 'PatchBody'
+  | 'PatchDatabaseBody'
   | 'PortInfo'
   | 'PreviewToken'
   | 'PreviewTokenBody'
   | 'PromoteBody'
   | 'PromoteResult'
+  | 'QueryRequest'
+  | 'QueryResult'
   | 'RunCodeBody'
   | 'Sandbox'
   | 'SandboxDisk'
@@ -945,6 +1092,7 @@ export type SchemaName =
   | 'Version'
   | 'Volume'
   | 'VolumeAttachment'
+  | 'WakeStatus'
   | 'WorkspaceRef'
   | 'Written';
 
@@ -963,6 +1111,11 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     index: { wire: 'index' },
     err: { wire: 'err' },
   },
+  CloneBody: {
+    label: { wire: 'label' },
+    targetTime: { wire: 'target_time' },
+    size: { wire: 'size' },
+  },
   CodeContext: {
     id: { wire: 'id' },
     sandboxId: { wire: 'sandbox_id' },
@@ -971,9 +1124,25 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     cells: { wire: 'cells' },
     alive: { wire: 'alive' },
   },
+  Column: {
+    name: { wire: 'name' },
+    typeName: { wire: 'type_name' },
+  },
+  ConnectionInfo: {
+    connectionUrl: { wire: 'connection_url' },
+    brokerUrl: { wire: 'broker_url' },
+    brokerToken: { wire: 'broker_token' },
+  },
   CreateContextBody: {
     language: { wire: 'language' },
     cwd: { wire: 'cwd' },
+  },
+  CreateDatabaseBody: {
+    size: { wire: 'size' },
+    cpu: { wire: 'cpu' },
+    memoryMb: { wire: 'memory_mb' },
+    label: { wire: 'label' },
+    alwaysOn: { wire: 'always_on' },
   },
   CreateSandboxBody: {
     template: { wire: 'template' },
@@ -1001,6 +1170,23 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   CreateVolumeBody: {
     name: { wire: 'name' },
     sizeMb: { wire: 'size_mb' },
+  },
+  Credentials: {
+    host: { wire: 'host' },
+    port: { wire: 'port' },
+    database: { wire: 'database' },
+    username: { wire: 'username' },
+    password: { wire: 'password' },
+    connectionUrl: { wire: 'connection_url' },
+    brokerUrl: { wire: 'broker_url' },
+    brokerToken: { wire: 'broker_token' },
+  },
+  DatabaseList: {
+    items: { wire: 'items', ref: 'DatabaseInfo', array: true },
+    count: { wire: 'count' },
+  },
+  DatabaseLogs: {
+    logs: { wire: 'logs' },
   },
   DirListing: {
     path: { wire: 'path' },
@@ -1129,6 +1315,9 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   PatchBody: {
     sizeMb: { wire: 'size_mb' },
   },
+  PatchDatabaseBody: {
+    alwaysOn: { wire: 'always_on' },
+  },
   PortInfo: {
     port: { wire: 'port' },
     label: { wire: 'label' },
@@ -1158,6 +1347,16 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     treeId: { wire: 'tree_id' },
     deleted: { wire: 'deleted' },
     failures: { wire: 'failures' },
+  },
+  QueryRequest: {
+    sql: { wire: 'sql' },
+    params: { wire: 'params' },
+  },
+  QueryResult: {
+    columns: { wire: 'columns', ref: 'Column', array: true },
+    rows: { wire: 'rows' },
+    rowCount: { wire: 'row_count' },
+    command: { wire: 'command' },
   },
   RunCodeBody: {
     code: { wire: 'code' },
@@ -1273,6 +1472,10 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     name: { wire: 'name' },
     readOnly: { wire: 'read_only' },
     mountPath: { wire: 'mount_path' },
+  },
+  WakeStatus: {
+    id: { wire: 'id' },
+    status: { wire: 'status' },
   },
   WorkspaceRef: {
     id: { wire: 'id' },

@@ -1,0 +1,659 @@
+//! Managed PostgreSQL (issue 33, ADR 31): a database is a sandbox of the
+//! `postgres` template, whose template snapshot holds an initialised,
+//! running PostgreSQL server, so a new database is a restore (seconds at
+//! most, not a server's start-up).
+//!
+//! - This module: the databases' service. A create records the database
+//!   `provisioning`, answers, and finishes in the background: a sandbox of
+//!   the size's shape, then a fresh password for the login role (the
+//!   template's role has none) and a fresh broker token, then `ready`.
+//!   A ready database's `running` or `hibernated` is its sandbox's state:
+//!   it idles into a memory hibernation like any persistent sandbox
+//!   (unless `always_on`) and a connection wakes it.
+//! - [`endpoint`]: the one PostgreSQL listener of all databases, routing
+//!   each TLS connection by its server name `<id>.db.<suffix>`.
+//! - [`broker`]: the HTTP query broker's engine (one statement, rows as JSON).
+//!
+//! Every database lives on the host of its sandbox: the endpoint and the
+//! broker reach its server through that sandbox's agent (`connect_port`),
+//! as port forwards do.
+
+pub mod broker;
+pub mod endpoint;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, OnceLock};
+
+use clade_proto::{Command, ExecRequest};
+use clade_store::{DatabaseRow, DatabaseStatus, SandboxState, Store, Workspace};
+use futures::future::BoxFuture;
+
+use crate::error::{agent_error, chain, ApiError};
+use crate::sandbox::{CreateParams, ForkParams, SandboxService};
+
+/// The template every database is a sandbox of.
+pub const TEMPLATE: &str = "postgres";
+/// The PostgreSQL major version of that template (Debian 12's).
+pub const POSTGRES_VERSION: &str = "15";
+/// The login role and the database it owns, in every database's server.
+pub const ROLE: &str = "clade";
+pub const DATABASE: &str = "clade";
+/// Where the server listens inside the guest.
+pub const GUEST_PORT: u16 = 5432;
+/// A sandbox's metadata key naming the database it runs.
+pub const METADATA_KEY: &str = "clade.database";
+/// The server's log inside the guest (Debian's cluster layout).
+const GUEST_LOG: &str = "/var/log/postgresql/postgresql-15-main.log";
+/// The most of that log `GET …/logs` returns (its end).
+const LOG_TAIL_BYTES: u64 = 256 << 10;
+/// Broker tokens start with this, as PandaStack's do.
+pub const BROKER_TOKEN_PREFIX: &str = "pds_pg_";
+/// How long a database's making waits for its template's image to be
+/// built (a first use on this host) or for room on the host.
+const PROVISION_PATIENCE: std::time::Duration = std::time::Duration::from_secs(20 * 60);
+/// Databases a workspace may have at once.
+const MAX_DATABASES: u64 = 20;
+
+/// A size as PandaStack names it, and what it means here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    pub name: &'static str,
+    pub memory_mb: u32,
+}
+
+/// The sizes, smallest first: the first is the default.
+pub const SIZES: &[Size] =
+    &[Size { name: "1g", memory_mb: 512 }, Size { name: "4g", memory_mb: 1024 }, Size { name: "16g", memory_mb: 2048 }];
+
+/// Bounds of `cpu` and `memory_mb` on a create.
+const CPU_RANGE: std::ops::RangeInclusive<u32> = 1..=8;
+const MEMORY_RANGE: std::ops::RangeInclusive<u32> = 256..=16384;
+
+/// Where clients reach the databases of this server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointAddress {
+    /// Hosts are `<id>.db.<suffix>`.
+    pub suffix: String,
+    pub port: u16,
+    /// Put in the URL as libpq's `hostaddr` (the address to connect to,
+    /// while the host name stays the TLS server name) when the names do
+    /// not resolve by themselves: `*.localhost` does not on every system.
+    pub hostaddr: Option<IpAddr>,
+}
+
+impl EndpointAddress {
+    /// The address of a listener bound at `bound`, with hosts under `suffix`.
+    pub fn of(bound: SocketAddr, suffix: &str) -> Self {
+        let local = suffix == crate::preview::LOCAL_SUFFIX;
+        let hostaddr = local.then(|| if bound.ip().is_unspecified() { IpAddr::from([127, 0, 0, 1]) } else { bound.ip() });
+        Self { suffix: suffix.to_string(), port: bound.port(), hostaddr }
+    }
+
+    pub fn host(&self, id: &str) -> String {
+        format!("{id}.db.{}", self.suffix)
+    }
+
+    /// What `psql` and the drivers connect with.
+    pub fn connection_url(&self, id: &str, password: &str) -> String {
+        let mut url = format!("postgresql://{ROLE}:{password}@{}:{}/{DATABASE}?sslmode=require", self.host(id), self.port);
+        if let Some(address) = self.hostaddr {
+            url.push_str(&format!("&hostaddr={address}"));
+        }
+        url
+    }
+}
+
+/// What a create asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateDatabase {
+    pub size: Option<String>,
+    pub cpu: Option<u32>,
+    pub memory_mb: Option<u32>,
+    pub label: Option<String>,
+    pub always_on: bool,
+}
+
+/// A database with the state of its sandbox.
+#[derive(Debug, Clone)]
+pub struct DatabaseView {
+    pub row: DatabaseRow,
+    /// Its sandbox's state; `None` when it has none (yet, or any more).
+    pub sandbox_state: Option<SandboxState>,
+}
+
+impl DatabaseView {
+    /// The status PandaStack's clients wait on: `running` when a client can
+    /// connect without waiting for a wake.
+    pub fn status(&self) -> &'static str {
+        match (self.row.status, self.sandbox_state) {
+            (DatabaseStatus::Provisioning, _) => "provisioning",
+            (DatabaseStatus::Failed, _) => "failed",
+            (DatabaseStatus::Ready, Some(SandboxState::Running)) => "running",
+            (DatabaseStatus::Ready, Some(SandboxState::Hibernated | SandboxState::Paused)) => "hibernated",
+            (DatabaseStatus::Ready, _) => "failed",
+        }
+    }
+
+    /// Why a database is `failed`.
+    pub fn error(&self) -> Option<String> {
+        match (self.row.status, self.sandbox_state) {
+            (DatabaseStatus::Ready, None | Some(SandboxState::Deleted)) => Some("its sandbox was deleted".into()),
+            (DatabaseStatus::Ready, Some(state @ (SandboxState::Failed | SandboxState::Lost))) => {
+                Some(format!("its sandbox is {}", state.as_str()))
+            }
+            _ => self.row.error.clone(),
+        }
+    }
+}
+
+/// The databases of this server. Cheap to clone.
+#[derive(Clone)]
+pub struct DatabaseService {
+    sandboxes: SandboxService,
+    endpoint: Arc<OnceLock<EndpointAddress>>,
+}
+
+impl std::fmt::Debug for DatabaseService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseService").field("endpoint", &self.endpoint.get()).finish_non_exhaustive()
+    }
+}
+
+impl DatabaseService {
+    pub fn new(sandboxes: SandboxService) -> Self {
+        Self { sandboxes, endpoint: Arc::new(OnceLock::new()) }
+    }
+
+    fn store(&self) -> &Store {
+        self.sandboxes.store()
+    }
+
+    /// Records where the endpoint listens (once, when it is bound).
+    pub fn set_endpoint(&self, address: EndpointAddress) {
+        let _ = self.endpoint.set(address);
+    }
+
+    /// Where clients connect; `None` when this server runs no endpoint.
+    pub fn endpoint(&self) -> Option<&EndpointAddress> {
+        self.endpoint.get()
+    }
+
+    /// Records the database and makes it in the background; answers at once.
+    pub async fn create(&self, workspace: &Workspace, request: CreateDatabase) -> Result<DatabaseView, ApiError> {
+        let size = match request.size.as_deref().filter(|s| !s.is_empty()) {
+            None => SIZES[0],
+            Some(name) => *SIZES.iter().find(|s| s.name.eq_ignore_ascii_case(name)).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "unknown size {name:?}: one of {}",
+                    SIZES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+                ))
+            })?,
+        };
+        let cpu = bounded("cpu", request.cpu, CPU_RANGE)?.unwrap_or(1);
+        let memory_mb = bounded("memory_mb", request.memory_mb, MEMORY_RANGE)?.unwrap_or(size.memory_mb);
+        let label = check_label(request.label)?;
+        if self.store().count_databases(&workspace.id).await? >= MAX_DATABASES {
+            return Err(ApiError::TooManyRequests {
+                message: format!("database quota reached: a workspace may have {MAX_DATABASES} databases; delete one first"),
+                retry_after: None,
+                workspace: None,
+            });
+        }
+        let now = clade_store::now_ms();
+        let row = DatabaseRow {
+            id: format!("db-{}", random_token(8)),
+            workspace_id: workspace.id.clone(),
+            sandbox_id: None,
+            label,
+            size: size.name.to_string(),
+            cpu,
+            memory_mb,
+            always_on: request.always_on,
+            status: DatabaseStatus::Provisioning,
+            error: None,
+            password: random_token(16),
+            broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
+            cloned_from: None,
+            created_at: now,
+            updated_at: now,
+        };
+        self.store().insert_database(&row).await?;
+        let (service, workspace, provisioning) = (self.clone(), workspace.clone(), row.clone());
+        tokio::spawn(async move { service.provision(&workspace, provisioning).await });
+        Ok(DatabaseView { row, sandbox_state: None })
+    }
+
+    /// At start-up: the databases whose making a stopped server left
+    /// unfinished end `failed` (their sandbox removed), so that no client
+    /// waits on them forever. Only a single-host server does this: in a
+    /// cluster another host may be making them now.
+    pub async fn recover(&self) -> Result<(), ApiError> {
+        if self.sandboxes.cluster().is_some() {
+            return Ok(());
+        }
+        for mut row in self.store().databases_in(DatabaseStatus::Provisioning).await? {
+            if let Some(sandbox) = row.sandbox_id.take() {
+                let _ = self.sandboxes.delete(&row.workspace_id, &sandbox).await;
+            }
+            row.status = DatabaseStatus::Failed;
+            row.error = Some("the server stopped while it was being made; delete it and create another".into());
+            self.store().update_database(&row).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes the sandbox of a recorded database and gives it its
+    /// credentials; any failure is recorded on the database.
+    async fn provision(&self, workspace: &Workspace, mut row: DatabaseRow) {
+        let params = CreateParams {
+            template: TEMPLATE.to_string(),
+            metadata: BTreeMap::from([(METADATA_KEY.to_string(), row.id.clone())]),
+            ttl_seconds: None,
+            persistent: true,
+            hibernate_after_seconds: row.always_on.then_some(0),
+            hibernate_memory: true,
+            from_snapshot: None,
+            network: None,
+            preview_auth: false,
+            limits: None,
+            idempotency_key: None,
+            volumes: Vec::new(),
+            env: Vec::new(),
+            shape: Some((row.cpu, row.memory_mb)),
+        };
+        let made = async {
+            let (sandbox, _boot) = self.create_sandbox(workspace, params).await?;
+            row.sandbox_id = Some(sandbox.id.clone());
+            self.store().update_database(&row).await?;
+            self.set_credentials(&row, &row.password).await
+        }
+        .await;
+        match made {
+            Ok(()) => row.status = DatabaseStatus::Ready,
+            Err(e) => {
+                tracing::warn!(database = %row.id, "provisioning failed: {e}");
+                row.status = DatabaseStatus::Failed;
+                row.error = Some(e.to_string());
+                if let Some(sandbox) = row.sandbox_id.take() {
+                    if let Err(e) = self.sandboxes.delete(&row.workspace_id, &sandbox).await {
+                        tracing::warn!(database = %row.id, sandbox = %sandbox, "removing a failed database's sandbox: {e}");
+                    }
+                }
+            }
+        }
+        match self.store().update_database(&row).await {
+            // Deleted while it was being made: its sandbox goes too.
+            Ok(false) => {
+                if let Some(sandbox) = &row.sandbox_id {
+                    let _ = self.sandboxes.delete(&row.workspace_id, sandbox).await;
+                }
+            }
+            Ok(true) => tracing::info!(database = %row.id, status = row.status.as_str(), "database provisioned"),
+            Err(e) => tracing::error!(database = %row.id, "recording a provisioned database: {}", chain(&e)),
+        }
+    }
+
+    /// The database's sandbox; while the answer is "not now" (the image's
+    /// first build on this host, a full host) it asks again when told to,
+    /// for up to [`PROVISION_PATIENCE`]: the database stays `provisioning`.
+    async fn create_sandbox(
+        &self,
+        workspace: &Workspace,
+        params: CreateParams,
+    ) -> Result<(clade_store::SandboxRow, crate::sandbox::Boot), ApiError> {
+        let started = std::time::Instant::now();
+        loop {
+            match self.sandboxes.create(workspace, params.clone()).await {
+                Err(ApiError::Unavailable { retry_after: Some(seconds), message }) if started.elapsed() < PROVISION_PATIENCE => {
+                    tracing::info!(template = TEMPLATE, "a database waits for its sandbox: {message}");
+                    tokio::time::sleep(std::time::Duration::from_secs(u64::from(seconds).clamp(1, 30))).await;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// Gives the login role `password` and ends its sessions (a reset's
+    /// old password opens nothing, already open or new), in the guest as
+    /// the server's OS superuser. The password is random hex: no quoting
+    /// can go wrong, and it goes in by stdin, not a command line.
+    async fn set_credentials(&self, row: &DatabaseRow, password: &str) -> Result<(), ApiError> {
+        let sandbox = row.sandbox_id.as_deref().ok_or_else(|| not_ready(row))?;
+        let running = self.sandboxes.running(&row.workspace_id, sandbox).await?;
+        let sql = format!(
+            "ALTER ROLE {ROLE} WITH LOGIN PASSWORD '{password}';\n\
+             SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE usename = '{ROLE}';\n"
+        );
+        let mut request = ExecRequest::new(Command::Argv(vec![
+            "psql".into(),
+            "--no-psqlrc".into(),
+            "--quiet".into(),
+            "--set=ON_ERROR_STOP=1".into(),
+            "--dbname=postgres".into(),
+        ]));
+        request.user = Some("postgres".into());
+        request.timeout_ms = Some(30_000);
+        let out =
+            running.vm.agent().run_with_stdin(request, sql.as_bytes()).await.map_err(|e| agent_error("setting the password", e, None))?;
+        if out.exit_code() != 0 {
+            return Err(ApiError::internal("setting the database's password failed", out.stderr_str()));
+        }
+        Ok(())
+    }
+
+    /// The workspace's database; another workspace's is a 404.
+    pub async fn get(&self, workspace_id: &str, id: &str) -> Result<DatabaseView, ApiError> {
+        let row = self.store().database(workspace_id, id).await?.ok_or_else(|| database_not_found(id))?;
+        self.view(row).await
+    }
+
+    pub async fn list(&self, workspace_id: &str) -> Result<Vec<DatabaseView>, ApiError> {
+        let mut views = Vec::new();
+        for row in self.store().databases(workspace_id).await? {
+            views.push(self.view(row).await?);
+        }
+        Ok(views)
+    }
+
+    async fn view(&self, row: DatabaseRow) -> Result<DatabaseView, ApiError> {
+        let sandbox_state = match &row.sandbox_id {
+            Some(sandbox) => self.store().sandbox(&row.workspace_id, sandbox).await?.map(|s| s.state),
+            None => None,
+        };
+        Ok(DatabaseView { row, sandbox_state })
+    }
+
+    /// A ready database of the workspace, or why it is not.
+    async fn ready(&self, workspace_id: &str, id: &str) -> Result<DatabaseRow, ApiError> {
+        let row = self.store().database(workspace_id, id).await?.ok_or_else(|| database_not_found(id))?;
+        match row.status {
+            DatabaseStatus::Ready if row.sandbox_id.is_some() => Ok(row),
+            _ => Err(not_ready(&row)),
+        }
+    }
+
+    /// Removes the database: its sandbox (with its data), then its row.
+    pub async fn delete(&self, workspace_id: &str, id: &str) -> Result<(), ApiError> {
+        let row = self.store().database(workspace_id, id).await?.ok_or_else(|| database_not_found(id))?;
+        if let Some(sandbox) = &row.sandbox_id {
+            match self.sandboxes.delete(workspace_id, sandbox).await {
+                Ok(()) | Err(ApiError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // A database still provisioning is removed by its provisioning
+        // task when it finds the row gone.
+        self.store().delete_database(workspace_id, id).await?;
+        Ok(())
+    }
+
+    /// A new password and broker token; the old ones open nothing after.
+    pub async fn reset_credentials(&self, workspace_id: &str, id: &str) -> Result<DatabaseView, ApiError> {
+        let mut row = self.ready(workspace_id, id).await?;
+        let password = random_token(16);
+        self.set_credentials(&row, &password).await?;
+        row.password = password;
+        row.broker_token = format!("{BROKER_TOKEN_PREFIX}{}", random_token(24));
+        self.store().update_database(&row).await?;
+        self.view(row).await
+    }
+
+    /// `always_on`: never idled into hibernation (its sandbox's lifecycle).
+    pub async fn update(&self, workspace_id: &str, id: &str, always_on: Option<bool>) -> Result<DatabaseView, ApiError> {
+        let mut row = self.store().database(workspace_id, id).await?.ok_or_else(|| database_not_found(id))?;
+        if let Some(always_on) = always_on {
+            row.always_on = always_on;
+            if let Some(sandbox) = &row.sandbox_id {
+                let idle = if always_on { 0 } else { self.sandboxes.settings().idle_hibernate_seconds };
+                let change = clade_store::LifecycleChange { hibernate_after_seconds: Some(idle), ..Default::default() };
+                self.store().set_sandbox_lifecycle(sandbox, change).await?;
+                self.sandboxes.wake_reaper();
+            }
+            self.store().update_database(&row).await?;
+        }
+        self.view(row).await
+    }
+
+    /// Wakes a hibernated database (a connection would too).
+    pub async fn wake(&self, workspace_id: &str, id: &str) -> Result<DatabaseView, ApiError> {
+        let row = self.ready(workspace_id, id).await?;
+        let sandbox = row.sandbox_id.clone().unwrap_or_default();
+        self.sandboxes.running(workspace_id, &sandbox).await?;
+        self.view(row).await
+    }
+
+    /// A copy-on-write fork of the database's sandbox, as it is now: the
+    /// child's server runs on from the parent's memory and disk (no
+    /// recovery needed), with its own credentials.
+    pub async fn clone_now(&self, workspace: &Workspace, id: &str, label: Option<String>) -> Result<DatabaseView, ApiError> {
+        let source = self.ready(&workspace.id, id).await?;
+        let label = check_label(label)?.or_else(|| source.label.as_ref().map(|l| format!("{l} (clone)")));
+        if self.store().count_databases(&workspace.id).await? >= MAX_DATABASES {
+            return Err(ApiError::TooManyRequests {
+                message: format!("database quota reached: a workspace may have {MAX_DATABASES} databases; delete one first"),
+                retry_after: None,
+                workspace: None,
+            });
+        }
+        let now = clade_store::now_ms();
+        let mut row = DatabaseRow {
+            id: format!("db-{}", random_token(8)),
+            sandbox_id: None,
+            label,
+            status: DatabaseStatus::Provisioning,
+            error: None,
+            password: random_token(16),
+            broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
+            cloned_from: Some(source.id.clone()),
+            created_at: now,
+            updated_at: now,
+            ..source.clone()
+        };
+        self.store().insert_database(&row).await?;
+        let made = async {
+            let params = ForkParams { count: 1, metadata: BTreeMap::from([(METADATA_KEY.to_string(), row.id.clone())]), tree: false };
+            let forked = self.sandboxes.fork(workspace, source.sandbox_id.as_deref().unwrap_or_default(), params).await?;
+            let child = forked.children.into_iter().next().ok_or_else(|| ApiError::internal("the fork made no child", "no child"))?;
+            row.sandbox_id = Some(child.id);
+            self.store().update_database(&row).await?;
+            self.set_credentials(&row, &row.password).await
+        }
+        .await;
+        if let Err(e) = made {
+            if let Some(sandbox) = &row.sandbox_id {
+                let _ = self.sandboxes.delete(&workspace.id, sandbox).await;
+            }
+            let _ = self.store().delete_database(&workspace.id, &row.id).await;
+            return Err(e);
+        }
+        row.status = DatabaseStatus::Ready;
+        self.store().update_database(&row).await?;
+        self.view(row).await
+    }
+
+    /// The server's version, the database's size and its connections.
+    pub async fn stats(&self, workspace_id: &str, id: &str) -> Result<serde_json::Value, ApiError> {
+        let row = self.ready(workspace_id, id).await?;
+        let query = broker::QueryRequest {
+            sql: "SELECT current_setting('server_version') AS postgres_version, pg_database_size(current_database()) AS db_size_bytes, \
+                  (SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()) AS connections, \
+                  current_setting('max_connections')::int AS max_connections"
+                .into(),
+            params: Vec::new(),
+        };
+        let result = self.query_row(&row, &query).await?;
+        let mut stats = serde_json::Map::new();
+        for (column, value) in result.columns.iter().zip(result.rows.into_iter().next().unwrap_or_default()) {
+            stats.insert(column.name.clone(), value);
+        }
+        // Our own query is one of the connections it counts.
+        if let Some(n) = stats.get("connections").and_then(serde_json::Value::as_i64) {
+            stats.insert("connections".into(), (n - 1).max(0).into());
+        }
+        Ok(serde_json::Value::Object(stats))
+    }
+
+    /// The end of the server's log.
+    pub async fn logs(&self, workspace_id: &str, id: &str) -> Result<String, ApiError> {
+        let row = self.ready(workspace_id, id).await?;
+        let running = self.sandboxes.running(workspace_id, row.sandbox_id.as_deref().unwrap_or_default()).await?;
+        let mut request = ExecRequest::new(Command::Argv(vec!["tail".into(), "-c".into(), LOG_TAIL_BYTES.to_string(), GUEST_LOG.into()]));
+        request.timeout_ms = Some(10_000);
+        let out = running.vm.agent().run(request).await.map_err(|e| agent_error("reading the database's log", e, None))?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Runs a query of the broker: `token` must be the database's broker
+    /// token (a wrong one and an unknown database are told apart by nobody).
+    pub async fn broker_query(&self, id: &str, token: &str, query: &broker::QueryRequest) -> Result<broker::QueryResult, ApiError> {
+        let row = self.store().database_by_id(id).await?;
+        let row = match row {
+            Some(row) if constant_time_eq(row.broker_token.as_bytes(), token.as_bytes()) => row,
+            _ => return Err(ApiError::Unauthorized(format!("unknown database {id}, or not its broker token"))),
+        };
+        if row.status != DatabaseStatus::Ready {
+            return Err(not_ready(&row));
+        }
+        self.query_row(&row, query).await
+    }
+
+    async fn query_row(&self, row: &DatabaseRow, query: &broker::QueryRequest) -> Result<broker::QueryResult, ApiError> {
+        let stream = self.open_server(row).await?;
+        let credentials = broker::Credentials { user: ROLE.into(), password: row.password.clone(), database: DATABASE.into() };
+        broker::run(stream, &credentials, query, &broker::BrokerLimits::default()).await.map_err(broker_error)
+    }
+
+    /// A byte stream to the database's server (waking its sandbox).
+    async fn open_server(&self, row: &DatabaseRow) -> Result<clade_host::agent::PortStream, ApiError> {
+        let sandbox = row.sandbox_id.as_deref().ok_or_else(|| not_ready(row))?;
+        let running = self.sandboxes.running(&row.workspace_id, sandbox).await?;
+        running.vm.agent().connect_port(GUEST_PORT).await.map_err(|e| agent_error("connecting to the database's server", e, None))
+    }
+}
+
+/// The endpoint's view of the databases: any workspace's, by id (the
+/// password decides who gets in, checked by the database's own server).
+impl endpoint::Databases for DatabaseService {
+    fn open(&self, id: &str) -> BoxFuture<'static, Result<endpoint::Upstream, endpoint::Refusal>> {
+        let (service, id) = (self.clone(), id.to_string());
+        Box::pin(async move {
+            let refusal = |sqlstate, message: String| endpoint::Refusal { sqlstate, message };
+            let row = match service.store().database_by_id(&id).await {
+                Ok(Some(row)) => row,
+                Ok(None) => return Err(refusal("3D000", format!("database {id} does not exist"))),
+                Err(e) => return Err(refusal("58000", format!("looking up database {id}: {}", chain(&e)))),
+            };
+            if row.status != DatabaseStatus::Ready {
+                return Err(refusal("57P03", format!("database {id} is {} and cannot take connections", row.status.as_str())));
+            }
+            match service.open_server(&row).await {
+                Ok(stream) => Ok(Box::new(stream) as endpoint::Upstream),
+                Err(e) => Err(refusal("57P03", format!("database {id} cannot take connections now: {e}"))),
+            }
+        })
+    }
+
+    fn touch(&self, id: &str) {
+        let (service, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            if let Ok(Some(DatabaseRow { workspace_id, sandbox_id: Some(sandbox), .. })) = service.store().database_by_id(&id).await {
+                if let Ok(entry) = service.sandboxes.entry(&workspace_id, &sandbox) {
+                    service.sandboxes.touch(&entry);
+                }
+            }
+        });
+    }
+}
+
+pub fn database_not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("database {id} not found"))
+}
+
+/// 503 `postgres not ready`, as PandaStack answers, with the reason.
+fn not_ready(row: &DatabaseRow) -> ApiError {
+    let why = match row.status {
+        DatabaseStatus::Failed => format!("it failed: {}", row.error.as_deref().unwrap_or("unknown")),
+        status => format!("it is {}", status.as_str()),
+    };
+    ApiError::Unavailable { message: format!("postgres not ready: database {}: {why}", row.id), retry_after: Some(2) }
+}
+
+fn broker_error(e: broker::BrokerError) -> ApiError {
+    use broker::BrokerError;
+    match e {
+        BrokerError::Sql { .. } | BrokerError::BadRequest(_) => ApiError::bad_request(e.to_string()),
+        BrokerError::Timeout(_) => ApiError::Timeout(e.to_string()),
+        other => ApiError::BadGateway(other.to_string()),
+    }
+}
+
+fn bounded(name: &str, value: Option<u32>, range: std::ops::RangeInclusive<u32>) -> Result<Option<u32>, ApiError> {
+    match value {
+        Some(v) if !range.contains(&v) => {
+            Err(ApiError::bad_request(format!("{name} must be between {} and {}", range.start(), range.end())))
+        }
+        other => Ok(other),
+    }
+}
+
+fn check_label(label: Option<String>) -> Result<Option<String>, ApiError> {
+    match label.filter(|l| !l.is_empty()) {
+        Some(label) if label.chars().count() > 200 || label.chars().any(char::is_control) => {
+            Err(ApiError::bad_request("label: at most 200 characters, no control characters"))
+        }
+        other => Ok(other),
+    }
+}
+
+/// Random lowercase hex of `bytes` bytes of entropy.
+fn random_token(bytes: usize) -> String {
+    hex::encode((0..bytes).map(|_| rand::random::<u8>()).collect::<Vec<_>>())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_local_suffix_puts_the_address_in_the_url_and_a_named_one_does_not() {
+        let local = EndpointAddress::of("0.0.0.0:5433".parse().unwrap(), "localhost");
+        assert_eq!(
+            local.connection_url("db-1", "pw"),
+            "postgresql://clade:pw@db-1.db.localhost:5433/clade?sslmode=require&hostaddr=127.0.0.1"
+        );
+        let named = EndpointAddress::of("10.0.0.5:5432".parse().unwrap(), "example.com");
+        assert_eq!(named.connection_url("db-1", "pw"), "postgresql://clade:pw@db-1.db.example.com:5432/clade?sslmode=require");
+    }
+
+    #[test]
+    fn a_ready_database_is_as_its_sandbox_is() {
+        let row = DatabaseRow {
+            id: "db-1".into(),
+            workspace_id: "w".into(),
+            sandbox_id: Some("s".into()),
+            label: None,
+            size: "1g".into(),
+            cpu: 1,
+            memory_mb: 512,
+            always_on: false,
+            status: DatabaseStatus::Ready,
+            error: None,
+            password: "p".into(),
+            broker_token: "t".into(),
+            cloned_from: None,
+            created_at: 0,
+            updated_at: 0,
+        };
+        let view = |state| DatabaseView { row: row.clone(), sandbox_state: state };
+        assert_eq!(view(Some(SandboxState::Running)).status(), "running");
+        assert_eq!(view(Some(SandboxState::Hibernated)).status(), "hibernated");
+        assert_eq!(view(None).status(), "failed");
+        assert_eq!(view(None).error().as_deref(), Some("its sandbox was deleted"));
+        assert!(constant_time_eq(b"abc", b"abc") && !constant_time_eq(b"abc", b"abd") && !constant_time_eq(b"abc", b"ab"));
+    }
+}
