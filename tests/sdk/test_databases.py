@@ -10,6 +10,9 @@ reset): each step builds on the last, as a user's would.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from typing import Iterator
 
@@ -17,6 +20,8 @@ import pandastack
 import psycopg
 import pytest
 import requests
+
+from conftest import BIN
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -203,3 +208,26 @@ def test_bad_requests_are_refused_with_the_rule(client, server):
     with pytest.raises(pandastack.NotFoundError):
         client.databases.get("db-0000000000000000")
     assert raw(server, "DELETE", "/v1/databases/db-0000000000000000").status_code == 404
+
+
+def test_the_cli_makes_connects_to_clones_and_removes_a_database(server):
+    def clade(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = {**os.environ, "CLADE_API_URL": server.url, "CLADE_API_KEY": server.admin_key, "CLADE_CONFIG": "/nonexistent"}
+        done = subprocess.run([str(BIN), *args], env=env, capture_output=True, text=True, timeout=600)
+        if check:
+            assert done.returncode == 0, f"clade {args}: {done.returncode}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    made = json.loads(clade("db", "create", "--json", "--label", "cli").stdout)
+    assert made["status"] == "running" and made["connection_url"], made
+    table = clade("db", "ls").stdout
+    assert table.startswith("ID") and any(line.startswith(made["id"]) and "running" in line for line in table.splitlines()), table
+    # `connect` runs the host's psql with the URL; psql's own arguments follow `--`.
+    assert clade("db", "connect", made["id"], "--", "-Atc", "select 41 + 1").stdout.strip() == "42"
+    clone = json.loads(clade("db", "clone", "--json", made["id"]).stdout)
+    assert clone["cloned_from"] == made["id"] and clone["label"] == "cli (clone)"
+    reset = json.loads(clade("db", "reset-credentials", "--json", made["id"]).stdout)
+    assert reset["password"] != made["password"]
+    assert clade("db", "rm", made["id"], clone["id"]).stdout.splitlines() == [f"deleted {made['id']}", f"deleted {clone['id']}"]
+    gone = clade("db", "get", made["id"], check=False)
+    assert gone.returncode == 125 and "(HTTP 404)" in gone.stderr

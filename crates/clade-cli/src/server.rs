@@ -234,7 +234,10 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     config.db_listen = match args.db_listen.as_deref() {
         Some("off") => None,
         Some(addr) => Some(addr.parse().with_context(|| format!("--db-listen {addr:?}: expected ADDR:PORT or off"))?),
-        None => default_db_listen(),
+        None => {
+            config.db_listen_optional = true;
+            Some(DEFAULT_DB_LISTEN.parse().expect("a valid default address"))
+        }
     };
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
@@ -244,20 +247,6 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     eprintln!("clade server: listening on {}", server.url());
     server.run_until(stop_signal()?).await;
     Ok(ExitCode::SUCCESS)
-}
-
-/// The default endpoint address when it is free; none, said once, when
-/// another server (or a PostgreSQL) has it: a second server on one
-/// machine still starts.
-fn default_db_listen() -> Option<SocketAddr> {
-    let addr: SocketAddr = DEFAULT_DB_LISTEN.parse().expect("a valid default address");
-    match std::net::TcpListener::bind(addr) {
-        Ok(_) => Some(addr),
-        Err(e) => {
-            eprintln!("clade server: {addr} is not free ({e}): no databases endpoint; give one with --db-listen ADDR");
-            None
-        }
-    }
 }
 
 /// `clade server --no-vms`: the API over the hosts of the database.

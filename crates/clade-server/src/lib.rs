@@ -120,6 +120,10 @@ pub struct ServerConfig {
     /// Where the managed databases' PostgreSQL endpoint listens (port 0:
     /// any free one); none: no endpoint, and no database can be made.
     pub db_listen: Option<SocketAddr>,
+    /// A `db_listen` that is taken leaves the server without an endpoint
+    /// (a warning) instead of failing its start: the default address, of
+    /// which a machine has one.
+    pub db_listen_optional: bool,
 }
 
 impl ServerConfig {
@@ -136,6 +140,7 @@ impl ServerConfig {
             cluster: None,
             tls: None,
             db_listen: None,
+            db_listen_optional: false,
         }
     }
 
@@ -289,7 +294,13 @@ impl Server {
         databases.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         let stopping = CancellationToken::new();
         let db_endpoint = match config.db_listen {
-            Some(listen) => Some(start_db_endpoint(listen, &config, &data_dir, &databases, &stopping).await?),
+            Some(listen) => match start_db_endpoint(listen, &config, &data_dir, &databases, &stopping).await {
+                Err(ServerError::Listen { addr, source }) if config.db_listen_optional => {
+                    tracing::warn!(%addr, "no databases endpoint: {source}; give one with --db-listen ADDR");
+                    None
+                }
+                started => Some(started?),
+            },
             None => None,
         };
         let state = AppState {
