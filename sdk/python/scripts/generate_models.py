@@ -173,17 +173,49 @@ def render_model(name: str, schema: Dict[str, Any]) -> List[str]:
     return out
 
 
+def flatten(schema: Dict[str, Any], schemas: Dict[str, Any]) -> Dict[str, Any]:
+    """A schema made of others (`allOf`, as a `#[serde(flatten)]` field makes
+    it) as one object schema: its own properties first, then those of the
+    schemas it takes in. A part that may be null (`oneOf` null or a schema)
+    gives properties that are never required."""
+    if "allOf" not in schema:
+        return schema
+    own: List[Tuple[Dict[str, Any], bool]] = []
+    taken: List[Tuple[Dict[str, Any], bool]] = []
+    for part in schema["allOf"]:
+        options = part.get("oneOf") or part.get("anyOf")
+        if options is not None:
+            concrete = [o for o in options if o.get("type") != "null"]
+            if len(concrete) != 1:
+                raise ValueError(f"allOf part {part} is not one schema or null")
+            part, may_be_null = concrete[0], len(concrete) < len(options)
+        else:
+            may_be_null = False
+        if "$ref" in part:
+            taken.append((flatten(schemas[ref_name(part["$ref"])], schemas), may_be_null))
+        else:
+            own.append((flatten(part, schemas), may_be_null))
+    properties: Dict[str, Any] = {}
+    required: List[str] = []
+    for part, may_be_null in own + taken:
+        properties.update(part.get("properties", {}))
+        if not may_be_null:
+            required += part.get("required", [])
+    merged = {key: value for key, value in schema.items() if key != "allOf"}
+    return {**merged, "type": "object", "properties": properties, "required": required}
+
+
 def render(spec: Dict[str, Any]) -> str:
     lines = HEADER.rstrip("\n").splitlines()
     schemas = spec["components"]["schemas"]
     for name in sorted(schemas):
-        schema = schemas[name]
+        schema = flatten(schemas[name], schemas)
         kinds, _ = types_of(schema)
         if kinds == ["object"] or "properties" in schema:
             lines += render_model(name, schema)
         elif kinds == ["string"] and schema.get("format") == "binary":
             lines += ["", "", f"#: {name}: raw bytes (docs/openapi.json)", f"{name} = bytes"]
-    lines += ["", "", "MODELS = {", *[f'    "{n}": {n},' for n in sorted(schemas) if _is_model(schemas[n])], "}"]
+    lines += ["", "", "MODELS = {", *[f'    "{n}": {n},' for n in sorted(schemas) if _is_model(flatten(schemas[n], schemas))], "}"]
     return "\n".join(lines) + "\n"
 
 

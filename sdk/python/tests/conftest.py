@@ -87,6 +87,17 @@ def code_interpreter_ready(client: clade.Clade) -> None:
         skip_or_fail("the code-interpreter template is not built on this host (clade images build --image code-interpreter)")
 
 
+@pytest.fixture(scope="session")
+def postgres_ready(client: clade.Clade) -> None:
+    """The `postgres` image that databases are made from is built here."""
+    try:
+        ready = client.templates.get("postgres").ready
+    except clade.NotFoundError:
+        ready = False
+    if not ready:
+        skip_or_fail("the postgres image is not built on this host (clade images build --image postgres)")
+
+
 def sleep_600_processes(sb: clade.Sandbox) -> str:
     """The `sleep 600` processes left in the sandbox (`60[0]`: so that the
     shell running pgrep, whose command line holds the pattern, is not one)."""

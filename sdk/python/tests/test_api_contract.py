@@ -57,6 +57,9 @@ def _parameters(function: Callable[..., Any]) -> Set[str]:
     [
         (gen.CreateSandboxBody, clade.Sandboxes.create, {}),
         (gen.CreateVolumeBody, clade.Volumes.create, {}),
+        (gen.CreateDatabaseBody, clade.Databases.create, {}),
+        (gen.CloneBody, clade.Databases.clone, {}),
+        (gen.PatchDatabaseBody, clade.Databases.update, {}),
         (gen.CreateToken, clade.Keys.create, {"name": "label"}),
         (gen.ExecBody, clade.Sandbox.exec, {"timeout_seconds": "timeout"}),
         (gen.ExecBody, clade.Sandbox.exec_stream, {"timeout_seconds": "timeout"}),

@@ -83,6 +83,38 @@ function docComment(text, indent) {
   return `${indent}/**\n${lines.map((l) => `${indent} * ${l}`.trimEnd()).join('\n')}\n${indent} */\n`;
 }
 
+/**
+ * A schema made of others (`allOf`, as a `#[serde(flatten)]` field makes
+ * it) as one object schema: its own properties first, then those of the
+ * schemas it takes in. A part that may be null (`oneOf` null or a schema)
+ * gives properties that are never required.
+ */
+function flatten(schema, schemas) {
+  if (!schema?.allOf) return schema;
+  const own = [];
+  const taken = [];
+  for (let part of schema.allOf) {
+    let mayBeNull = false;
+    const options = part.oneOf ?? part.anyOf;
+    if (options) {
+      const concrete = options.filter((o) => o.type !== 'null');
+      if (concrete.length !== 1) throw new Error(`allOf part ${JSON.stringify(part)} is not one schema or null`);
+      part = concrete[0];
+      mayBeNull = concrete.length < options.length;
+    }
+    if (part.$ref) taken.push([flatten(schemas[refName(part.$ref)], schemas), mayBeNull]);
+    else own.push([flatten(part, schemas), mayBeNull]);
+  }
+  const properties = {};
+  const required = [];
+  for (const [part, mayBeNull] of [...own, ...taken]) {
+    Object.assign(properties, part.properties ?? {});
+    if (!mayBeNull) required.push(...(part.required ?? []));
+  }
+  const { allOf: _parts, ...rest } = schema;
+  return { ...rest, type: 'object', properties, required };
+}
+
 /** The file's text for an OpenAPI document. */
 export function generate(doc) {
   const schemas = doc.components?.schemas ?? {};
@@ -93,7 +125,7 @@ export function generate(doc) {
   out += '// Property names are camelCase; SCHEMAS maps each to its snake_case wire name.\n\n';
   const table = {};
   for (const name of names) {
-    const schema = schemas[name];
+    const schema = flatten(schemas[name], schemas);
     out += docComment(schema.description, '');
     if (schema.properties) {
       const required = new Set(schema.required ?? []);

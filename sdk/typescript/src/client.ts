@@ -2,6 +2,7 @@
 
 import { Transport, type RequestOptions } from './http.js';
 import type { Health, Me, Version } from './models.js';
+import { Databases } from './resources/databases.js';
 import { Keys } from './resources/keys.js';
 import { Sandboxes } from './resources/sandboxes.js';
 import { Snapshots } from './resources/snapshots.js';
@@ -34,6 +35,7 @@ export class Clade {
   readonly templates: Templates;
   readonly volumes: Volumes;
   readonly keys: Keys;
+  readonly databases: Databases;
   private readonly transport: Transport;
   private settings: Promise<ResolvedSettings> | undefined;
 
@@ -52,6 +54,7 @@ export class Clade {
     this.templates = new Templates(this.transport);
     this.volumes = new Volumes(this.transport);
     this.keys = new Keys(this.transport);
+    this.databases = new Databases(this.transport);
   }
 
   /** The server and key this client uses (after options, environment and config file). */

@@ -7,6 +7,8 @@
  * is a {@link CommandExitError}.
  */
 
+import type { DatabaseInfo } from './models.js';
+
 /** The base of every error this SDK throws. */
 export class CladeError extends Error {
   override name = 'CladeError';
@@ -172,4 +174,30 @@ export class CommandExitError extends CladeError {
 /** A stream (events, logs, a cell) ended with an error event from the server. */
 export class StreamError extends CladeError {
   override name = 'StreamError';
+}
+
+/** A database being waited for ended `failed`; `database.error` says why. */
+export class DatabaseFailedError extends CladeError {
+  override name = 'DatabaseFailedError';
+  readonly database: DatabaseInfo;
+
+  constructor(database: DatabaseInfo) {
+    super(`database ${database.id} failed: ${database.error || 'no reason given'}`);
+    this.database = database;
+  }
+}
+
+/**
+ * A database was not ready by the wait's deadline. It is not deleted:
+ * `database` is what the server last said of it, and waiting again may
+ * still see it ready.
+ */
+export class DatabaseTimeoutError extends CladeError {
+  override name = 'DatabaseTimeoutError';
+  readonly database: DatabaseInfo;
+
+  constructor(database: DatabaseInfo, deadlineMs: number) {
+    super(`database ${database.id} is still ${database.status} after ${deadlineMs} ms`);
+    this.database = database;
+  }
 }

@@ -62,6 +62,8 @@ export interface ApiRequest {
   stream?: boolean | undefined;
   /** No API key (health, version). */
   anonymous?: boolean | undefined;
+  /** A credential of its own sent instead of the API key (a database broker's token). */
+  bearer?: string | undefined;
 }
 
 export interface TransportConfig {
@@ -113,14 +115,15 @@ export class Transport {
 
   private async send<T>(request: ApiRequest, options: RequestOptions, read: (response: Response) => Promise<T>): Promise<T> {
     const settings = await this.config.settings();
-    if (!request.anonymous && !settings.apiKey) throw missingKeyError();
+    if (!request.anonymous && request.bearer === undefined && !settings.apiKey) throw missingKeyError();
     const url = buildUrl(settings.baseUrl, request.path, request.query);
     const headers: Record<string, string> = {
       'User-Agent': `clade-sdk-typescript/${SDK_VERSION}`,
       ...this.config.defaultHeaders,
       ...options.headers,
     };
-    if (!request.anonymous && settings.apiKey) headers['Authorization'] = `Bearer ${settings.apiKey}`;
+    const bearer = request.bearer ?? (request.anonymous ? undefined : settings.apiKey);
+    if (bearer) headers['Authorization'] = `Bearer ${bearer}`;
     if (request.accept) headers['Accept'] = request.accept;
     if (request.idempotent) headers['Idempotency-Key'] ??= randomUuid();
     let body: BodyInit | undefined;
@@ -263,7 +266,8 @@ function backoff(attempt: number): number {
   return full * (0.75 + Math.random() * 0.25);
 }
 
-function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
+/** Waits `ms`; an abort of `signal` ends the wait with its AbortError. */
+export function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
   return new Promise((resolve, reject) => {
     if (signal?.aborted) return reject(abortError(signal));
     const timer = setTimeout(() => {

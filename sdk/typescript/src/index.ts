@@ -20,6 +20,7 @@ export { Snapshots } from './resources/snapshots.js';
 export { Templates, TemplateBuilds, type BuildParams } from './resources/templates.js';
 export { Volumes } from './resources/volumes.js';
 export { Keys } from './resources/keys.js';
+export { Databases, DATABASE_DEADLINE_MS, type DatabaseCreateOptions, type DatabaseWaitOptions, type QueryOptions } from './resources/databases.js';
 export type { RequestOptions } from './http.js';
 export type { FileContent } from './bytes.js';
 export { DEFAULT_API_URL, type ResolvedSettings } from './settings.js';

@@ -51,6 +51,41 @@ export type CreateKeyParams = api.CreateToken;
 export type CreateSandboxParams = api.CreateSandboxBody;
 /** What a volume is created with: its name and size (MiB, 16 to 65536; 256 by default). */
 export type CreateVolumeParams = api.CreateVolumeBody & { name: string };
+/**
+ * A managed PostgreSQL database. Its credentials (`connectionUrl`,
+ * `password`, `brokerToken`…) are there once it is ready, never in lists.
+ */
+export type DatabaseInfo = api.DatabaseInfo;
+/** How to reach a ready database: its `connectionUrl`, and the HTTP broker's URL and token. */
+export type ConnectionInfo = api.ConnectionInfo;
+/** What a statement run through the broker answered: its columns, rows (JSON values by column type), count and command tag. */
+export type QueryResult = api.QueryResult;
+/** A column of a {@link QueryResult}: its name and PostgreSQL's name of its type (`int4`, `text`…). */
+export type QueryColumn = api.Column;
+/**
+ * What a database is made with; every field is optional: `size` `1g`
+ * (512 MiB of memory, the default), `4g` or `16g`, or `cpu` (1 to 8) and
+ * `memoryMb` (256 to 16384); `alwaysOn`: never idled into hibernation.
+ */
+export type CreateDatabaseParams = api.CreateDatabaseBody;
+/**
+ * What a clone is made with: a `label` (`<label> (clone)` by default), and
+ * `targetTime` (RFC 3339) for the source as it was then. A clone keeps its
+ * source's `size` (another is a BadRequestError).
+ */
+export type CloneDatabaseParams = api.CloneBody;
+/** What a database's settings are changed with: `alwaysOn`, never idled into hibernation. */
+export type UpdateDatabaseParams = api.PatchDatabaseBody;
+
+/** A database's figures, as its own server counts them. */
+export interface DatabaseStats {
+  /** The server's whole version, e.g. `15.10 (Debian 15.10-0+deb12u1)`. */
+  postgresVersion: string;
+  dbSizeBytes: number;
+  /** Sessions open now, the query that counted them not included. */
+  connections: number;
+  maxConnections: number;
+}
 
 /** One event of a streamed command, in order: output chunks, then `exit` (or `error`). */
 export type ExecEvent =

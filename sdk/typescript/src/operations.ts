@@ -67,6 +67,19 @@ export const OPERATIONS: Readonly<Record<string, string>> = {
   addPort: 'sandbox.ports.add',
   removePort: 'sandbox.ports.remove',
   createPreviewToken: 'sandbox.ports.createPreviewToken',
+  listDatabases: 'client.databases.list',
+  createDatabase: 'client.databases.create',
+  getDatabase: 'client.databases.get',
+  updateDatabase: 'client.databases.update',
+  deleteDatabase: 'client.databases.delete',
+  databaseConnection: 'client.databases.connection',
+  resetDatabaseCredentials: 'client.databases.resetCredentials',
+  wakeDatabase: 'client.databases.wake',
+  cloneDatabase: 'client.databases.clone',
+  failoverDatabase: 'client.databases.failover',
+  databaseStats: 'client.databases.stats',
+  databaseLogs: 'client.databases.logs',
+  databaseQuery: 'client.databases.query',
 };
 
 /** Operations the SDK does not wrap, and why. */

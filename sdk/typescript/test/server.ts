@@ -55,7 +55,7 @@ export interface RunningServer {
   dataDir: string;
   bin: string;
   logPath: string;
-  /** What the tests created and did not delete: sandboxes, volumes and snapshots of both workspaces. */
+  /** What the tests created and did not delete: sandboxes, volumes, snapshots and databases of both workspaces. */
   leftovers(): Promise<string[]>;
   stop(): Promise<void>;
 }
@@ -74,7 +74,8 @@ export async function startServer(): Promise<RunningServer> {
   const log = openSync(logPath, 'a');
   const child: ChildProcess = spawn(
     bin,
-    ['server', '--data-dir', dataDir, '--listen', `127.0.0.1:${port}`, '--standby-horizon', '30'],
+    // The databases' PostgreSQL endpoint on a free port: never another server's 5433.
+    ['server', '--data-dir', dataDir, '--listen', `127.0.0.1:${port}`, '--standby-horizon', '30', '--db-listen', '127.0.0.1:0'],
     { stdio: ['ignore', log, log], env, detached: true },
   );
   let exited = false;
@@ -130,6 +131,8 @@ async function listLeftovers(url: string, keys: string[]): Promise<string[]> {
     found.push(...volumes.map((v) => `volume ${v.name}`));
     const snapshots = ((await get('/v1/snapshots')) as { snapshots: { id: string }[] }).snapshots;
     found.push(...snapshots.map((s) => `snapshot ${s.id}`));
+    const databases = ((await get('/v1/databases')) as { items: { id: string; label?: string }[] }).items;
+    found.push(...databases.map((d) => `database ${d.id} ${d.label ?? ''}`.trimEnd()));
   }
   return found;
 }

@@ -13,6 +13,7 @@ from ._async import (
     AsyncBuilds,
     AsyncClade,
     AsyncCodeContext,
+    AsyncDatabases,
     AsyncFiles,
     AsyncKeys,
     AsyncLimits,
@@ -34,6 +35,8 @@ from ._errors import (
     CladeError,
     CommandFailedError,
     ConflictError,
+    DatabaseFailedError,
+    DatabaseTimeoutError,
     GatewayTimeoutError,
     InsufficientStorageError,
     InternalServerError,
@@ -47,6 +50,8 @@ from ._errors import (
 )
 from ._generated import (
     CodeContext as CodeContextInfo,
+    ConnectionInfo,
+    DatabaseInfo,
     Event,
     ExecResult,
     FileEntry,
@@ -57,6 +62,7 @@ from ._generated import (
     PortInfo,
     PreviewToken,
     PromoteResult,
+    QueryResult,
     Snapshot,
     Template,
     TemplateBuild,
@@ -65,6 +71,7 @@ from ._generated import (
     VolumeAttachment,
     Written,
 )
+from ._generated import Column as QueryColumn
 from ._generated import Limits as LimitsInfo
 from ._generated import Sandbox as SandboxInfo
 from ._models import (
@@ -72,6 +79,7 @@ from ._models import (
     CellError,
     CellResult,
     CodeEvent,
+    DatabaseStats,
     ExecEvent,
     Execution,
     Exit,
@@ -85,6 +93,7 @@ from ._sync import (
     Builds,
     Clade,
     CodeContext,
+    Databases,
     Files,
     Keys,
     Limits,
@@ -105,6 +114,7 @@ __all__ = [
     "AsyncBuilds",
     "AsyncClade",
     "AsyncCodeContext",
+    "AsyncDatabases",
     "AsyncFiles",
     "AsyncKeys",
     "AsyncLimits",
@@ -129,6 +139,12 @@ __all__ = [
     "CodeEvent",
     "CommandFailedError",
     "ConflictError",
+    "ConnectionInfo",
+    "DatabaseFailedError",
+    "DatabaseInfo",
+    "DatabaseStats",
+    "DatabaseTimeoutError",
+    "Databases",
     "Event",
     "ExecEvent",
     "ExecResult",
@@ -155,6 +171,8 @@ __all__ = [
     "Ports",
     "PreviewToken",
     "PromoteResult",
+    "QueryColumn",
+    "QueryResult",
     "RateLimitedError",
     "Result",
     "Sandbox",

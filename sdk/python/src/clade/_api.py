@@ -11,13 +11,13 @@ from __future__ import annotations
 import ipaddress
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generic, List, Mapping, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Generic, List, Mapping, Optional, Sequence, TypeVar, Union
 from urllib.parse import quote
 
 import httpx
 
 from . import _generated as gen
-from ._models import Execution
+from ._models import DatabaseStats, Execution
 
 T = TypeVar("T")
 
@@ -84,6 +84,19 @@ OPERATIONS: Dict[str, str] = {
     "addPort": "Ports.add",
     "removePort": "Ports.remove",
     "createPreviewToken": "Sandbox.preview_token",
+    "listDatabases": "databases.list",
+    "createDatabase": "databases.create",
+    "getDatabase": "databases.get",
+    "updateDatabase": "databases.update",
+    "deleteDatabase": "databases.delete",
+    "databaseConnection": "databases.connection",
+    "resetDatabaseCredentials": "databases.reset_credentials",
+    "wakeDatabase": "databases.wake",
+    "cloneDatabase": "databases.clone",
+    "failoverDatabase": "databases.failover",
+    "databaseStats": "databases.stats",
+    "databaseLogs": "databases.logs",
+    "databaseQuery": "databases.query",
 }
 
 #: Operations the SDK does not call, and why.
@@ -478,6 +491,71 @@ def delete_volume(name: str) -> Call[None]:
 
 def resize_volume(name: str, size_mb: int) -> Call[gen.Volume]:
     return Call("resizeVolume", "PATCH", f"/v1/volumes/{_segment(name)}", _json(gen.Volume.from_json), json={"size_mb": size_mb})
+
+
+# Databases ---------------------------------------------------------------
+
+def database_path(database_id: str, rest: str = "") -> str:
+    return f"/v1/databases/{_segment(database_id)}{rest}"
+
+
+def list_databases() -> Call[List[gen.DatabaseInfo]]:
+    return Call("listDatabases", "GET", "/v1/databases", lambda r: gen.DatabaseList.from_json(r.json()).items)
+
+
+def create_database(body: gen.CreateDatabaseBody) -> Call[gen.DatabaseInfo]:
+    # No Idempotency-Key (the route takes none): a create is sent once.
+    return Call("createDatabase", "POST", "/v1/databases", _json(gen.DatabaseInfo.from_json), json=body.to_json())
+
+
+def get_database(database_id: str) -> Call[gen.DatabaseInfo]:
+    return Call("getDatabase", "GET", database_path(database_id), _json(gen.DatabaseInfo.from_json))
+
+
+def update_database(database_id: str, always_on: Optional[bool]) -> Call[gen.DatabaseInfo]:
+    body = gen.PatchDatabaseBody(always_on=always_on).to_json()
+    return Call("updateDatabase", "PATCH", database_path(database_id), _json(gen.DatabaseInfo.from_json), json=body)
+
+
+def delete_database(database_id: str) -> Call[None]:
+    return Call("deleteDatabase", "DELETE", database_path(database_id), _nothing)
+
+
+def database_connection(database_id: str) -> Call[gen.ConnectionInfo]:
+    return Call("databaseConnection", "GET", database_path(database_id, "/connection"), _json(gen.ConnectionInfo.from_json))
+
+
+def reset_database_credentials(database_id: str) -> Call[gen.DatabaseInfo]:
+    return Call("resetDatabaseCredentials", "POST", database_path(database_id, "/reset-credentials"), _json(gen.DatabaseInfo.from_json))
+
+
+def wake_database(database_id: str) -> Call[str]:
+    return Call("wakeDatabase", "POST", database_path(database_id, "/wake"), lambda r: gen.WakeStatus.from_json(r.json()).status)
+
+
+def clone_database(database_id: str, label: Optional[str], size: Optional[str], target_time: Optional[str]) -> Call[gen.DatabaseInfo]:
+    body = gen.CloneBody(label=label, size=size, target_time=target_time).to_json()
+    return Call("cloneDatabase", "POST", database_path(database_id, "/clone"), _json(gen.DatabaseInfo.from_json), json=body)
+
+
+def failover_database(database_id: str) -> Call[gen.DatabaseInfo]:
+    return Call("failoverDatabase", "POST", database_path(database_id, "/failover"), _json(gen.DatabaseInfo.from_json))
+
+
+def database_stats(database_id: str) -> Call[DatabaseStats]:
+    return Call("databaseStats", "GET", database_path(database_id, "/stats"), _json(DatabaseStats.from_json))
+
+
+def database_logs(database_id: str) -> Call[str]:
+    return Call("databaseLogs", "GET", database_path(database_id, "/logs"), lambda r: gen.DatabaseLogs.from_json(r.json()).logs)
+
+
+def database_query(database_id: str, sql: str, params: Optional[Sequence[Any]], broker_token: str) -> Call[gen.QueryResult]:
+    """The broker is opened by the database's broker token, which replaces
+    the client's API key on this request."""
+    body = gen.QueryRequest(sql=sql, params=None if params is None else list(params)).to_json()
+    return Call("databaseQuery", "POST", database_path(database_id, "/proxy"), _json(gen.QueryResult.from_json), json=body,
+                headers={"Authorization": f"Bearer {broker_token}"})
 
 
 # Forks -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from types import TracebackType
-from typing import IO, Dict, List, Mapping, Optional, Sequence, Type, Union
+from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Type, Union
 
 import httpx
 
@@ -20,8 +20,8 @@ from . import _api as api
 from . import _generated as gen
 from ._async_io import INTERRUPTIONS, run_blocking, run_shielded, sleep
 from ._async_transport import AsyncTransport, async_sse_events
-from ._errors import CommandFailedError, ConflictError, NotFoundError, StreamError
-from ._models import CodeEvent, Execution, ExecEvent, Exit, ForkTree, code_event, exec_event
+from ._errors import CommandFailedError, ConflictError, DatabaseFailedError, DatabaseTimeoutError, NotFoundError, StreamError
+from ._models import CodeEvent, DatabaseStats, Execution, ExecEvent, Exit, ForkTree, code_event, exec_event
 from ._retry import DEFAULT_MAX_RETRIES, RetryPolicy
 from ._settings import resolve_settings
 from ._streams import AsyncEvents, AsyncStream, event_json
@@ -29,6 +29,13 @@ from ._transport import DEFAULT_TIMEOUT
 from ._uploads import CHUNK_SIZE, AsyncUploadSource, async_upload_body
 
 Destination = Union[str, "os.PathLike[str]", IO[bytes]]
+
+#: Seconds a create or clone waits for its database by default (the first
+#: database of a size bakes its template: tens of seconds under TCG).
+DATABASE_WAIT_TIMEOUT = 300.0
+#: Polling a database being made: the first look soon, then less often.
+DATABASE_POLL_FIRST = 0.25
+DATABASE_POLL_MAX = 2.0
 
 
 class AsyncClade:
@@ -58,6 +65,7 @@ class AsyncClade:
         self.volumes = AsyncVolumes(self._transport)
         self.snapshots = AsyncSnapshots(self._transport)
         self.keys = AsyncKeys(self._transport)
+        self.databases = AsyncDatabases(self._transport)
 
     @property
     def base_url(self) -> str:
@@ -707,3 +715,144 @@ class AsyncKeys:
 
     async def revoke(self, prefix: str) -> None:
         await self._transport.request(api.revoke_token(prefix))
+
+
+class AsyncDatabases:
+    """Managed PostgreSQL 15 databases. Each runs in a sandbox of the
+    workspace; clients connect with its `connection_url` (TLS, through the
+    server's PostgreSQL endpoint), or run statements over HTTP with `query`."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(
+        self,
+        *,
+        size: Optional[str] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        label: Optional[str] = None,
+        always_on: Optional[bool] = None,
+        wait: bool = True,
+        timeout: float = DATABASE_WAIT_TIMEOUT,
+    ) -> gen.DatabaseInfo:
+        """A new database: `size` `1g` (512 MiB of memory, the default), `4g`
+        or `16g`, or `cpu` (1 to 8) and `memory_mb` (256 to 16384). With
+        `wait` it is returned running, with its credentials (raises
+        `DatabaseFailedError`, or `DatabaseTimeoutError` after `timeout`
+        seconds); without, as the server recorded it (`provisioning`).
+        Interrupted while waiting (Ctrl-C, a cancelled task), it deletes the
+        database it was making."""
+        body = gen.CreateDatabaseBody(size=size, cpu=cpu, memory_mb=memory_mb, label=label, always_on=always_on)
+        info = await self._transport.request(api.create_database(body))
+        return await self._wait_for_new(info, wait, timeout)
+
+    async def wait(self, database_id: str, *, timeout: float = DATABASE_WAIT_TIMEOUT) -> gen.DatabaseInfo:
+        """The database once it is ready (running, or hibernated: a connection
+        wakes it), with its credentials. Polls with a growing interval;
+        `DatabaseFailedError` if it fails, `DatabaseTimeoutError` after
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        interval = DATABASE_POLL_FIRST
+        while True:
+            info = await self.get(database_id)
+            if info.status in ("running", "hibernated") and info.connection_url:
+                return info
+            if info.status == "failed":
+                raise DatabaseFailedError(info)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DatabaseTimeoutError(info, timeout)
+            await sleep(min(interval, left))
+            interval = min(interval * 1.5, DATABASE_POLL_MAX)
+
+    async def _wait_for_new(self, info: gen.DatabaseInfo, wait: bool, timeout: float) -> gen.DatabaseInfo:
+        if not wait:
+            return info
+        try:
+            return await self.wait(info.id, timeout=timeout)
+        except INTERRUPTIONS:
+            # The caller never got its id: a database left behind would be nobody's.
+            await run_shielded(lambda: self._delete_if_present(info.id))
+            raise
+
+    async def _delete_if_present(self, database_id: str) -> None:
+        try:
+            await self.delete(database_id)
+        except NotFoundError:
+            pass
+
+    async def list(self) -> List[gen.DatabaseInfo]:
+        """The workspace's databases, oldest first, without credentials."""
+        return await self._transport.request(api.list_databases())
+
+    async def get(self, database_id: str) -> gen.DatabaseInfo:
+        """A database, with its credentials once it is ready."""
+        return await self._transport.request(api.get_database(database_id))
+
+    async def update(self, database_id: str, *, always_on: Optional[bool] = None) -> gen.DatabaseInfo:
+        """`always_on=True`: never idled into hibernation."""
+        return await self._transport.request(api.update_database(database_id, always_on))
+
+    async def delete(self, database_id: str) -> None:
+        """Deletes it with its data and its sandbox."""
+        await self._transport.request(api.delete_database(database_id))
+
+    async def connection(self, database_id: str) -> gen.ConnectionInfo:
+        """Its `connection_url`, `broker_url` and `broker_token`
+        (`ServiceUnavailableError` until it is ready)."""
+        return await self._transport.request(api.database_connection(database_id))
+
+    async def reset_credentials(self, database_id: str) -> gen.DatabaseInfo:
+        """A new password and broker token; the old ones open nothing, and
+        the sessions opened with them are ended."""
+        return await self._transport.request(api.reset_database_credentials(database_id))
+
+    async def wake(self, database_id: str) -> str:
+        """Restores a hibernated database (a connection would too); its status."""
+        return await self._transport.request(api.wake_database(database_id))
+
+    async def clone(
+        self,
+        database_id: str,
+        *,
+        label: Optional[str] = None,
+        size: Optional[str] = None,
+        target_time: Optional[str] = None,
+        wait: bool = True,
+        timeout: float = DATABASE_WAIT_TIMEOUT,
+    ) -> gen.DatabaseInfo:
+        """A new database with credentials of its own and the source's data as
+        it is now (a copy-on-write fork of its VM), or with `target_time`
+        (RFC 3339) as it was then (point-in-time recovery from its archived
+        WAL). `label` defaults to `<label> (clone)`. A clone keeps its
+        source's size (another `size` is a `BadRequestError`). `wait` and
+        `timeout` as for `create`."""
+        info = await self._transport.request(api.clone_database(database_id, label, size, target_time))
+        return await self._wait_for_new(info, wait, timeout)
+
+    async def failover(self, database_id: str) -> gen.DatabaseInfo:
+        """Rebuilding a failed database from its backups: not offered yet (the
+        server answers 501, an `InternalServerError` with the reason)."""
+        return await self._transport.request(api.failover_database(database_id))
+
+    async def stats(self, database_id: str) -> DatabaseStats:
+        return await self._transport.request(api.database_stats(database_id))
+
+    async def logs(self, database_id: str) -> str:
+        """The end of its server's log (at most 256 KiB)."""
+        return await self._transport.request(api.database_logs(database_id))
+
+    async def query(
+        self, database_id: str, sql: str, params: Optional[Sequence[Any]] = None, *, broker_token: Optional[str] = None
+    ) -> gen.QueryResult:
+        """Runs one statement through the database's HTTP broker, `$1`, `$2`…
+        taken from `params` (PostgreSQL reads each as the type it infers
+        for its placeholder). The broker is opened by the database's broker
+        token, not the API key: `broker_token`, else the one `connection()`
+        answers (one request more). A SQL error is a `BadRequestError` with
+        its SQLSTATE; a token that is not the database's, an
+        `AuthenticationError`. Not retried: the statement may write."""
+        token = broker_token or (await self.connection(database_id)).broker_token
+        return await self._transport.request(api.database_query(database_id, sql, params, token))
+

@@ -8,7 +8,10 @@ header), and shows them in its message."""
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Mapping, Optional, Type
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type
+
+if TYPE_CHECKING:
+    from ._generated import DatabaseInfo
 
 
 class CladeError(Exception):
@@ -134,6 +137,25 @@ class CommandFailedError(CladeError):
 
 class StreamError(CladeError):
     """A stream ended with an error event, or before its last event."""
+
+
+class DatabaseFailedError(CladeError):
+    """A database being waited for ended `failed`; `database.error` says why."""
+
+    def __init__(self, database: DatabaseInfo) -> None:
+        self.database = database
+        super().__init__(f"database {database.id} failed: {database.error or 'no reason given'}")
+
+
+class DatabaseTimeoutError(CladeError):
+    """A database was not ready within the wait's timeout. It is not deleted:
+    `database` is what the server last said of it, and waiting again may
+    still see it ready."""
+
+    def __init__(self, database: DatabaseInfo, timeout: float) -> None:
+        self.database = database
+        self.timeout = timeout
+        super().__init__(f"database {database.id} is still {database.status} after {timeout:g} s")
 
 
 _BY_STATUS: Dict[int, Type[APIStatusError]] = {

@@ -337,6 +337,76 @@ class Credentials(Model):
 
 
 @dataclasses.dataclass
+class DatabaseInfo(Model):
+    """A managed PostgreSQL database (PandaStack's DatabaseInfo)."""
+
+    id: str
+    #: `provisioning`, `running`, `hibernated` (a connection wakes it) or `failed`.
+    status: str
+    #: The template its sandbox is of (`postgres`: PostgreSQL 15, Debian's).
+    template: str
+    #: PostgreSQL's major version.
+    postgres_version: str
+    #: Unix seconds.
+    created_at: int
+    #: `1g`, `4g` or `16g`.
+    size: str
+    cpu: int
+    memory_mb: int
+    #: Never idled into hibernation.
+    always_on: bool
+    #: Rebuilding a database from its base backup and WAL is not offered yet.
+    failover_available: bool
+    label: Optional[str] = None
+    #: The sandbox that runs its server (of the same workspace).
+    sandbox_id: Optional[str] = None
+    cloned_from: Optional[str] = None
+    #: Why it failed.
+    error: Optional[str] = None
+    failover_reason: Optional[str] = None
+    #: The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by).
+    host: Optional[str] = None
+    port: Optional[int] = None
+    database: Optional[str] = None
+    username: Optional[str] = None
+    password: Optional[str] = None
+    #: `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not
+    #: resolve).
+    connection_url: Optional[str] = None
+    #: `POST` a query here with `Authorization: Bearer <broker_token>`.
+    broker_url: Optional[str] = None
+    broker_token: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DatabaseInfo:
+        return cls(
+            id=data["id"],
+            status=data["status"],
+            template=data["template"],
+            postgres_version=data["postgres_version"],
+            created_at=data["created_at"],
+            size=data["size"],
+            cpu=data["cpu"],
+            memory_mb=data["memory_mb"],
+            always_on=data["always_on"],
+            failover_available=data["failover_available"],
+            label=data.get("label"),
+            sandbox_id=data.get("sandbox_id"),
+            cloned_from=data.get("cloned_from"),
+            error=data.get("error"),
+            failover_reason=data.get("failover_reason"),
+            host=data.get("host"),
+            port=data.get("port"),
+            database=data.get("database"),
+            username=data.get("username"),
+            password=data.get("password"),
+            connection_url=data.get("connection_url"),
+            broker_url=data.get("broker_url"),
+            broker_token=data.get("broker_token"),
+        )
+
+
+@dataclasses.dataclass
 class DatabaseList(Model):
     """What `GET /v1/databases` answers."""
 
@@ -1465,6 +1535,7 @@ MODELS = {
     "CreateToken": CreateToken,
     "CreateVolumeBody": CreateVolumeBody,
     "Credentials": Credentials,
+    "DatabaseInfo": DatabaseInfo,
     "DatabaseList": DatabaseList,
     "DatabaseLogs": DatabaseLogs,
     "DirListing": DirListing,

@@ -204,3 +204,24 @@ class ForkTree(Generic[S]):
     at: str
     children: List[S]
     errors: List[gen.ChildError]
+
+
+@dataclass(frozen=True)
+class DatabaseStats:
+    """A database's figures, as its own server counts them (`databases.stats`)."""
+
+    #: The server's whole version, e.g. `15.10 (Debian 15.10-0+deb12u1)`.
+    postgres_version: str
+    db_size_bytes: int
+    #: Sessions open now, the query that counted them not included.
+    connections: int
+    max_connections: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DatabaseStats:
+        return cls(
+            postgres_version=str(data["postgres_version"]),
+            db_size_bytes=int(data["db_size_bytes"]),
+            connections=int(data["connections"]),
+            max_connections=int(data["max_connections"]),
+        )

@@ -235,7 +235,75 @@ export interface Credentials {
 }
 
 /** A managed PostgreSQL database (PandaStack's DatabaseInfo). */
-export type DatabaseInfo = unknown;
+export interface DatabaseInfo {
+  id: string;
+  /** `provisioning`, `running`, `hibernated` (a connection wakes it) or `failed`. */
+  status: string;
+  /** The template its sandbox is of (`postgres`: PostgreSQL 15, Debian's). */
+  template: string;
+  /**
+   * PostgreSQL's major version.
+   *
+   * Wire name: `postgres_version`.
+   */
+  postgresVersion: string;
+  label?: string | null;
+  /**
+   * Unix seconds.
+   *
+   * Wire name: `created_at`.
+   */
+  createdAt: number;
+  /** `1g`, `4g` or `16g`. */
+  size: string;
+  cpu: number;
+  /** Wire name: `memory_mb`. */
+  memoryMb: number;
+  /**
+   * Never idled into hibernation.
+   *
+   * Wire name: `always_on`.
+   */
+  alwaysOn: boolean;
+  /**
+   * The sandbox that runs its server (of the same workspace).
+   *
+   * Wire name: `sandbox_id`.
+   */
+  sandboxId?: string | null;
+  /** Wire name: `cloned_from`. */
+  clonedFrom?: string | null;
+  /** Why it failed. */
+  error?: string | null;
+  /**
+   * Rebuilding a database from its base backup and WAL is not offered yet.
+   *
+   * Wire name: `failover_available`.
+   */
+  failoverAvailable: boolean;
+  /** Wire name: `failover_reason`. */
+  failoverReason?: string | null;
+  /** The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by). */
+  host?: string;
+  port?: number;
+  database?: string;
+  username?: string;
+  password?: string;
+  /**
+   * `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not resolve).
+   *
+   * Wire name: `connection_url`.
+   */
+  connectionUrl?: string;
+  /**
+   * `POST` a query here with `Authorization: Bearer <broker_token>`.
+   *
+   * Wire name: `broker_url`.
+   */
+  brokerUrl?: string;
+  /** Wire name: `broker_token`. */
+  brokerToken?: string;
+}
 
 /** What `GET /v1/databases` answers. */
 export interface DatabaseList {
@@ -1172,6 +1240,31 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     sizeMb: { wire: 'size_mb' },
   },
   Credentials: {
+    host: { wire: 'host' },
+    port: { wire: 'port' },
+    database: { wire: 'database' },
+    username: { wire: 'username' },
+    password: { wire: 'password' },
+    connectionUrl: { wire: 'connection_url' },
+    brokerUrl: { wire: 'broker_url' },
+    brokerToken: { wire: 'broker_token' },
+  },
+  DatabaseInfo: {
+    id: { wire: 'id' },
+    status: { wire: 'status' },
+    template: { wire: 'template' },
+    postgresVersion: { wire: 'postgres_version' },
+    label: { wire: 'label' },
+    createdAt: { wire: 'created_at' },
+    size: { wire: 'size' },
+    cpu: { wire: 'cpu' },
+    memoryMb: { wire: 'memory_mb' },
+    alwaysOn: { wire: 'always_on' },
+    sandboxId: { wire: 'sandbox_id' },
+    clonedFrom: { wire: 'cloned_from' },
+    error: { wire: 'error' },
+    failoverAvailable: { wire: 'failover_available' },
+    failoverReason: { wire: 'failover_reason' },
     host: { wire: 'host' },
     port: { wire: 'port' },
     database: { wire: 'database' },
