@@ -440,12 +440,12 @@ fn templates_through_the_cli() {
     let table = text(&ok(&mut server.clade(&["template", "ls"])));
     let header = table.lines().next().unwrap();
     assert!(header.starts_with("NAME") && header.contains("ALIAS OF") && header.contains("BUILT"), "{table}");
-    for name in ["base", "code-interpreter", "agent"] {
+    for name in ["base", "code-interpreter", "agent", "postgres"] {
         assert!(table.lines().any(|l| l.starts_with(&format!("{name} "))), "{name}: {table}");
     }
     assert!(table.lines().any(|l| l.starts_with("ubuntu-24.04") && l.contains("→ base")), "{table}");
     let listed = ok_json(&mut server.clade(&["template", "ls", "--json"]));
-    assert_eq!(listed.as_array().unwrap().len(), 4);
+    assert_eq!(listed.as_array().unwrap().len(), 5);
     assert_eq!(ok_json(&mut server.clade(&["template", "get", "agent"]))["base"], "base");
     let out = output(&mut server.clade(&["template", "rm", "base"]), None);
     assert_eq!(out.status.code(), Some(125));

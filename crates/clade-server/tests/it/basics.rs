@@ -127,7 +127,7 @@ async fn every_error_is_a_flat_envelope_with_a_request_id() {
     templates.expect(200);
     let templates = templates.json();
     let names: Vec<&str> = templates.as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["base", "code-interpreter", "agent", "ubuntu-24.04"], "a bare array: the images, then the aliases");
+    assert_eq!(names, ["base", "code-interpreter", "agent", "postgres", "ubuntu-24.04"], "a bare array: the images, then the aliases");
     for t in templates.as_array().unwrap() {
         assert_eq!(t["is_global"], true, "{t}");
         assert!(t["cpu"].as_u64().unwrap() >= 1 && t["memory_mb"].as_u64().unwrap() >= 128, "{t}");
