@@ -125,3 +125,9 @@ pub async fn first_start(store: &Store, data_dir: &Path) -> Result<Option<String
     write().map_err(|source| BootstrapError::Write { path: path.clone(), source })?;
     Ok(Some(new.secret))
 }
+
+/// Whether two secrets are equal, in a time that does not depend on where
+/// they first differ (tokens compared with what a caller sent).
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -29,6 +29,7 @@ use clade_proto::{Command, ExecRequest};
 use clade_store::{DatabaseRow, DatabaseStatus, SandboxState, Store, Workspace};
 use futures::future::BoxFuture;
 
+use crate::auth::constant_time_eq;
 use crate::error::{agent_error, chain, ApiError};
 use crate::sandbox::{CreateParams, ForkParams, SandboxService};
 
@@ -179,6 +180,18 @@ impl DatabaseService {
         self.endpoint.get()
     }
 
+    /// 429 (no Retry-After) when the workspace has all the databases it may.
+    async fn check_quota(&self, workspace_id: &str) -> Result<(), ApiError> {
+        if self.store().count_databases(workspace_id).await? >= MAX_DATABASES {
+            return Err(ApiError::TooManyRequests {
+                message: format!("database quota reached: a workspace may have {MAX_DATABASES} databases; delete one first"),
+                retry_after: None,
+                workspace: None,
+            });
+        }
+        Ok(())
+    }
+
     /// Records the database and makes it in the background; answers at once.
     pub async fn create(&self, workspace: &Workspace, request: CreateDatabase) -> Result<DatabaseView, ApiError> {
         let size = match request.size.as_deref().filter(|s| !s.is_empty()) {
@@ -193,13 +206,7 @@ impl DatabaseService {
         let cpu = bounded("cpu", request.cpu, CPU_RANGE)?.unwrap_or(1);
         let memory_mb = bounded("memory_mb", request.memory_mb, MEMORY_RANGE)?.unwrap_or(size.memory_mb);
         let label = check_label(request.label)?;
-        if self.store().count_databases(&workspace.id).await? >= MAX_DATABASES {
-            return Err(ApiError::TooManyRequests {
-                message: format!("database quota reached: a workspace may have {MAX_DATABASES} databases; delete one first"),
-                retry_after: None,
-                workspace: None,
-            });
-        }
+        self.check_quota(&workspace.id).await?;
         let now = clade_store::now_ms();
         let row = DatabaseRow {
             id: format!("db-{}", random_token(8)),
@@ -429,13 +436,7 @@ impl DatabaseService {
     pub async fn clone_now(&self, workspace: &Workspace, id: &str, label: Option<String>) -> Result<DatabaseView, ApiError> {
         let source = self.ready(&workspace.id, id).await?;
         let label = check_label(label)?.or_else(|| source.label.as_ref().map(|l| format!("{l} (clone)")));
-        if self.store().count_databases(&workspace.id).await? >= MAX_DATABASES {
-            return Err(ApiError::TooManyRequests {
-                message: format!("database quota reached: a workspace may have {MAX_DATABASES} databases; delete one first"),
-                retry_after: None,
-                workspace: None,
-            });
-        }
+        self.check_quota(&workspace.id).await?;
         let now = clade_store::now_ms();
         let mut row = DatabaseRow {
             id: format!("db-{}", random_token(8)),
@@ -609,10 +610,6 @@ fn check_label(label: Option<String>) -> Result<Option<String>, ApiError> {
 /// Random lowercase hex of `bytes` bytes of entropy.
 fn random_token(bytes: usize) -> String {
     hex::encode((0..bytes).map(|_| rand::random::<u8>()).collect::<Vec<_>>())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

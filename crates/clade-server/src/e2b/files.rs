@@ -112,7 +112,7 @@ fn check_access(headers: &HeaderMap, query: &FileQuery, operation: Operation, to
     let path = query.path.as_deref().unwrap_or("");
     let user = query.username.as_deref().unwrap_or("");
     let expected = url_signature(path, operation, user, token, expiration);
-    if !super::constant_time_eq(expected.as_bytes(), signature.as_bytes()) {
+    if !crate::auth::constant_time_eq(expected.as_bytes(), signature.as_bytes()) {
         return Err(unauthorized("invalid signature"));
     }
     if expiration.is_some_and(|expiration| expiration < now) {

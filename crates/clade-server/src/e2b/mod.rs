@@ -238,12 +238,11 @@ pub struct AccessToken(pub String);
 
 fn presents_token(headers: &HeaderMap, expected: &str) -> bool {
     [ACCESS_TOKEN_HEADER, TRAFFIC_TOKEN_HEADER].iter().any(|name| {
-        headers.get(*name).and_then(|v| v.to_str().ok()).is_some_and(|v| constant_time_eq(v.trim().as_bytes(), expected.as_bytes()))
+        headers
+            .get(*name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| crate::auth::constant_time_eq(v.trim().as_bytes(), expected.as_bytes()))
     })
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The user of `Authorization: Basic base64("user:")`.
