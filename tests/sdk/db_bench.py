@@ -17,6 +17,7 @@ Prints medians and ratios for docs/benchmarks.md (`bench/databases`).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import statistics
@@ -94,6 +95,7 @@ def main() -> int:
     parser.add_argument("--creates", type=int, default=10)
     parser.add_argument("--wakes", type=int, default=5)
     parser.add_argument("--clones", type=int, default=5)
+    parser.add_argument("--recoveries", type=int, default=3, help="target_time clones and failovers, each")
     parser.add_argument("--pgbench-seconds", type=int, default=20)
     parser.add_argument("--pgbench-clients", type=int, default=2)
     args = parser.parse_args()
@@ -136,13 +138,38 @@ def main() -> int:
             api.call("DELETE", f"/v1/databases/{clone['id']}")
         figures[f"clone → first SELECT in the clone (median of {args.clones})"] = median_ms(clones)
 
+        # Its backups: the first base (taken in the background once it is
+        # made), then clones as of an instant and failovers, both replays
+        # of that base and the WAL after it in a new sandbox.
+        started = time.monotonic()
+        while not api.call("GET", f"/v1/databases/{db['id']}")["failover_available"]:
+            if time.monotonic() - started > 600:
+                raise RuntimeError("no base backup within 600 s")
+            time.sleep(0.5)
+        recovered, failovers = [], []
+        for _ in range(args.recoveries):
+            target = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            with psycopg.connect(db["connection_url"], autocommit=True) as conn:
+                conn.execute("INSERT INTO t VALUES (-1)")
+            started = time.monotonic()
+            clone = api.ready(api.call("POST", f"/v1/databases/{db['id']}/clone", json={"target_time": target})["id"])
+            first_select(clone["connection_url"])
+            recovered.append(time.monotonic() - started)
+            api.call("DELETE", f"/v1/databases/{clone['id']}")
+            started = time.monotonic()
+            db = api.call("POST", f"/v1/databases/{db['id']}/failover")
+            first_select(db["connection_url"])
+            failovers.append(time.monotonic() - started)
+        figures[f"target_time clone → first SELECT in the clone (median of {args.recoveries})"] = median_ms(recovered)
+        figures[f"failover → first SELECT (median of {args.recoveries})"] = median_ms(failovers)
+
         restored = pgbench(api, db["sandbox_id"], args.pgbench_seconds, args.pgbench_clients)
         # The same image booted cold: a sandbox of the template, hibernated
-        # without its memory, woken (a boot of its disk), its server started.
+        # without its memory, woken (a boot of its disk, whose start hook
+        # starts the server).
         cold = api.call("POST", "/v1/sandboxes", json={"template": "postgres", "persistent": True})["id"]
         api.call("POST", f"/v1/sandboxes/{cold}/hibernate", json={"memory": False})
         api.call("POST", f"/v1/sandboxes/{cold}/wake")
-        api.exec(cold, "/etc/clade/start")
         booted = pgbench(api, cold, args.pgbench_seconds, args.pgbench_clients)
         api.call("DELETE", f"/v1/sandboxes/{cold}")
         figures[f"pgbench -S, {args.pgbench_clients} clients, {args.pgbench_seconds} s: database (snapshot-restored)"] = f"{restored:.0f} tps"

@@ -10,6 +10,7 @@ reset): each step builds on the last, as a user's would.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -47,6 +48,13 @@ def wait_for_status(client: pandastack.Client, db_id: str, status: str, timeout:
         if info["status"] == status:
             return info
         assert time.monotonic() < deadline, f"database {db_id} never became {status}: {info}"
+        time.sleep(0.5)
+
+
+def wait_for(check, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.5)
 
 
@@ -177,9 +185,44 @@ def test_a_clone_sees_the_data_at_its_instant_and_keeps_its_writes(client, serve
         client.databases.delete(clone["id"])
     with pytest.raises(pandastack.NotFoundError):
         client.databases.get(clone["id"])
-    # Point-in-time clones are not offered yet, and say so.
-    answer = raw(server, "POST", f"/v1/databases/{database['id']}/clone", json={"target_time": "2026-01-01T00:00:00Z"})
-    assert answer.status_code == 501 and "target_time" in answer.text
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def test_a_target_time_clone_is_the_database_as_it_was_at_that_instant(client, server, database):
+    # The first base backup is taken in the background once a database is made.
+    wait_for(lambda: client.databases.get(database["id"])["failover_available"], "a base backup", timeout=300)
+    with connect(database["connection_url"]) as conn:
+        conn.execute("CREATE TABLE ledger (n int)")
+        conn.execute("INSERT INTO ledger VALUES (1)")
+    time.sleep(1.5)
+    target = utc_now()
+    time.sleep(1.5)
+    with connect(database["connection_url"]) as conn:
+        conn.execute("INSERT INTO ledger VALUES (2)")
+        conn.execute("UPDATE orders SET qty = qty + 100")
+    started = time.monotonic()
+    clone = client.databases.clone(database["id"], target_time=target, label="as of then")
+    print(f"target_time clone -> running: {time.monotonic() - started:.1f} s")
+    try:
+        assert clone["status"] == "running" and clone["cloned_from"] == database["id"], clone
+        assert scalar(clone["connection_url"], "SELECT string_agg(n::text, ',' ORDER BY n) FROM ledger") == "1"
+        assert scalar(clone["connection_url"], "SELECT max(qty) FROM orders") < 100
+        # It is promoted: a database of its own, which takes writes; the source kept everything.
+        with connect(clone["connection_url"]) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone()[0] is False
+            conn.execute("INSERT INTO ledger VALUES (99)")
+        assert scalar(database["connection_url"], "SELECT string_agg(n::text, ',' ORDER BY n) FROM ledger") == "1,2"
+    finally:
+        client.databases.delete(clone["id"])
+    # Instants it cannot be as of are refused with the rule, and nothing is made.
+    before = len(client.databases.list())
+    for when, says in [("2020-01-01T00:00:00Z", "or later"), ("2999-01-01T00:00:00Z", "has not come yet"), ("yesterday", "RFC 3339")]:
+        answer = raw(server, "POST", f"/v1/databases/{database['id']}/clone", json={"target_time": when})
+        assert answer.status_code == 400 and says in answer.text, (when, answer.text)
+    assert len(client.databases.list()) == before
 
 
 def test_reset_credentials_refuses_the_old_password(client, database):
@@ -198,6 +241,35 @@ def test_reset_credentials_refuses_the_old_password(client, database):
         reset["broker_url"], headers={"Authorization": f"Bearer {database['broker_token']}"}, json={"sql": "SELECT 1"}, timeout=60
     )
     assert old_broker.status_code == 401
+
+
+def test_failover_rebuilds_it_from_its_backups_under_the_same_address(client, server, database):
+    before = client.databases.get(database["id"])
+    with connect(before["connection_url"]) as conn:
+        conn.execute("INSERT INTO ledger VALUES (3)")
+    started = time.monotonic()
+    after = client.databases.failover(database["id"])
+    print(f"failover: {time.monotonic() - started:.1f} s")
+    assert after["id"] == before["id"] and after["status"] == "running"
+    assert after["sandbox_id"] != before["sandbox_id"]
+    assert after["connection_url"] == before["connection_url"]
+    # Everything committed is there, through the same URL and password.
+    assert scalar(before["connection_url"], "SELECT string_agg(n::text, ',' ORDER BY n) FROM ledger") == "1,2,3"
+    assert raw(server, "GET", f"/v1/sandboxes/{before['sandbox_id']}").status_code == 404
+    with connect(before["connection_url"]) as conn:
+        conn.execute("INSERT INTO ledger VALUES (4)")
+    # An unknown database has nothing to fail over.
+    assert raw(server, "POST", "/v1/databases/db-0000000000000000/failover").status_code == 404
+
+
+def test_a_database_woken_from_its_disk_alone_starts_its_server(client, server, database):
+    current = client.databases.get(database["id"])
+    answer = raw(server, "POST", f"/v1/sandboxes/{current['sandbox_id']}/hibernate", json={"memory": False})
+    assert answer.status_code == 200, answer.text
+    assert client.databases.get(database["id"])["status"] == "hibernated"
+    # The connection wakes it: a boot of its disk, whose start hook starts
+    # PostgreSQL, which recovers from its WAL what it had committed.
+    assert scalar(current["connection_url"], "SELECT string_agg(n::text, ',' ORDER BY n) FROM ledger") == "1,2,3,4"
 
 
 def test_bad_requests_are_refused_with_the_rule(client, server):
@@ -226,6 +298,13 @@ def test_the_cli_makes_connects_to_clones_and_removes_a_database(server):
     assert clade("db", "connect", made["id"], "--", "-Atc", "select 41 + 1").stdout.strip() == "42"
     clone = json.loads(clade("db", "clone", "--json", made["id"]).stdout)
     assert clone["cloned_from"] == made["id"] and clone["label"] == "cli (clone)"
+    # Failover once its first base backup is there; a clone as of before it is refused with the rule.
+    wait_for(lambda: json.loads(clade("db", "get", "--json", made["id"]).stdout)["failover_available"], "a base backup", timeout=300)
+    rebuilt = json.loads(clade("db", "failover", "--json", made["id"]).stdout)
+    assert rebuilt["id"] == made["id"] and rebuilt["sandbox_id"] != made["sandbox_id"], rebuilt
+    assert clade("db", "connect", made["id"], "--", "-Atc", "select 6 * 7").stdout.strip() == "42"
+    too_early = clade("db", "clone", made["id"], "--at", "2020-01-01T00:00:00Z", check=False)
+    assert too_early.returncode == 125 and "or later" in too_early.stderr, too_early.stderr
     reset = json.loads(clade("db", "reset-credentials", "--json", made["id"]).stdout)
     assert reset["password"] != made["password"]
     assert clade("db", "rm", made["id"], clone["id"]).stdout.splitlines() == [f"deleted {made['id']}", f"deleted {clone['id']}"]

@@ -56,12 +56,19 @@ pub enum DbCommand {
         #[arg(last = true)]
         psql_args: Vec<String>,
     },
-    /// A copy-on-write copy of the database as it is now, with its own credentials.
+    /// A copy of the database with its own credentials: as it is now (a
+    /// copy-on-write fork), or as it was at `--at` (replayed from its backups).
     Clone {
         id: String,
         #[arg(long)]
         label: Option<String>,
+        /// An RFC 3339 instant, such as 2026-12-07T14:00:00Z: the database as it was then.
+        #[arg(long, value_name = "TIME")]
+        at: Option<String>,
     },
+    /// Rebuild the database in a new sandbox from its base backup and WAL,
+    /// at the same address with the same credentials.
+    Failover { id: String },
     /// New password and broker token (the old ones stop working).
     ResetCredentials { id: String },
 }
@@ -107,9 +114,14 @@ pub async fn run(command: DbCommand, client: &Client, json_out: bool) -> anyhow:
                 .context("running psql (install PostgreSQL's client: apt-get install postgresql-client)")?;
             return Ok(ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8));
         }
-        DbCommand::Clone { id, label } => {
-            let cloned = client.json(client.request(Method::POST, &["databases", &id, "clone"]).json(&json!({ "label": label }))).await?;
+        DbCommand::Clone { id, label, at } => {
+            let body = json!({ "label": label, "target_time": at });
+            let cloned = client.json(client.request(Method::POST, &["databases", &id, "clone"]).json(&body)).await?;
             let db = wait_until_running(client, output::field(&cloned, "id").as_str()).await?;
+            print_one(&db, json_out);
+        }
+        DbCommand::Failover { id } => {
+            let db = client.json(client.request(Method::POST, &["databases", &id, "failover"])).await?;
             print_one(&db, json_out);
         }
         DbCommand::ResetCredentials { id } => {

@@ -218,6 +218,8 @@ pub struct Server {
     standby: tokio::task::JoinHandle<()>,
     /// The databases' PostgreSQL endpoint, when there is one.
     db_endpoint: Option<tokio::task::JoinHandle<()>>,
+    /// Copies the databases' WAL out of their guests and takes their base backups.
+    db_archiver: tokio::task::JoinHandle<()>,
     host_id: String,
 }
 
@@ -290,7 +292,7 @@ impl Server {
         let limiter = Arc::new(rate_limit::RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec));
         let endpoint = Endpoint::bind(config.listen, tls.as_ref()).await?;
         let addr = endpoint.addr;
-        let databases = databases::DatabaseService::new(service.clone());
+        let databases = databases::DatabaseService::new(service.clone(), data_dir.join("db-backups"));
         databases.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         let stopping = CancellationToken::new();
         let db_endpoint = match config.db_listen {
@@ -303,6 +305,7 @@ impl Server {
             },
             None => None,
         };
+        let db_archiver = databases.start_archiver(stopping.clone());
         let state = AppState {
             store,
             service,
@@ -321,7 +324,7 @@ impl Server {
         tracing::info!(%url, "clade server listening");
         let heap_trim = start_heap_trim();
         let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
-        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, db_endpoint, host_id })
+        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, db_endpoint, db_archiver, host_id })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -363,6 +366,7 @@ impl Server {
             db_endpoint.abort();
         }
         self.reaper.abort();
+        self.db_archiver.abort();
         self.heap_trim.abort();
         self.standby.abort();
         self.lease.abort();

@@ -9,6 +9,7 @@ second)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Optional
 
 import httpx
@@ -51,10 +52,15 @@ def test_a_database_is_made_queried_cloned_reset_and_deleted(client: clade.Clade
         assert clone.status == "running" and clone.cloned_from == db.id and clone.label == "orders (clone)"
         assert clone.password != db.password
         assert client.databases.query(clone.id, "SELECT sum(qty) FROM orders").rows == [[8]]
-        # Failover is not offered yet: a 501 with the server's reason.
-        with pytest.raises(clade.InternalServerError, match="not offered") as not_offered:
-            client.databases.failover(db.id)
-        assert not_offered.value.status_code == 501
+        # Failover rebuilds it from its base backup (taken in the background
+        # once it is made) and WAL, in a new sandbox, at the same address.
+        deadline = time.monotonic() + 300
+        while not client.databases.get(db.id).failover_available:
+            assert time.monotonic() < deadline, "no base backup within 300 s"
+            time.sleep(0.5)
+        rebuilt = client.databases.failover(db.id)
+        assert rebuilt.id == db.id and rebuilt.sandbox_id != db.sandbox_id and rebuilt.connection_url == db.connection_url
+        assert client.databases.query(db.id, "SELECT sum(qty) FROM orders").rows == [[8]]
 
         reset = client.databases.reset_credentials(db.id)
         assert reset.broker_token and reset.broker_token != db.broker_token and reset.password != db.password

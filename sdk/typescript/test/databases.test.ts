@@ -9,7 +9,7 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { AbortError, AuthenticationError, BadRequestError, InternalServerError, NotFoundError } from '../src/index.js';
+import { AbortError, AuthenticationError, BadRequestError, NotFoundError } from '../src/index.js';
 import { client, inCi, server, SKIP, waitFor } from './helpers.js';
 
 async function postgresMissing(): Promise<string | undefined> {
@@ -26,7 +26,7 @@ const missing = await postgresMissing();
 describe('databases', { skip: missing }, () => {
   const clade = client();
 
-  test('a database is made, queried, cloned, reset and deleted', { timeout: 300_000 }, async () => {
+  test('a database is made, queried, cloned, failed over, reset and deleted', { timeout: 600_000 }, async () => {
     const db = await clade.databases.create({ label: 'orders' });
     let cloneId: string | undefined;
     try {
@@ -69,11 +69,14 @@ describe('databases', { skip: missing }, () => {
       assert.equal(clone.label, 'orders (clone)');
       assert.notEqual(clone.password, db.password);
       assert.deepEqual((await clade.databases.query(clone.id, 'SELECT sum(qty) FROM orders')).rows, [[8]]);
-      // Failover is not offered yet: a 501 with the server's reason.
-      await assert.rejects(
-        clade.databases.failover(db.id),
-        (e: unknown) => e instanceof InternalServerError && e.status === 501 && /not offered/.test(e.message),
-      );
+      // Failover rebuilds it from its base backup (taken in the background
+      // once it is made) and WAL, in a new sandbox, at the same address.
+      await waitFor('a base backup', async () => (await clade.databases.get(db.id)).failoverAvailable || undefined, 300_000, 500);
+      const rebuilt = await clade.databases.failover(db.id);
+      assert.equal(rebuilt.id, db.id);
+      assert.notEqual(rebuilt.sandboxId, db.sandboxId);
+      assert.equal(rebuilt.connectionUrl, db.connectionUrl);
+      assert.deepEqual((await clade.databases.query(db.id, 'SELECT sum(qty) FROM orders')).rows, [[8]]);
 
       const reset = await clade.databases.resetCredentials(db.id);
       assert.ok(reset.brokerToken && reset.brokerToken !== db.brokerToken);

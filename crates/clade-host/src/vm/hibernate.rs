@@ -26,6 +26,7 @@ use super::runtime::{qcow2_virtual_size, VmRuntime, AGENT_RECONNECT_TIMEOUT};
 use super::spec::{BootKind, VmSpec, Watchdog};
 use super::template::Template;
 use super::{launch, migrate, record};
+use crate::image::START_HOOK_PATH_IN_GUEST;
 use crate::process::ProcessId;
 
 /// The file a hibernated VM's state is saved in, inside its directory.
@@ -155,6 +156,12 @@ impl VmRuntime {
                 ..restore_request(id, true)
             };
             run_restore_hook(&agent, hook, timeout).await?;
+            // What a memory wake finds running, a boot from disk starts
+            // anew (the `postgres` image's server); a failure is the
+            // service's, not the wake's: the guest runs and says why.
+            if let Err(e) = super::template::run_image_hook(&agent, START_HOOK_PATH_IN_GUEST, timeout).await {
+                tracing::warn!(vm = %id, "the image's start hook after a boot from disk: {e}");
+            }
             Ok::<_, VmError>((qmp, agent))
         }
         .await;

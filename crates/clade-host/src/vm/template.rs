@@ -314,7 +314,8 @@ async fn bake(runtime: &VmRuntime, image: &GuestImage, memory_mb: u32, vcpus: u3
         };
         within(runtime.boot_timeout(), "template warm-up", warm_up).await?;
         // The image's own step (a server to start), with a boot's time of its own.
-        within(runtime.boot_timeout(), "the image's bake hook", run_bake_hook(&agent, runtime.boot_timeout())).await?;
+        within(runtime.boot_timeout(), "the image's bake hook", run_image_hook(&agent, BAKE_HOOK_PATH_IN_GUEST, runtime.boot_timeout()))
+            .await?;
         let settle = async {
             // The code-context daemon, with a ready Python kernel where the
             // image has one: the first context of each sandbox is taken, not
@@ -493,13 +494,14 @@ async fn within<T>(limit: Duration, what: &str, step: impl std::future::Future<O
     tokio::time::timeout(limit, step).await.map_err(|_| VmError::Vmm(format!("{what}: the guest did not finish within {limit:?}")))?
 }
 
-/// Runs the image's bake hook ([`BAKE_HOOK_PATH_IN_GUEST`]) when it has an
-/// executable one; the guest kills it, and whatever it started, after
-/// `limit`. A link is run as it is: one to nothing fails the bake, as an
-/// image that names a hook meant one.
-async fn run_bake_hook(agent: &AgentClient, limit: Duration) -> Result<(), VmError> {
+/// Runs one of the image's hooks (its bake hook, [`BAKE_HOOK_PATH_IN_GUEST`],
+/// or its start hook after a boot from disk) when it has an executable
+/// one; the guest kills it, and whatever it started, after `limit`. A link
+/// is run as it is: one to nothing fails, as an image that names a hook
+/// meant one.
+pub(super) async fn run_image_hook(agent: &AgentClient, hook_path: &str, limit: Duration) -> Result<(), VmError> {
     use clade_proto::{Command, ErrorKind, ExecRequest, FileKind};
-    let hook = match agent.stat(BAKE_HOOK_PATH_IN_GUEST).await {
+    let hook = match agent.stat(hook_path).await {
         Ok(stat) => stat,
         Err(AgentError::Guest(e)) if e.kind == ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e.into()),
@@ -510,25 +512,23 @@ async fn run_bake_hook(agent: &AgentClient, limit: Duration) -> Result<(), VmErr
         FileKind::Dir | FileKind::Other => false,
     };
     if !executable {
-        tracing::warn!(path = BAKE_HOOK_PATH_IN_GUEST, "the image's bake hook is not an executable file; not run");
+        tracing::warn!(path = hook_path, "the image's hook is not an executable file; not run");
         return Ok(());
     }
-    let mut request = ExecRequest::new(Command::Argv(vec![BAKE_HOOK_PATH_IN_GUEST.into()]));
+    let mut request = ExecRequest::new(Command::Argv(vec![hook_path.into()]));
     request.timeout_ms = Some(limit.as_millis() as u64);
     let out = agent.run(request).await?;
     if out.status.as_ref().is_some_and(|status| status.timed_out) {
-        return Err(VmError::Vmm(format!("the image's bake hook {BAKE_HOOK_PATH_IN_GUEST} did not finish within {limit:?}")));
+        return Err(VmError::Vmm(format!("the image's hook {hook_path} did not finish within {limit:?}")));
     }
     match out.exit_code() {
         0 => Ok(()),
-        code => Err(VmError::Vmm(format!(
-            "the image's bake hook {BAKE_HOOK_PATH_IN_GUEST} failed (exit {code}): {}",
-            tail(&out.stderr_str(), HOOK_STDERR_SHOWN)
-        ))),
+        code => {
+            Err(VmError::Vmm(format!("the image's hook {hook_path} failed (exit {code}): {}", tail(&out.stderr_str(), HOOK_STDERR_SHOWN))))
+        }
     }
 }
 
-/// How much of a failed bake hook's stderr its error carries (the end of it).
 const HOOK_STDERR_SHOWN: usize = 4096;
 
 /// The last `max` bytes of `text` (at a character boundary), trimmed.

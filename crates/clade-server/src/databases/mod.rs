@@ -13,21 +13,27 @@
 //! - [`endpoint`]: the one PostgreSQL listener of all databases, routing
 //!   each TLS connection by its server name `<id>.db.<suffix>`.
 //! - [`broker`]: the HTTP query broker's engine (one statement, rows as JSON).
+//! - [`backup`]: base backups and the WAL after them, kept outside the
+//!   guest: what `failover` rebuilds a database from, and what a
+//!   `target_time` clone replays up to its instant.
 //!
 //! Every database lives on the host of its sandbox: the endpoint and the
 //! broker reach its server through that sandbox's agent (`connect_port`),
 //! as port forwards do.
 
+pub mod backup;
 pub mod broker;
 pub mod endpoint;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use clade_proto::{Command, ExecRequest};
 use clade_store::{DatabaseRow, DatabaseStatus, SandboxState, Store, Workspace};
 use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
 
 use crate::auth::constant_time_eq;
 use crate::error::{agent_error, chain, ApiError};
@@ -153,6 +159,11 @@ impl DatabaseView {
 pub struct DatabaseService {
     sandboxes: SandboxService,
     endpoint: Arc<OnceLock<EndpointAddress>>,
+    backups: backup::Backups,
+    /// The databases being made in the background now, each held by its
+    /// task until it ends: a delete waits for it, so that nothing of the
+    /// database (the sandbox the task was making) outlives the answer.
+    making: Arc<std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
 }
 
 impl std::fmt::Debug for DatabaseService {
@@ -162,8 +173,14 @@ impl std::fmt::Debug for DatabaseService {
 }
 
 impl DatabaseService {
-    pub fn new(sandboxes: SandboxService) -> Self {
-        Self { sandboxes, endpoint: Arc::new(OnceLock::new()) }
+    /// `backups`: where the databases' base backups and WAL are kept
+    /// (`DATA_DIR/db-backups`).
+    pub fn new(sandboxes: SandboxService, backups: PathBuf) -> Self {
+        Self { sandboxes, endpoint: Arc::new(OnceLock::new()), backups: backup::Backups::new(backups), making: Arc::default() }
+    }
+
+    pub fn backups(&self) -> &backup::Backups {
+        &self.backups
     }
 
     fn store(&self) -> &Store {
@@ -227,7 +244,11 @@ impl DatabaseService {
         };
         self.store().insert_database(&row).await?;
         let (service, workspace, provisioning) = (self.clone(), workspace.clone(), row.clone());
-        tokio::spawn(async move { service.provision(&workspace, provisioning).await });
+        let held = self.start_making(&row.id);
+        tokio::spawn(async move {
+            service.provision(&workspace, provisioning).await;
+            service.end_making(held);
+        });
         Ok(DatabaseView { row, sandbox_state: None })
     }
 
@@ -253,22 +274,7 @@ impl DatabaseService {
     /// Makes the sandbox of a recorded database and gives it its
     /// credentials; any failure is recorded on the database.
     async fn provision(&self, workspace: &Workspace, mut row: DatabaseRow) {
-        let params = CreateParams {
-            template: TEMPLATE.to_string(),
-            metadata: BTreeMap::from([(METADATA_KEY.to_string(), row.id.clone())]),
-            ttl_seconds: None,
-            persistent: true,
-            hibernate_after_seconds: row.always_on.then_some(0),
-            hibernate_memory: true,
-            from_snapshot: None,
-            network: None,
-            preview_auth: false,
-            limits: None,
-            idempotency_key: None,
-            volumes: Vec::new(),
-            env: Vec::new(),
-            shape: Some((row.cpu, row.memory_mb)),
-        };
+        let params = self.sandbox_params(&row);
         let made = async {
             let (sandbox, _boot) = self.create_sandbox(workspace, params).await?;
             row.sandbox_id = Some(sandbox.id.clone());
@@ -276,6 +282,26 @@ impl DatabaseService {
             self.set_credentials(&row, &row.password).await
         }
         .await;
+        self.conclude(row, made).await;
+    }
+
+    fn start_making(&self, id: &str) -> (String, tokio::sync::OwnedMutexGuard<()>) {
+        let lock = Arc::new(tokio::sync::Mutex::new(()));
+        let held = lock.clone().try_lock_owned().expect("a new lock is free");
+        self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id.to_string(), lock);
+        (id.to_string(), held)
+    }
+
+    fn end_making(&self, (id, held): (String, tokio::sync::OwnedMutexGuard<()>)) {
+        self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
+        drop(held);
+    }
+
+    /// Records how the making of a database ended: `ready` (and its
+    /// first base backup taken in the background), or `failed` with the
+    /// reason and its sandbox removed. A database deleted meanwhile loses
+    /// its sandbox too.
+    async fn conclude(&self, mut row: DatabaseRow, made: Result<(), ApiError>) {
         match made {
             Ok(()) => row.status = DatabaseStatus::Ready,
             Err(e) => {
@@ -290,15 +316,105 @@ impl DatabaseService {
             }
         }
         match self.store().update_database(&row).await {
-            // Deleted while it was being made: its sandbox goes too.
             Ok(false) => {
                 if let Some(sandbox) = &row.sandbox_id {
                     let _ = self.sandboxes.delete(&row.workspace_id, sandbox).await;
                 }
             }
-            Ok(true) => tracing::info!(database = %row.id, status = row.status.as_str(), "database provisioned"),
+            Ok(true) => {
+                tracing::info!(database = %row.id, status = row.status.as_str(), "database provisioned");
+                if row.status == DatabaseStatus::Ready {
+                    self.spawn_base(&row);
+                }
+            }
             Err(e) => tracing::error!(database = %row.id, "recording a provisioned database: {}", chain(&e)),
         }
+    }
+
+    /// What a database's sandbox is made with.
+    fn sandbox_params(&self, row: &DatabaseRow) -> CreateParams {
+        CreateParams {
+            template: TEMPLATE.to_string(),
+            metadata: BTreeMap::from([(METADATA_KEY.to_string(), row.id.clone())]),
+            ttl_seconds: None,
+            persistent: true,
+            hibernate_after_seconds: row.always_on.then_some(0),
+            hibernate_memory: true,
+            from_snapshot: None,
+            network: None,
+            preview_auth: false,
+            limits: None,
+            idempotency_key: None,
+            volumes: Vec::new(),
+            env: Vec::new(),
+            shape: Some((row.cpu, row.memory_mb)),
+        }
+    }
+
+    /// Takes a base backup of a ready database in the background (a
+    /// failover and a `target_time` clone need one); a failure is logged,
+    /// and the archiver tries again on its next round.
+    fn spawn_base(&self, row: &DatabaseRow) {
+        let (service, row) = (self.clone(), row.clone());
+        tokio::spawn(async move {
+            match service.take_base(&row).await {
+                Ok(base) => tracing::info!(database = %row.id, start = %base.start_segment, "base backup taken"),
+                Err(e) => tracing::warn!(database = %row.id, "taking a base backup: {e}"),
+            }
+        });
+    }
+
+    async fn take_base(&self, row: &DatabaseRow) -> Result<backup::BaseBackup, ApiError> {
+        let running = self.sandboxes.running(&row.workspace_id, row.sandbox_id.as_deref().ok_or_else(|| not_ready(row))?).await?;
+        self.backups.take_base(&row.id, running.vm.agent()).await.map_err(backup_error)
+    }
+
+    /// Every [`backup::SHIP_EVERY`]: the WAL of every ready database
+    /// running on this host is copied out, and a base taken where the
+    /// newest is [`backup::BASE_EVERY`] old (or missing). Hibernated
+    /// databases are left asleep: they have written nothing since.
+    pub fn start_archiver(&self, stopping: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let service = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = stopping.cancelled() => return,
+                    () = tokio::time::sleep(backup::SHIP_EVERY) => {}
+                }
+                let rows = match service.store().databases_in(DatabaseStatus::Ready).await {
+                    Ok(rows) => rows,
+                    Err(e) => {
+                        tracing::warn!("listing databases to archive: {}", chain(&e));
+                        continue;
+                    }
+                };
+                for row in rows {
+                    if stopping.is_cancelled() {
+                        return;
+                    }
+                    if let Err(e) = service.archive(&row).await {
+                        tracing::warn!(database = %row.id, "archiving its WAL: {e}");
+                    }
+                }
+            }
+        })
+    }
+
+    async fn archive(&self, row: &DatabaseRow) -> Result<(), ApiError> {
+        let Some(sandbox) = &row.sandbox_id else { return Ok(()) };
+        // Another host's sandbox, or gone: not this host's to archive.
+        let Ok(entry) = self.sandboxes.entry(&row.workspace_id, sandbox) else { return Ok(()) };
+        let Some(vm) = self.sandboxes.running_vm(&entry).await else { return Ok(()) };
+        let due = self
+            .backups
+            .newest_base(&row.id)
+            .is_none_or(|base| clade_store::now_ms() - base.finished_ms >= backup::BASE_EVERY.as_millis() as i64);
+        if due {
+            self.backups.take_base(&row.id, vm.agent()).await.map_err(backup_error)?;
+        } else {
+            self.backups.ship(&row.id, vm.agent(), false).await.map_err(backup_error)?;
+        }
+        Ok(())
     }
 
     /// The database's sandbox; while the answer is "not now" (the image's
@@ -313,6 +429,12 @@ impl DatabaseService {
         loop {
             match self.sandboxes.create(workspace, params.clone()).await {
                 Err(ApiError::Unavailable { retry_after: Some(seconds), message }) if started.elapsed() < PROVISION_PATIENCE => {
+                    // Deleted while it waited: no sandbox to make any more.
+                    if let Some(id) = params.metadata.get(METADATA_KEY) {
+                        if self.store().database_by_id(id).await?.is_none() {
+                            return Err(database_not_found(id));
+                        }
+                    }
                     tracing::info!(template = TEMPLATE, "a database waits for its sandbox: {message}");
                     tokio::time::sleep(std::time::Duration::from_secs(u64::from(seconds).clamp(1, 30))).await;
                 }
@@ -390,8 +512,18 @@ impl DatabaseService {
             }
         }
         // A database still provisioning is removed by its provisioning
-        // task when it finds the row gone.
+        // task when it finds the row gone: waited for (a while), so that
+        // its sandbox is gone too when this answers.
         self.store().delete_database(workspace_id, id).await?;
+        let making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(id).cloned();
+        if let Some(making) = making {
+            if tokio::time::timeout(MAKING_WAIT, making.lock()).await.is_err() {
+                tracing::warn!(database = %id, "deleted while being made; its sandbox goes once the making ends");
+            }
+        }
+        if let Err(e) = self.backups.remove(id).await {
+            tracing::warn!(database = %id, "removing its backups: {e}");
+        }
         Ok(())
     }
 
@@ -437,20 +569,7 @@ impl DatabaseService {
         let source = self.ready(&workspace.id, id).await?;
         let label = check_label(label)?.or_else(|| source.label.as_ref().map(|l| format!("{l} (clone)")));
         self.check_quota(&workspace.id).await?;
-        let now = clade_store::now_ms();
-        let mut row = DatabaseRow {
-            id: format!("db-{}", random_token(8)),
-            sandbox_id: None,
-            label,
-            status: DatabaseStatus::Provisioning,
-            error: None,
-            password: random_token(16),
-            broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
-            cloned_from: Some(source.id.clone()),
-            created_at: now,
-            updated_at: now,
-            ..source.clone()
-        };
+        let mut row = clone_row(&source, label);
         self.store().insert_database(&row).await?;
         let made = async {
             let params = ForkParams { count: 1, metadata: BTreeMap::from([(METADATA_KEY.to_string(), row.id.clone())]), tree: false };
@@ -470,6 +589,123 @@ impl DatabaseService {
         }
         row.status = DatabaseStatus::Ready;
         self.store().update_database(&row).await?;
+        self.spawn_base(&row);
+        self.view(row).await
+    }
+
+    /// A new database as `id` was at `target_ms` (point-in-time
+    /// recovery): recorded `provisioning` at once, then made in the
+    /// background: the source's WAL up to now is shipped (with a commit
+    /// from now, where the replay stops if nothing later does), and a
+    /// fresh sandbox replays the newest base finished by the target and
+    /// the WAL after it up to the target, then is promoted, with its own
+    /// credentials. A target to come, or older than the oldest base kept,
+    /// is refused with the window a clone can have.
+    pub async fn clone_at(&self, workspace: &Workspace, id: &str, target_ms: i64, label: Option<String>) -> Result<DatabaseView, ApiError> {
+        let source = self.ready(&workspace.id, id).await?;
+        let label = check_label(label)?.or_else(|| source.label.as_ref().map(|l| format!("{l} (clone)")));
+        let now = clade_store::now_ms();
+        let rfc3339 = crate::http::rfc3339;
+        if target_ms > now {
+            return Err(ApiError::bad_request(format!("target_time {} has not come yet (now {})", rfc3339(target_ms), rfc3339(now))));
+        }
+        if self.backups.base_for(&source.id, target_ms).is_none() {
+            return Err(match self.backups.bases(&source.id).first() {
+                Some(oldest) => ApiError::bad_request(format!(
+                    "target_time {}: database {id} can be cloned as of {} or later (its oldest backup kept)",
+                    rfc3339(target_ms),
+                    rfc3339(oldest.finished_ms)
+                )),
+                None => ApiError::conflict(format!(
+                    "target_time: database {id} has no base backup yet (one is taken in the background once a database is made); \
+                     try again shortly, or clone it as it is now without target_time"
+                )),
+            });
+        }
+        self.check_quota(&workspace.id).await?;
+        let row = clone_row(&source, label);
+        self.store().insert_database(&row).await?;
+        let (service, workspace, making) = (self.clone(), workspace.clone(), row.clone());
+        let held = self.start_making(&row.id);
+        tokio::spawn(async move {
+            service.recover_into(&workspace, making, source, target_ms).await;
+            service.end_making(held);
+        });
+        Ok(DatabaseView { row, sandbox_state: None })
+    }
+
+    /// The background half of [`Self::clone_at`].
+    async fn recover_into(&self, workspace: &Workspace, mut row: DatabaseRow, source: DatabaseRow, target_ms: i64) {
+        let made = async {
+            let source_sandbox = source.sandbox_id.as_deref().ok_or_else(|| not_ready(&source))?;
+            let running = self.sandboxes.running(&source.workspace_id, source_sandbox).await?;
+            self.backups.ship(&source.id, running.vm.agent(), true).await.map_err(backup_error)?;
+            drop(running);
+            let base = self
+                .backups
+                .base_for(&source.id, target_ms)
+                .ok_or_else(|| ApiError::conflict(format!("database {}'s backup as of the target was dropped meanwhile", source.id)))?;
+            let (sandbox, _boot) = self.create_sandbox(workspace, self.sandbox_params(&row)).await?;
+            row.sandbox_id = Some(sandbox.id.clone());
+            self.store().update_database(&row).await?;
+            let running = self.sandboxes.running(&workspace.id, &sandbox.id).await?;
+            let target = crate::http::rfc3339(target_ms);
+            self.backups.restore(&source.id, &base, running.vm.agent(), Some(&target)).await.map_err(backup_error)?;
+            drop(running);
+            self.set_credentials(&row, &row.password).await
+        }
+        .await;
+        self.conclude(row, made).await;
+    }
+
+    /// Rebuilds the database in a new sandbox from its newest base backup
+    /// and every WAL file shipped after it, under the same id, address
+    /// and credentials; then its old sandbox is deleted. What the old
+    /// guest still holds is shipped first when it answers (within 60 s);
+    /// when it does not, what it wrote since the last ship is lost.
+    pub async fn failover(&self, workspace: &Workspace, id: &str) -> Result<DatabaseView, ApiError> {
+        let mut row = self.ready(&workspace.id, id).await?;
+        if self.backups.newest_base(id).is_none() {
+            return Err(ApiError::conflict(format!("database {id} has no base backup yet to rebuild it from: {NO_BASE_YET}")));
+        }
+        if let Some(old) = row.sandbox_id.clone() {
+            let shipped = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+                let running = self.sandboxes.running(&workspace.id, &old).await?;
+                self.backups.ship(id, running.vm.agent(), false).await.map_err(backup_error)
+            })
+            .await;
+            match shipped {
+                Ok(Ok(files)) => tracing::info!(database = %id, files, "failover: the old guest's WAL shipped"),
+                Ok(Err(e)) => tracing::warn!(database = %id, "failover: the old guest's last WAL is lost: {e}"),
+                Err(_) => tracing::warn!(database = %id, "failover: the old guest did not answer within 60 s; its last WAL is lost"),
+            }
+        }
+        let base = self.backups.newest_base(id).ok_or_else(|| ApiError::conflict(format!("database {id}'s backups went meanwhile")))?;
+        // No waiting for room here (the caller waits on this answer): a full host says so.
+        let (sandbox, _boot) = self.sandboxes.create(workspace, self.sandbox_params(&row)).await?;
+        let rebuilt = DatabaseRow { sandbox_id: Some(sandbox.id.clone()), ..row.clone() };
+        let restored = async {
+            let running = self.sandboxes.running(&workspace.id, &sandbox.id).await?;
+            self.backups.restore(id, &base, running.vm.agent(), None).await.map_err(backup_error)?;
+            drop(running);
+            self.set_credentials(&rebuilt, &rebuilt.password).await
+        }
+        .await;
+        if let Err(e) = restored {
+            let _ = self.sandboxes.delete(&workspace.id, &sandbox.id).await;
+            return Err(e);
+        }
+        let old = row.sandbox_id.replace(sandbox.id.clone());
+        self.store().update_database(&row).await?;
+        if let Some(old) = old {
+            match self.sandboxes.delete(&workspace.id, &old).await {
+                Ok(()) | Err(ApiError::NotFound(_)) => {}
+                Err(e) => tracing::warn!(database = %id, sandbox = %old, "failover: removing the old sandbox: {e}"),
+            }
+        }
+        tracing::info!(database = %id, sandbox = %sandbox.id, "failover: rebuilt from its backups");
+        // The rebuilt server is on a new timeline: a base of it shortens the next replay.
+        self.spawn_base(&row);
         self.view(row).await
     }
 
@@ -564,6 +800,39 @@ impl endpoint::Databases for DatabaseService {
                 }
             }
         });
+    }
+}
+
+/// A new database of `source`'s shape, `provisioning`, with credentials of its own.
+fn clone_row(source: &DatabaseRow, label: Option<String>) -> DatabaseRow {
+    let now = clade_store::now_ms();
+    DatabaseRow {
+        id: format!("db-{}", random_token(8)),
+        sandbox_id: None,
+        label,
+        status: DatabaseStatus::Provisioning,
+        error: None,
+        password: random_token(16),
+        broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
+        cloned_from: Some(source.id.clone()),
+        created_at: now,
+        updated_at: now,
+        ..source.clone()
+    }
+}
+
+/// How long a delete waits for the database's making to end.
+const MAKING_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Why a database may have no base backup.
+pub const NO_BASE_YET: &str = "its first base backup is taken in the background once it is made (seconds)";
+
+fn backup_error(e: backup::BackupError) -> ApiError {
+    match e {
+        backup::BackupError::Agent { what, source } => agent_error(what, source, None),
+        // The guest's words are of the caller's own database (its server's log).
+        e @ backup::BackupError::Guest { .. } => ApiError::internal(e.to_string(), e),
+        e @ backup::BackupError::Io { .. } => ApiError::internal("a database backup step failed on the server", e),
     }
 }
 

@@ -45,28 +45,46 @@ pub struct DatabaseInfo {
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// Rebuilding a database from its base backup and WAL is not offered yet.
+    /// A base backup exists to rebuild it from (`POST …/failover`) and to
+    /// clone it from as of an earlier instant (`target_time`).
     pub failover_available: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failover_reason: Option<String>,
     #[serde(flatten)]
-    pub credentials: Option<Credentials>,
+    pub credentials: Credentials,
 }
 
-/// How to reach a ready database (absent from lists, and until it is ready).
-#[derive(Debug, Serialize, ToSchema)]
+/// How to reach a ready database: every field is absent from lists, and
+/// until it is ready (so a flattened empty value adds nothing to the answer).
+#[derive(Debug, Default, Serialize, ToSchema)]
 pub struct Credentials {
     /// The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by).
-    pub host: String,
-    pub port: u16,
-    pub database: String,
-    pub username: String,
-    pub password: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub database: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub username: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub password: Option<String>,
     /// `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not resolve).
-    pub connection_url: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub connection_url: Option<String>,
     /// `POST` a query here with `Authorization: Bearer <broker_token>`.
-    pub broker_url: String,
-    pub broker_token: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub broker_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub broker_token: Option<String>,
 }
 
 /// What `GET …/connection` answers.
@@ -100,7 +118,8 @@ pub struct PatchBody {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct CloneBody {
     pub label: Option<String>,
-    /// RFC 3339: a clone as of that instant (point-in-time recovery; not offered yet: 501).
+    /// RFC 3339: a clone as of that instant (point-in-time recovery from
+    /// the source's base backup and WAL), not before its oldest backup kept.
     pub target_time: Option<String>,
     /// A clone keeps its source's size; another size is refused.
     pub size: Option<String>,
@@ -129,16 +148,17 @@ pub struct DatabaseLogs {
 /// own answers (never in lists).
 fn info(state: &AppState, headers: &HeaderMap, view: &DatabaseView, with_credentials: bool) -> DatabaseInfo {
     let row = &view.row;
+    let has_base = state.databases.backups().newest_base(&row.id).is_some();
     let ready = with_credentials && row.status == clade_store::DatabaseStatus::Ready && view.error().is_none();
     let credentials = ready.then(|| state.databases.endpoint()).flatten().map(|endpoint| Credentials {
-        host: endpoint.host(&row.id),
-        port: endpoint.port,
-        database: DATABASE.into(),
-        username: ROLE.into(),
-        password: row.password.clone(),
-        connection_url: endpoint.connection_url(&row.id, &row.password),
-        broker_url: broker_url(headers, &row.id),
-        broker_token: row.broker_token.clone(),
+        host: Some(endpoint.host(&row.id)),
+        port: Some(endpoint.port),
+        database: Some(DATABASE.into()),
+        username: Some(ROLE.into()),
+        password: Some(row.password.clone()),
+        connection_url: Some(endpoint.connection_url(&row.id, &row.password)),
+        broker_url: Some(broker_url(headers, &row.id)),
+        broker_token: Some(row.broker_token.clone()),
     });
     DatabaseInfo {
         id: row.id.clone(),
@@ -154,13 +174,11 @@ fn info(state: &AppState, headers: &HeaderMap, view: &DatabaseView, with_credent
         sandbox_id: row.sandbox_id.clone(),
         cloned_from: row.cloned_from.clone(),
         error: view.error(),
-        failover_available: false,
-        failover_reason: Some(FAILOVER_MISSING.into()),
-        credentials,
+        failover_available: has_base,
+        failover_reason: (!has_base).then(|| format!("no base backup yet: {}", crate::databases::NO_BASE_YET)),
+        credentials: credentials.unwrap_or_default(),
     }
 }
-
-const FAILOVER_MISSING: &str = "failover (a rebuild from base backup and WAL) is not offered yet; a clone copies a running database";
 
 /// The broker's URL as the caller reached this server.
 fn broker_url(headers: &HeaderMap, id: &str) -> String {
@@ -268,9 +286,12 @@ pub async fn connection(
     Path(id): Path<String>,
 ) -> Result<Json<ConnectionInfo>, ApiError> {
     let view = state.databases.get(&caller.workspace.id, &id).await?;
-    match info(&state, &headers, &view, true).credentials {
-        Some(c) => Ok(Json(ConnectionInfo { connection_url: c.connection_url, broker_url: c.broker_url, broker_token: c.broker_token })),
-        None => {
+    let Credentials { connection_url, broker_url, broker_token, .. } = info(&state, &headers, &view, true).credentials;
+    match (connection_url, broker_url, broker_token) {
+        (Some(connection_url), Some(broker_url), Some(broker_token)) => {
+            Ok(Json(ConnectionInfo { connection_url, broker_url, broker_token }))
+        }
+        _ => {
             Err(ApiError::Unavailable { message: format!("postgres not ready: database {id} is {}", view.status()), retry_after: Some(2) })
         }
     }
@@ -305,10 +326,11 @@ pub async fn wake(State(state): State<AppState>, caller: Caller, Path(id): Path<
 
 #[utoipa::path(post, operation_id = "cloneDatabase", path = "/v1/databases/{id}/clone", tag = "databases", params(("id" = String, Path, description = "A database id")), request_body(content = Option<CloneBody>),
     responses(
-        (status = 202, description = "The new database: a copy-on-write fork of the source as it is now, with its own credentials", body = DatabaseInfo),
-        (status = 400, description = "A size other than the source's", body = ErrorBody),
+        (status = 202, description = "The new database, with its own credentials. Without `target_time`: a copy-on-write fork of the source as it is now, `running` at once. With it: `provisioning`, then `running` once the source's base backup and WAL were replayed up to that instant (or `failed` with the reason)", body = DatabaseInfo),
+        (status = 400, description = "A size other than the source's; a `target_time` that is not RFC 3339, has not come yet, or is older than the source's oldest backup kept (the message says from when it can be)", body = ErrorBody),
         (status = 404, description = "No such database in this workspace", body = ErrorBody),
-        (status = 501, description = "`target_time`: point-in-time clones are not offered yet", body = ErrorBody),
+        (status = 409, description = "`target_time`: the source has no base backup yet (it is taken in the background once a database is made)", body = ErrorBody),
+        (status = 429, description = "The workspace has all the databases it may", body = ErrorBody),
         (status = 503, description = "`postgres not ready`", body = ErrorBody),
     ))]
 pub async fn clone(
@@ -318,11 +340,10 @@ pub async fn clone(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<CloneBody>,
 ) -> Result<(StatusCode, Json<DatabaseInfo>), ApiError> {
-    if body.target_time.as_deref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::NotImplemented(
-            "target_time: point-in-time clones (from archived WAL) are not offered yet; without target_time a clone copies the database as it is now".into(),
-        ));
-    }
+    let target_ms = match body.target_time.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
+        None => None,
+        Some(text) => Some(parse_target_time(text)?),
+    };
     let source = state.databases.get(&caller.workspace.id, &id).await?;
     if let Some(size) = body.size.as_deref().filter(|s| !s.is_empty() && !s.eq_ignore_ascii_case(&source.row.size)) {
         return Err(ApiError::bad_request(format!(
@@ -330,18 +351,47 @@ pub async fn clone(
             source.row.size
         )));
     }
-    let view = state.databases.clone_now(&caller.workspace, &id, body.label).await?;
+    let view = match target_ms {
+        Some(target_ms) => state.databases.clone_at(&caller.workspace, &id, target_ms, body.label).await?,
+        None => state.databases.clone_now(&caller.workspace, &id, body.label).await?,
+    };
     Ok((StatusCode::ACCEPTED, Json(info(&state, &headers, &view, true))))
 }
 
 #[utoipa::path(post, operation_id = "failoverDatabase", path = "/v1/databases/{id}/failover", tag = "databases", params(("id" = String, Path, description = "A database id")),
     responses(
+        (status = 200, description = "Rebuilt in a new sandbox from its newest base backup and the WAL shipped after it, with the same id, address and credentials (`sandbox_id` is the new one)", body = DatabaseInfo),
         (status = 404, description = "No such database in this workspace", body = ErrorBody),
-        (status = 501, description = "Not offered yet (the reason in the message)", body = ErrorBody),
+        (status = 409, description = "No base backup yet (it is taken in the background once a database is made)", body = ErrorBody),
+        (status = 503, description = "`postgres not ready`, or no room for the new sandbox now", body = ErrorBody),
     ))]
-pub async fn failover(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
-    state.databases.get(&caller.workspace.id, &id).await?;
-    Err(ApiError::NotImplemented(FAILOVER_MISSING.into()))
+pub async fn failover(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<DatabaseInfo>, ApiError> {
+    let view = state.databases.failover(&caller.workspace, &id).await?;
+    Ok(Json(info(&state, &headers, &view, true)))
+}
+
+/// An RFC 3339 instant (`2026-12-07T14:00:00Z`; a fraction, and an offset
+/// such as `+02:00` instead of `Z`, allowed), as Unix ms.
+fn parse_target_time(text: &str) -> Result<i64, ApiError> {
+    let refused = || ApiError::bad_request(format!("target_time {text:?}: not an RFC 3339 instant such as 2026-12-07T14:00:00Z"));
+    // humantime reads UTC (`Z`) only: an offset is taken off and applied here.
+    let (local, offset_seconds) = match text.len().checked_sub(6).and_then(|at| text.get(at..).map(|tail| (at, tail))) {
+        Some((at, tail)) if matches!(tail.as_bytes()[0], b'+' | b'-') && tail.as_bytes()[3] == b':' => {
+            let hours: i64 = tail[1..3].parse().map_err(|_| refused())?;
+            let minutes: i64 = tail[4..6].parse().map_err(|_| refused())?;
+            let sign = if tail.starts_with('-') { -1 } else { 1 };
+            (&text[..at], sign * (hours * 3600 + minutes * 60))
+        }
+        _ => (text.strip_suffix('Z').or_else(|| text.strip_suffix('z')).ok_or_else(refused)?, 0),
+    };
+    let instant = humantime::parse_rfc3339_weak(local).map_err(|_| refused())?;
+    let utc_ms = instant.duration_since(std::time::UNIX_EPOCH).map_err(|_| refused())?.as_millis() as i64;
+    Ok(utc_ms - offset_seconds * 1000)
 }
 
 #[utoipa::path(get, operation_id = "databaseStats", path = "/v1/databases/{id}/stats", tag = "databases", params(("id" = String, Path, description = "A database id")),
@@ -387,4 +437,22 @@ pub async fn proxy(
         return Err(ApiError::bad_request("sql is required: one SQL statement, $1… for params"));
     }
     Ok(Json(state.databases.broker_query(&id, token.trim(), &query).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_target_time;
+
+    #[test]
+    fn target_times_are_rfc3339_with_any_offset() {
+        let utc = parse_target_time("2026-12-07T14:00:00Z").unwrap();
+        assert_eq!(utc, 1_796_652_000_000);
+        assert_eq!(parse_target_time("2026-12-07T14:00:00.250Z").unwrap(), utc + 250);
+        assert_eq!(parse_target_time("2026-12-07T16:00:00+02:00").unwrap(), utc);
+        assert_eq!(parse_target_time("2026-12-07T09:30:00-04:30").unwrap(), utc);
+        assert_eq!(parse_target_time("2026-12-07T14:00:00+00:00").unwrap(), utc);
+        for bad in ["", "yesterday", "2026-12-07T14:00:00", "2026-12-07T14:00:00+2:00", "2026-13-07T14:00:00Z", "+00:00"] {
+            assert!(parse_target_time(bad).is_err(), "{bad:?}");
+        }
+    }
 }

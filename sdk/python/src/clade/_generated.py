@@ -86,7 +86,8 @@ class CloneBody(Model):
     """`CloneBody` in docs/openapi.json."""
 
     label: Optional[str] = None
-    #: RFC 3339: a clone as of that instant (point-in-time recovery; not offered yet: 501).
+    #: RFC 3339: a clone as of that instant (point-in-time recovery from the source's base backup and WAL),
+    #: not before its oldest backup kept.
     target_time: Optional[str] = None
     #: A clone keeps its source's size; another size is refused.
     size: Optional[str] = None
@@ -307,32 +308,34 @@ class CreateVolumeBody(Model):
 
 @dataclasses.dataclass
 class Credentials(Model):
-    """How to reach a ready database (absent from lists, and until it is ready)."""
+    """How to reach a ready database: every field is absent from lists, and
+    until it is ready (so a flattened empty value adds nothing to the answer).
+    """
 
     #: The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by).
-    host: str
-    port: int
-    database: str
-    username: str
-    password: str
+    host: Optional[str] = None
+    port: Optional[int] = None
+    database: Optional[str] = None
+    username: Optional[str] = None
+    password: Optional[str] = None
     #: `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not
     #: resolve).
-    connection_url: str
+    connection_url: Optional[str] = None
     #: `POST` a query here with `Authorization: Bearer <broker_token>`.
-    broker_url: str
-    broker_token: str
+    broker_url: Optional[str] = None
+    broker_token: Optional[str] = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Credentials:
         return cls(
-            host=data["host"],
-            port=data["port"],
-            database=data["database"],
-            username=data["username"],
-            password=data["password"],
-            connection_url=data["connection_url"],
-            broker_url=data["broker_url"],
-            broker_token=data["broker_token"],
+            host=data.get("host"),
+            port=data.get("port"),
+            database=data.get("database"),
+            username=data.get("username"),
+            password=data.get("password"),
+            connection_url=data.get("connection_url"),
+            broker_url=data.get("broker_url"),
+            broker_token=data.get("broker_token"),
         )
 
 
@@ -355,7 +358,8 @@ class DatabaseInfo(Model):
     memory_mb: int
     #: Never idled into hibernation.
     always_on: bool
-    #: Rebuilding a database from its base backup and WAL is not offered yet.
+    #: A base backup exists to rebuild it from (`POST …/failover`) and to clone it from as of an earlier
+    #: instant (`target_time`).
     failover_available: bool
     label: Optional[str] = None
     #: The sandbox that runs its server (of the same workspace).

@@ -34,7 +34,8 @@ export interface ChildError {
 export interface CloneBody {
   label?: string | null;
   /**
-   * RFC 3339: a clone as of that instant (point-in-time recovery; not offered yet: 501).
+   * RFC 3339: a clone as of that instant (point-in-time recovery from
+   * the source's base backup and WAL), not before its oldest backup kept.
    *
    * Wire name: `target_time`.
    */
@@ -210,28 +211,31 @@ export interface CreateVolumeBody {
   sizeMb?: number | null;
 }
 
-/** How to reach a ready database (absent from lists, and until it is ready). */
+/**
+ * How to reach a ready database: every field is absent from lists, and
+ * until it is ready (so a flattened empty value adds nothing to the answer).
+ */
 export interface Credentials {
   /** The endpoint's host for this database: `<id>.db.<suffix>` (the TLS server name it is routed by). */
-  host: string;
-  port: number;
-  database: string;
-  username: string;
-  password: string;
+  host?: string;
+  port?: number;
+  database?: string;
+  username?: string;
+  password?: string;
   /**
    * `postgresql://…?sslmode=require` (with `hostaddr` when the host name is a local one that may not resolve).
    *
    * Wire name: `connection_url`.
    */
-  connectionUrl: string;
+  connectionUrl?: string;
   /**
    * `POST` a query here with `Authorization: Bearer <broker_token>`.
    *
    * Wire name: `broker_url`.
    */
-  brokerUrl: string;
+  brokerUrl?: string;
   /** Wire name: `broker_token`. */
-  brokerToken: string;
+  brokerToken?: string;
 }
 
 /** A managed PostgreSQL database (PandaStack's DatabaseInfo). */
@@ -276,7 +280,8 @@ export interface DatabaseInfo {
   /** Why it failed. */
   error?: string | null;
   /**
-   * Rebuilding a database from its base backup and WAL is not offered yet.
+   * A base backup exists to rebuild it from (`POST …/failover`) and to
+   * clone it from as of an earlier instant (`target_time`).
    *
    * Wire name: `failover_available`.
    */
