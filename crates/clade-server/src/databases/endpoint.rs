@@ -302,7 +302,9 @@ impl Endpoint {
     /// Relays both ways until either side closes, touching the database
     /// meanwhile.
     async fn relay(&self, id: &str, mut client: TlsStream<TcpStream>, mut upstream: Upstream) -> Result<(), ConnectionError> {
-        let mut touch = tokio::time::interval(TOUCH_EVERY);
+        // Once now, whatever the relay's first poll does, then on a period.
+        self.databases.touch(id);
+        let mut touch = tokio::time::interval_at(tokio::time::Instant::now() + TOUCH_EVERY, TOUCH_EVERY);
         touch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let relayed = tokio::io::copy_bidirectional(&mut client, &mut upstream);
         tokio::pin!(relayed);

@@ -823,15 +823,21 @@ class Databases:
         """A new database with credentials of its own and the source's data as
         it is now (a copy-on-write fork of its VM), or with `target_time`
         (RFC 3339) as it was then (point-in-time recovery from its archived
-        WAL). `label` defaults to `<label> (clone)`. A clone keeps its
+        WAL and base backup: `provisioning` until replayed; a time to come or
+        before its oldest backup kept is a `BadRequestError`, a source
+        without a base backup yet a `ConflictError`). `label` defaults to
+        `<label> (clone)`. A clone keeps its
         source's size (another `size` is a `BadRequestError`). `wait` and
         `timeout` as for `create`."""
         info = self._transport.request(api.clone_database(database_id, label, size, target_time))
         return self._wait_for_new(info, wait, timeout)
 
     def failover(self, database_id: str) -> gen.DatabaseInfo:
-        """Rebuilding a failed database from its backups: not offered yet (the
-        server answers 501, an `InternalServerError` with the reason)."""
+        """Rebuilds the database in a new sandbox from its newest base backup
+        and the WAL shipped after it: the same id, address and password
+        (`sandbox_id` is the new one). Answers when done. A `ConflictError`
+        until its first base backup is taken (seconds after it is made;
+        `failover_available` says when)."""
         return self._transport.request(api.failover_database(database_id))
 
     def stats(self, database_id: str) -> DatabaseStats:

@@ -144,7 +144,13 @@ export class Databases {
     return this.waitForNew(info, options);
   }
 
-  /** Rebuilding a failed database from its backups: not offered yet (the server answers 501 with the reason). */
+  /**
+   * Rebuilds the database in a new sandbox from its newest base backup and
+   * the WAL shipped after it: the same id, address and password (`sandboxId`
+   * is the new one). Resolves when done. A `ConflictError` until its first
+   * base backup is taken (seconds after it is made; `failoverAvailable`
+   * says when).
+   */
   async failover(id: string, options: RequestOptions = {}): Promise<DatabaseInfo> {
     return fromWire<DatabaseInfo>('DatabaseInfo', await this.transport.json({ method: 'POST', path: path(id, '/failover') }, options));
   }
