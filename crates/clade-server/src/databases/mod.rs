@@ -244,11 +244,7 @@ impl DatabaseService {
         };
         self.store().insert_database(&row).await?;
         let (service, workspace, provisioning) = (self.clone(), workspace.clone(), row.clone());
-        let held = self.start_making(&row.id);
-        tokio::spawn(async move {
-            service.provision(&workspace, provisioning).await;
-            service.end_making(held);
-        });
+        self.spawn_making(&row.id, async move { service.provision(&workspace, provisioning).await });
         Ok(DatabaseView { row, sandbox_state: None })
     }
 
@@ -285,16 +281,18 @@ impl DatabaseService {
         self.conclude(row, made).await;
     }
 
-    fn start_making(&self, id: &str) -> (String, tokio::sync::OwnedMutexGuard<()>) {
+    /// Makes database `id` in the background with `making`, held in
+    /// [`Self::making`] until it ends (what a delete waits for).
+    fn spawn_making(&self, id: &str, making: impl std::future::Future<Output = ()> + Send + 'static) {
         let lock = Arc::new(tokio::sync::Mutex::new(()));
         let held = lock.clone().try_lock_owned().expect("a new lock is free");
         self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id.to_string(), lock);
-        (id.to_string(), held)
-    }
-
-    fn end_making(&self, (id, held): (String, tokio::sync::OwnedMutexGuard<()>)) {
-        self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
-        drop(held);
+        let (service, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            making.await;
+            service.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
+            drop(held);
+        });
     }
 
     /// Records how the making of a database ended: `ready` (and its
@@ -626,11 +624,7 @@ impl DatabaseService {
         let row = clone_row(&source, label);
         self.store().insert_database(&row).await?;
         let (service, workspace, making) = (self.clone(), workspace.clone(), row.clone());
-        let held = self.start_making(&row.id);
-        tokio::spawn(async move {
-            service.recover_into(&workspace, making, source, target_ms).await;
-            service.end_making(held);
-        });
+        self.spawn_making(&row.id, async move { service.recover_into(&workspace, making, source, target_ms).await });
         Ok(DatabaseView { row, sandbox_state: None })
     }
 
@@ -665,9 +659,10 @@ impl DatabaseService {
     /// when it does not, what it wrote since the last ship is lost.
     pub async fn failover(&self, workspace: &Workspace, id: &str) -> Result<DatabaseView, ApiError> {
         let mut row = self.ready(&workspace.id, id).await?;
-        if self.backups.newest_base(id).is_none() {
-            return Err(ApiError::conflict(format!("database {id} has no base backup yet to rebuild it from: {NO_BASE_YET}")));
-        }
+        let base = self
+            .backups
+            .newest_base(id)
+            .ok_or_else(|| ApiError::conflict(format!("database {id} has no base backup yet to rebuild it from: {NO_BASE_YET}")))?;
         if let Some(old) = row.sandbox_id.clone() {
             let shipped = tokio::time::timeout(std::time::Duration::from_secs(60), async {
                 let running = self.sandboxes.running(&workspace.id, &old).await?;
@@ -680,7 +675,6 @@ impl DatabaseService {
                 Err(_) => tracing::warn!(database = %id, "failover: the old guest did not answer within 60 s; its last WAL is lost"),
             }
         }
-        let base = self.backups.newest_base(id).ok_or_else(|| ApiError::conflict(format!("database {id}'s backups went meanwhile")))?;
         // No waiting for room here (the caller waits on this answer): a full host says so.
         let (sandbox, _boot) = self.sandboxes.create(workspace, self.sandbox_params(&row)).await?;
         let rebuilt = DatabaseRow { sandbox_id: Some(sandbox.id.clone()), ..row.clone() };
