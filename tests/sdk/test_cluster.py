@@ -114,43 +114,66 @@ class Proc:
         return log_tail(self.log_path, lines)
 
 
-@pytest.fixture
-def cluster(requirements):
-    pg = Postgres()
-    secret_file = Path(tempfile.mkdtemp(prefix="clade-sdk-secret-")) / "cluster.secret"
-    secret_file.write_text(SECRET + "\n")
-    procs: List[Proc] = []
+class Cluster:
+    """A PostgreSQL and the hosts and replicas started on it; stopped together."""
 
-    def host(name: str) -> Proc:
-        proc = Proc(name, ["host", "--data-dir", "{dir}", "--database-url", pg.url, "run", "--listen", "127.0.0.1:{port}",
+    def __init__(self):
+        self.pg = Postgres()
+        self.secret_file = Path(tempfile.mkdtemp(prefix="clade-sdk-secret-")) / "cluster.secret"
+        self.secret_file.write_text(SECRET + "\n")
+        self.procs: List[Proc] = []
+
+    def host(self, name: str) -> Proc:
+        proc = Proc(name, ["host", "--data-dir", "{dir}", "--database-url", self.pg.url, "run", "--listen", "127.0.0.1:{port}",
                            "--no-network", "--standby", "0", "--lease-seconds", str(LEASE_SECONDS),
-                           "--replicate-hibernated"], secret_file)
-        procs.append(proc)
+                           "--replicate-hibernated"], self.secret_file)
+        self.procs.append(proc)
         return proc.start()
 
-    def replica(name: str) -> Proc:
-        proc = Proc(name, ["server", "--no-vms", "--data-dir", "{dir}", "--database-url", pg.url, "--listen",
-                           "127.0.0.1:{port}"], secret_file)
-        procs.append(proc)
+    def replica(self, name: str, *args: str) -> Proc:
+        proc = Proc(name, ["server", "--no-vms", "--data-dir", "{dir}", "--database-url", self.pg.url, "--listen",
+                           "127.0.0.1:{port}", *args], self.secret_file)
+        self.procs.append(proc)
         return proc.start()
 
-    hosts = [host(f"host-{i}") for i in range(3)]
-    replicas = [replica(f"replica-{i}") for i in range(2)]
-    admin_key = (replicas[0].data_dir / "admin.key").read_text().strip()
+    def stop(self, failed: bool):
+        for proc in self.procs:
+            proc.kill()
+            kill_all(proc.vm_pids())
+        self.pg.stop()
+        if failed:
+            for proc in self.procs:
+                print(f"--- {proc.name} ---\n{proc.log_tail()}")
+
+
+@pytest.fixture
+def new_cluster(requirements):
+    """Starts a Cluster for one test; stops it after, with its logs when the test failed."""
+    made: List[Cluster] = []
+
+    def start() -> Cluster:
+        made.append(Cluster())
+        return made[-1]
+
     failed = False
     try:
-        yield pg, hosts, replicas, admin_key
+        yield start
     except BaseException:
         failed = True
         raise
     finally:
-        for proc in procs:
-            proc.kill()
-            kill_all(proc.vm_pids())
-        pg.stop()
-        if failed:
-            for proc in procs:
-                print(f"--- {proc.name} ---\n{proc.log_tail()}")
+        for cluster in made:
+            cluster.stop(failed)
+
+
+@pytest.fixture
+def cluster(new_cluster):
+    c = new_cluster()
+    hosts = [c.host(f"host-{i}") for i in range(3)]
+    # The default databases' endpoint address is one per machine: the replicas run none here.
+    replicas = [c.replica(f"replica-{i}", "--db-listen", "off") for i in range(2)]
+    admin_key = (replicas[0].data_dir / "admin.key").read_text().strip()
+    yield c.pg, hosts, replicas, admin_key
 
 
 def hosts_of(pg: Postgres, ids: List[str]) -> dict:
@@ -287,3 +310,85 @@ def test_many_hosts_serve_one_api_and_survive_a_dead_host_and_a_dead_replica(clu
     for sb in [*made, *after, child, far, retried]:
         if sb.id not in on_victim:
             clients[0].sandboxes.get(sb.id).kill()
+
+
+@pytest.mark.timeout(900)
+def test_a_database_is_reached_through_the_replicas_endpoint_on_whichever_host_runs_it(new_cluster):
+    """Issue 33 in a cluster: the replica places a database on a host, runs the
+    PostgreSQL endpoint its connection_url names and relays each connection
+    to the host of its sandbox (which wakes it); every route about it, the
+    broker's included, goes to that host; when that host dies, connections
+    and uses are refused with the reason while the row can still be read
+    and deleted."""
+    import psycopg
+
+    c = new_cluster()
+    hosts = [c.host(f"host-{i}") for i in range(2)]
+    db_port = free_port()
+    replica = c.replica("replica-0", "--db-listen", f"127.0.0.1:{db_port}")
+    admin_key = (replica.data_dir / "admin.key").read_text().strip()
+    client = pandastack.Client(api_key=admin_key, api_url=replica.url)
+    host_ids = {(h.data_dir / "host.id").read_text().strip(): h for h in hosts}
+
+    started = time.monotonic()
+    db = client.databases.create(label="clustered")
+    print(f"create -> running on a fresh host (its first postgres bake): {time.monotonic() - started:.1f} s")
+    assert db["status"] == "running", db
+    assert f"@{db['id']}.db.localhost:{db_port}/" in db["connection_url"], "the replica's endpoint, not a host's"
+    assert db["broker_url"] == f"{replica.url}/v1/databases/{db['id']}/proxy"
+    runs_on = hosts_of(c.pg, [db["sandbox_id"]])[db["sandbox_id"]]
+    assert runs_on in host_ids
+
+    def connect(url: str):
+        return psycopg.connect(url, connect_timeout=120, autocommit=True)
+
+    with connect(db["connection_url"]) as conn:
+        conn.execute("CREATE TABLE t (n int)")
+        conn.execute("INSERT INTO t VALUES (1), (2)")
+    broker = requests.post(db["broker_url"], headers={"Authorization": f"Bearer {db['broker_token']}"},
+                           json={"sql": "SELECT n FROM t ORDER BY n"}, timeout=120)
+    assert broker.status_code == 200, broker.text
+    assert broker.json()["rows"] == [[1], [2]]
+    assert requests.post(db["broker_url"], headers={"Authorization": "Bearer pds_pg_wrong"},
+                         json={"sql": "SELECT 1"}, timeout=60).status_code == 401
+    auth = {"Authorization": f"Bearer {admin_key}"}
+    stats = requests.get(f"{replica.url}/v1/databases/{db['id']}/stats", headers=auth, timeout=120)
+    assert stats.status_code == 200 and stats.json()["postgres_version"].startswith("15."), stats.text
+
+    # Asleep, it is woken by the next connection through the replica.
+    client.sandboxes.get(db["sandbox_id"]).hibernate()
+    assert client.databases.get(db["id"])["status"] == "hibernated"
+    started = time.monotonic()
+    with connect(db["connection_url"]) as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 2
+    print(f"wake on connect through the replica: {time.monotonic() - started:.2f} s")
+
+    # A clone is a fork on the same host, reached the same way; its writes stay its own.
+    clone = client.databases.clone(db["id"], label="copy")
+    assert clone["status"] == "running", clone
+    assert hosts_of(c.pg, [clone["sandbox_id"]])[clone["sandbox_id"]] == runs_on
+    with connect(clone["connection_url"]) as conn:
+        conn.execute("INSERT INTO t VALUES (100)")
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 3
+    with connect(db["connection_url"]) as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 2
+
+    # Any host tells whether a failover can run (the row names where the backups are).
+    wait_for(lambda: all(d["failover_available"] for d in client.databases.list() if d["id"] == db["id"]),
+             timeout=300, interval=1, what="a base backup, seen in the list")
+    backups_on = c.pg.query(f"SELECT backup_host_id FROM databases WHERE id = '{db['id']}'")[0][0]
+    assert backups_on == runs_on
+
+    # Its host dies: refused with the reason, readable, deletable.
+    host_ids[runs_on].kill()
+    wait_for(lambda: c.pg.query(f"SELECT state FROM hosts WHERE id = '{runs_on}'") == [["down"]],
+             timeout=LEASE_SECONDS * 4, interval=0.2, what="the dead host to be marked down")
+    with pytest.raises(psycopg.OperationalError, match="which is down"):
+        connect(db["connection_url"]).close()
+    stats = requests.get(f"{replica.url}/v1/databases/{db['id']}/stats", headers=auth, timeout=120)
+    assert stats.status_code == 503 and "which is down" in stats.text, stats.text
+    assert client.databases.get(db["id"])["id"] == db["id"]
+    client.databases.delete(db["id"])
+    client.databases.delete(clone["id"])
+    assert [d["id"] for d in client.databases.list()] == []
+    assert c.pg.query(f"SELECT state FROM sandboxes WHERE id = '{db['sandbox_id']}'") == [["deleted"]]

@@ -220,6 +220,16 @@ impl ServerArgs {
     }
 }
 
+/// Where the databases' endpoint listens (`--db-listen`), and whether that
+/// address may be taken (the default's: then there is none, with a warning).
+fn db_listen(value: Option<&str>) -> anyhow::Result<(Option<SocketAddr>, bool)> {
+    Ok(match value {
+        Some("off") => (None, false),
+        Some(addr) => (Some(addr.parse().with_context(|| format!("--db-listen {addr:?}: expected ADDR:PORT or off"))?), false),
+        None => (Some(DEFAULT_DB_LISTEN.parse().expect("a valid default address")), true),
+    })
+}
+
 pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
     let data_dir = host.data_dir.clone();
     if args.no_vms {
@@ -229,16 +239,9 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
     config.limits = args.limits();
     config.database_url = args.database_url;
     args.machine.apply(&mut config, "clade server");
+    (config.db_listen, config.db_listen_optional) = db_listen(args.db_listen.as_deref())?;
     config.preview_suffix = args.preview_suffix;
     config.tls = args.tls.source();
-    config.db_listen = match args.db_listen.as_deref() {
-        Some("off") => None,
-        Some(addr) => Some(addr.parse().with_context(|| format!("--db-listen {addr:?}: expected ADDR:PORT or off"))?),
-        None => {
-            config.db_listen_optional = true;
-            Some(DEFAULT_DB_LISTEN.parse().expect("a valid default address"))
-        }
-    };
     let server = Server::start(config).await?;
     if let Some(key) = server.admin_key() {
         show_admin_key(key, &data_dir);
@@ -252,6 +255,7 @@ pub async fn run(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode>
 /// `clade server --no-vms`: the API over the hosts of the database.
 async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitCode> {
     let limits = args.limits();
+    let (db_listen, db_listen_optional) = db_listen(args.db_listen.as_deref())?;
     let Some(database_url) = args.database_url else {
         anyhow::bail!("clade server --no-vms serves the hosts of a shared database: give it --database-url postgres://…");
     };
@@ -262,6 +266,8 @@ async fn run_replica(args: ServerArgs, host: HostConfig) -> anyhow::Result<ExitC
         secret: args.cluster.secret("clade server --no-vms")?,
         limits,
         preview_suffix: args.preview_suffix,
+        db_listen,
+        db_listen_optional,
     };
     let replica = Replica::start_with_tls(config, args.tls.source().as_ref()).await?;
     if let Some(key) = replica.admin_key() {

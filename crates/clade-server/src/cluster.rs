@@ -25,8 +25,18 @@ pub const KEY_HEADER: &str = "x-clade-key";
 /// The Idempotency-Key the replica holds for this request.
 pub const HELD_KEY_HEADER: &str = "x-clade-held-idempotency-key";
 
+/// Where the replica's databases' endpoint takes clients
+/// (`EndpointAddress::header_value`): what a host puts in the
+/// `connection_url`s it answers.
+pub const DB_ENDPOINT_HEADER: &str = "x-clade-db-endpoint";
+
+/// The protocol a replica's databases' endpoint upgrades its request to a
+/// host to (`POST /internal/v1/databases/{id}/connect`): what follows is
+/// the byte stream of one PostgreSQL connection, past TLS.
+pub const DB_UPGRADE: &str = "clade-postgres";
+
 /// The headers only a replica may set: dropped from every user request.
-pub(crate) const INTERNAL_HEADERS: [&str; 4] = [SECRET_HEADER, WORKSPACE_HEADER, KEY_HEADER, HELD_KEY_HEADER];
+pub(crate) const INTERNAL_HEADERS: [&str; 5] = [SECRET_HEADER, WORKSPACE_HEADER, KEY_HEADER, HELD_KEY_HEADER, DB_ENDPOINT_HEADER];
 
 /// The shortest secret accepted.
 const MIN_SECRET_LEN: usize = 16;

@@ -241,24 +241,40 @@ pub(crate) fn start_heap_trim() -> tokio::task::JoinHandle<()> {
     })
 }
 
-/// Binds the databases' PostgreSQL endpoint and serves it until `stopping`.
-/// Its certificate is the operator's (`--tls-cert`), else one of the
-/// server's own CA (`DATA_DIR/tls/ca.pem`, made if missing), for
-/// `*.db.SUFFIX`: the suffix is the preview suffix, `localhost` when none is set.
-async fn start_db_endpoint(
-    listen: SocketAddr,
-    config: &ServerConfig,
-    data_dir: &std::path::Path,
-    databases: &databases::DatabaseService,
+/// Where a server's databases' PostgreSQL endpoint listens, and what it serves.
+pub(crate) struct DbEndpointConfig<'a> {
+    pub listen: SocketAddr,
+    /// A taken `listen` leaves the server without an endpoint (a warning).
+    pub optional: bool,
+    pub tls: Option<&'a tls::TlsSource>,
+    /// As `ServerConfig::preview_suffix`.
+    pub preview_suffix: &'a str,
+    pub data_dir: &'a std::path::Path,
+}
+
+/// Binds the databases' PostgreSQL endpoint and serves it until `stopping`:
+/// its task and the address clients reach it at; `None` when an optional
+/// address is taken. Its certificate is the operator's (`--tls-cert`),
+/// else one of the server's own CA (`DATA_DIR/tls/ca.pem`, made if
+/// missing), for `*.db.SUFFIX`: the suffix is the preview suffix,
+/// `localhost` when none is set.
+pub(crate) async fn start_db_endpoint(
+    config: DbEndpointConfig<'_>,
+    databases: Arc<dyn databases::endpoint::Databases>,
     stopping: &CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>, ServerError> {
-    let suffix = if config.preview_suffix.is_empty() { preview::LOCAL_SUFFIX.to_string() } else { config.preview_suffix.clone() };
-    let tls = tls::database_endpoint_config(config.tls.as_ref(), data_dir, &suffix)?;
-    let (listener, bound) = bind(listen).await?;
-    databases.set_endpoint(databases::EndpointAddress::of(bound, &suffix));
+) -> Result<Option<(tokio::task::JoinHandle<()>, databases::EndpointAddress)>, ServerError> {
+    let suffix = if config.preview_suffix.is_empty() { preview::LOCAL_SUFFIX.to_string() } else { config.preview_suffix.to_string() };
+    let tls = tls::database_endpoint_config(config.tls, config.data_dir, &suffix)?;
+    let (listener, bound) = match bind(config.listen).await {
+        Err(ServerError::Listen { addr, source }) if config.optional => {
+            tracing::warn!(%addr, "no databases endpoint: {source}; give one with --db-listen ADDR");
+            return Ok(None);
+        }
+        bound => bound?,
+    };
     tracing::info!(address = %bound, suffix = %suffix, "databases' PostgreSQL endpoint listening");
-    let router: Arc<dyn databases::endpoint::Databases> = Arc::new(databases.clone());
-    Ok(tokio::spawn(databases::endpoint::serve(listener, tls, suffix, router, stopping.clone())))
+    let serving = tokio::spawn(databases::endpoint::serve(listener, tls, suffix.clone(), databases, stopping.clone()));
+    Ok(Some((serving, databases::EndpointAddress::of(bound, &suffix))))
 }
 
 impl Server {
@@ -296,13 +312,20 @@ impl Server {
         databases.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         let stopping = CancellationToken::new();
         let db_endpoint = match config.db_listen {
-            Some(listen) => match start_db_endpoint(listen, &config, &data_dir, &databases, &stopping).await {
-                Err(ServerError::Listen { addr, source }) if config.db_listen_optional => {
-                    tracing::warn!(%addr, "no databases endpoint: {source}; give one with --db-listen ADDR");
-                    None
-                }
-                started => Some(started?),
-            },
+            Some(listen) => {
+                let endpoint = DbEndpointConfig {
+                    listen,
+                    optional: config.db_listen_optional,
+                    tls: config.tls.as_ref(),
+                    preview_suffix: &config.preview_suffix,
+                    data_dir: &data_dir,
+                };
+                let started = start_db_endpoint(endpoint, Arc::new(databases.clone()), &stopping).await?;
+                started.map(|(serving, address)| {
+                    databases.set_endpoint(address);
+                    serving
+                })
+            }
             None => None,
         };
         let db_archiver = databases.start_archiver(stopping.clone());

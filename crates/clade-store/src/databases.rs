@@ -58,12 +58,15 @@ pub struct DatabaseRow {
     pub broker_token: String,
     /// The database it is a clone of.
     pub cloned_from: Option<String>,
+    /// The host whose disk keeps its backups; `None` before its first base
+    /// backup. Set by [`Store::set_database_backup_host`] only.
+    pub backup_host_id: Option<String>,
     pub created_at: UnixMillis,
     pub updated_at: UnixMillis,
 }
 
 const COLUMNS: &str = "id, workspace_id, sandbox_id, label, size, cpu, memory_mb, always_on, status, error, password, \
-                       broker_token, cloned_from, created_at, updated_at";
+                       broker_token, cloned_from, created_at, updated_at, backup_host_id";
 
 impl DatabaseRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -87,6 +90,7 @@ impl DatabaseRow {
             cloned_from: col(row, "cloned_from")?,
             created_at: col(row, "created_at")?,
             updated_at: col(row, "updated_at")?,
+            backup_host_id: col(row, "backup_host_id")?,
         })
     }
 }
@@ -94,7 +98,7 @@ impl DatabaseRow {
 impl Store {
     pub async fn insert_database(&self, db: &DatabaseRow) -> Result<(), StoreError> {
         sqlx::query(&format!(
-            "INSERT INTO databases ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+            "INSERT INTO databases ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
         ))
         .bind(&db.id)
         .bind(&db.workspace_id)
@@ -111,9 +115,18 @@ impl Store {
         .bind(&db.cloned_from)
         .bind(db.created_at)
         .bind(db.updated_at)
+        .bind(&db.backup_host_id)
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    /// Records that `host_id` keeps database `id`'s backups now (it took
+    /// a base backup of it); false when there is no such database.
+    pub async fn set_database_backup_host(&self, id: &str, host_id: &str) -> Result<bool, StoreError> {
+        let updated =
+            sqlx::query("UPDATE databases SET backup_host_id = $2 WHERE id = $1").bind(id).bind(host_id).execute(&self.pool).await?;
+        Ok(updated.rows_affected() > 0)
     }
 
     /// The workspace's database `id`; another workspace's is `None`.

@@ -80,6 +80,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0014_databases.sql"),
         postgres: include_str!("../migrations/postgres/0014_databases.sql"),
     },
+    Migration {
+        version: 15,
+        sqlite: include_str!("../migrations/sqlite/0015_database_backup_host.sql"),
+        postgres: include_str!("../migrations/postgres/0015_database_backup_host.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

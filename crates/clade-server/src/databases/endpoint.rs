@@ -47,6 +47,11 @@ pub struct Refusal {
     pub message: String,
 }
 
+/// The SQLSTATE of a connection to a database that does not exist.
+pub const NO_SUCH_DATABASE: &str = "3D000";
+/// The SQLSTATE of a database that cannot take connections now.
+pub const CANNOT_CONNECT_NOW: &str = "57P03";
+
 impl Refusal {
     pub fn new(sqlstate: &'static str, message: impl Into<String>) -> Self {
         Self { sqlstate, message: message.into() }
@@ -299,20 +304,29 @@ impl Endpoint {
         )
     }
 
-    /// Relays both ways until either side closes, touching the database
-    /// meanwhile.
     async fn relay(&self, id: &str, mut client: TlsStream<TcpStream>, mut upstream: Upstream) -> Result<(), ConnectionError> {
-        // Once now, whatever the relay's first poll does, then on a period.
-        self.databases.touch(id);
-        let mut touch = tokio::time::interval_at(tokio::time::Instant::now() + TOUCH_EVERY, TOUCH_EVERY);
-        touch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let relayed = tokio::io::copy_bidirectional(&mut client, &mut upstream);
-        tokio::pin!(relayed);
-        loop {
-            tokio::select! {
-                relayed = &mut relayed => return relayed.map(drop).map_err(ConnectionError::Relay),
-                _ = touch.tick() => self.databases.touch(id),
-            }
+        relay(self.databases.as_ref(), id, &mut client, &mut upstream).await.map_err(ConnectionError::Relay)
+    }
+}
+
+/// Relays both ways between a client and database `id`'s server until
+/// either side closes, touching the database meanwhile. A host of a cluster
+/// runs it too, for a replica's endpoint (the client is then that replica).
+pub async fn relay<C, U>(databases: &dyn Databases, id: &str, client: &mut C, upstream: &mut U) -> std::io::Result<()>
+where
+    C: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    U: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    // Once now, whatever the relay's first poll does, then on a period.
+    databases.touch(id);
+    let mut touch = tokio::time::interval_at(tokio::time::Instant::now() + TOUCH_EVERY, TOUCH_EVERY);
+    touch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let relayed = tokio::io::copy_bidirectional(client, upstream);
+    tokio::pin!(relayed);
+    loop {
+        tokio::select! {
+            relayed = &mut relayed => return relayed.map(drop),
+            _ = touch.tick() => databases.touch(id),
         }
     }
 }

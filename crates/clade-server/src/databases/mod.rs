@@ -101,6 +101,31 @@ impl EndpointAddress {
         format!("{id}.db.{}", self.suffix)
     }
 
+    /// As a replica tells its hosts (`cluster::DB_ENDPOINT_HEADER`):
+    /// `suffix=S; port=P[; hostaddr=IP]`.
+    pub fn header_value(&self) -> String {
+        let mut value = format!("suffix={}; port={}", self.suffix, self.port);
+        if let Some(address) = self.hostaddr {
+            value.push_str(&format!("; hostaddr={address}"));
+        }
+        value
+    }
+
+    /// The inverse of [`Self::header_value`]; `None` when it is not one.
+    pub fn from_header(value: &str) -> Option<Self> {
+        let (mut suffix, mut port, mut hostaddr) = (None, None, None);
+        for field in value.split(';') {
+            let (name, value) = field.trim().split_once('=')?;
+            match name {
+                "suffix" => suffix = Some(value.to_string()),
+                "port" => port = Some(value.parse().ok()?),
+                "hostaddr" => hostaddr = Some(value.parse().ok()?),
+                _ => return None,
+            }
+        }
+        Some(Self { suffix: suffix?, port: port?, hostaddr })
+    }
+
     /// What `psql` and the drivers connect with.
     pub fn connection_url(&self, id: &str, password: &str) -> String {
         let mut url = format!("postgresql://{ROLE}:{password}@{}:{}/{DATABASE}?sslmode=require", self.host(id), self.port);
@@ -239,6 +264,7 @@ impl DatabaseService {
             password: random_token(16),
             broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
             cloned_from: None,
+            backup_host_id: None,
             created_at: now,
             updated_at: now,
         };
@@ -364,7 +390,23 @@ impl DatabaseService {
 
     async fn take_base(&self, row: &DatabaseRow) -> Result<backup::BaseBackup, ApiError> {
         let running = self.sandboxes.running(&row.workspace_id, row.sandbox_id.as_deref().ok_or_else(|| not_ready(row))?).await?;
-        self.backups.take_base(&row.id, running.vm.agent()).await.map_err(backup_error)
+        self.base_here(row, running.vm.agent()).await
+    }
+
+    /// A base backup of the database onto this host's disk, which then
+    /// keeps its backups (what failovers and `target_time` clones are
+    /// routed by, in a cluster).
+    async fn base_here(&self, row: &DatabaseRow, agent: &clade_host::agent::AgentClient) -> Result<backup::BaseBackup, ApiError> {
+        let base = self.backups.take_base(&row.id, agent).await.map_err(backup_error)?;
+        self.note_backups_here(row).await?;
+        Ok(base)
+    }
+
+    async fn note_backups_here(&self, row: &DatabaseRow) -> Result<(), ApiError> {
+        if row.backup_host_id.as_deref() != Some(self.sandboxes.host_id()) {
+            self.store().set_database_backup_host(&row.id, self.sandboxes.host_id()).await?;
+        }
+        Ok(())
     }
 
     /// Every [`backup::SHIP_EVERY`]: the WAL of every ready database
@@ -408,9 +450,11 @@ impl DatabaseService {
             .newest_base(&row.id)
             .is_none_or(|base| clade_store::now_ms() - base.finished_ms >= backup::BASE_EVERY.as_millis() as i64);
         if due {
-            self.backups.take_base(&row.id, vm.agent()).await.map_err(backup_error)?;
+            self.base_here(row, vm.agent()).await?;
         } else {
             self.backups.ship(&row.id, vm.agent(), false).await.map_err(backup_error)?;
+            // Backups taken before the host was recorded (an older server's).
+            self.note_backups_here(row).await?;
         }
         Ok(())
     }
@@ -772,15 +816,18 @@ impl endpoint::Databases for DatabaseService {
             let refusal = |sqlstate, message: String| endpoint::Refusal { sqlstate, message };
             let row = match service.store().database_by_id(&id).await {
                 Ok(Some(row)) => row,
-                Ok(None) => return Err(refusal("3D000", format!("database {id} does not exist"))),
+                Ok(None) => return Err(refusal(endpoint::NO_SUCH_DATABASE, format!("database {id} does not exist"))),
                 Err(e) => return Err(refusal("58000", format!("looking up database {id}: {}", chain(&e)))),
             };
             if row.status != DatabaseStatus::Ready {
-                return Err(refusal("57P03", format!("database {id} is {} and cannot take connections", row.status.as_str())));
+                return Err(refusal(
+                    endpoint::CANNOT_CONNECT_NOW,
+                    format!("database {id} is {} and cannot take connections", row.status.as_str()),
+                ));
             }
             match service.open_server(&row).await {
                 Ok(stream) => Ok(Box::new(stream) as endpoint::Upstream),
-                Err(e) => Err(refusal("57P03", format!("database {id} cannot take connections now: {e}"))),
+                Err(e) => Err(refusal(endpoint::CANNOT_CONNECT_NOW, format!("database {id} cannot take connections now: {e}"))),
             }
         })
     }
@@ -809,6 +856,7 @@ fn clone_row(source: &DatabaseRow, label: Option<String>) -> DatabaseRow {
         password: random_token(16),
         broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
         cloned_from: Some(source.id.clone()),
+        backup_host_id: None,
         created_at: now,
         updated_at: now,
         ..source.clone()
@@ -880,6 +928,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_address_goes_through_its_header_and_back() {
+        for address in [
+            EndpointAddress::of("127.0.0.1:5433".parse().unwrap(), "localhost"),
+            EndpointAddress::of("10.0.0.5:5432".parse().unwrap(), "db.example.com"),
+        ] {
+            assert_eq!(EndpointAddress::from_header(&address.header_value()), Some(address));
+        }
+        assert_eq!(EndpointAddress::from_header("port=5; suffix=x; colour=red"), None);
+        assert_eq!(EndpointAddress::from_header("suffix=x"), None);
+        assert_eq!(EndpointAddress::from_header(""), None);
+    }
+
+    #[test]
     fn a_local_suffix_puts_the_address_in_the_url_and_a_named_one_does_not() {
         let local = EndpointAddress::of("0.0.0.0:5433".parse().unwrap(), "localhost");
         assert_eq!(
@@ -906,6 +967,7 @@ mod tests {
             password: "p".into(),
             broker_token: "t".into(),
             cloned_from: None,
+            backup_host_id: None,
             created_at: 0,
             updated_at: 0,
         };

@@ -11,8 +11,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
+use crate::cluster::DB_ENDPOINT_HEADER;
 use crate::databases::broker::{QueryRequest, QueryResult};
-use crate::databases::{CreateDatabase, DatabaseView, DATABASE, POSTGRES_VERSION, ROLE, TEMPLATE};
+use crate::databases::{CreateDatabase, DatabaseView, EndpointAddress, DATABASE, POSTGRES_VERSION, ROLE, TEMPLATE};
 use crate::error::{ApiError, ErrorBody};
 use crate::http::JsonBody;
 use crate::AppState;
@@ -148,9 +149,10 @@ pub struct DatabaseLogs {
 /// own answers (never in lists).
 fn info(state: &AppState, headers: &HeaderMap, view: &DatabaseView, with_credentials: bool) -> DatabaseInfo {
     let row = &view.row;
-    let has_base = state.databases.backups().newest_base(&row.id).is_some();
+    // Any host of a cluster can tell: the row names the host that keeps them.
+    let has_base = row.backup_host_id.is_some();
     let ready = with_credentials && row.status == clade_store::DatabaseStatus::Ready && view.error().is_none();
-    let credentials = ready.then(|| state.databases.endpoint()).flatten().map(|endpoint| Credentials {
+    let credentials = ready.then(|| endpoint(state, headers)).flatten().map(|endpoint| Credentials {
         host: Some(endpoint.host(&row.id)),
         port: Some(endpoint.port),
         database: Some(DATABASE.into()),
@@ -180,6 +182,17 @@ fn info(state: &AppState, headers: &HeaderMap, view: &DatabaseView, with_credent
     }
 }
 
+/// Where the caller's clients connect: this server's endpoint; on a host
+/// of a cluster, the endpoint of the replica the request came through,
+/// which names it in a header (only the cluster secret's holders reach a
+/// host, and a replica drops that header from users' requests).
+fn endpoint(state: &AppState, headers: &HeaderMap) -> Option<EndpointAddress> {
+    match state.cluster {
+        Some(_) => headers.get(DB_ENDPOINT_HEADER).and_then(|v| v.to_str().ok()).and_then(EndpointAddress::from_header),
+        None => state.databases.endpoint().cloned(),
+    }
+}
+
 /// The broker's URL as the caller reached this server.
 fn broker_url(headers: &HeaderMap, id: &str) -> String {
     let scheme =
@@ -188,9 +201,9 @@ fn broker_url(headers: &HeaderMap, id: &str) -> String {
     format!("{scheme}://{host}/v1/databases/{id}/proxy")
 }
 
-/// 503 when this server runs no PostgreSQL endpoint: a database nobody can reach is not made.
-fn endpoint_required(state: &AppState) -> Result<(), ApiError> {
-    match state.databases.endpoint() {
+/// 503 when the caller's server runs no PostgreSQL endpoint: a database nobody can reach is not made.
+fn endpoint_required(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    match endpoint(state, headers) {
         Some(_) => Ok(()),
         None => Err(ApiError::Unavailable {
             message: "this server runs no PostgreSQL endpoint (start it with --db-listen ADDR)".into(),
@@ -212,7 +225,7 @@ pub async fn create(
     headers: HeaderMap,
     JsonBody(body): JsonBody<CreateBody>,
 ) -> Result<(StatusCode, Json<DatabaseInfo>), ApiError> {
-    endpoint_required(&state)?;
+    endpoint_required(&state, &headers)?;
     let request = CreateDatabase {
         size: body.size,
         cpu: body.cpu,

@@ -2,16 +2,20 @@
 //! a host of a cluster only, answered only with the cluster secret
 //! (`host_api::admit`), never forwarded by a replica, and not in the
 //! document. Other hosts read bundles of files here and ask for forks and
-//! moves; replicas ask a draining host to move a sandbox before it wakes.
+//! moves; replicas ask a draining host to move a sandbox before it wakes,
+//! and open connections to the databases whose sandboxes run here.
 
-use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clade_host::vm::{BundleKind, Manifest};
+use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 
+use crate::cluster::DB_UPGRADE;
+use crate::databases::endpoint::{self, Databases};
 use crate::error::{vm_error, ApiError};
 use crate::peer::INTERNAL_PREFIX;
 use crate::sandbox::{ForkHere, RemoteFork};
@@ -26,6 +30,7 @@ pub fn router() -> Router<AppState> {
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/move"), post(move_away))
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/replica"), post(keep_replica))
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/take-over"), post(take_over))
+        .route(&format!("{INTERNAL_PREFIX}/databases/{{id}}/connect"), post(connect_database))
 }
 
 fn kind(name: &str) -> Result<BundleKind, ApiError> {
@@ -107,4 +112,38 @@ async fn move_away(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let host = state.service.move_away(&id, request.to).await?;
     Ok(Json(serde_json::json!({ "host": host })))
+}
+
+/// A replica's databases' endpoint connecting a client to database `id`,
+/// whose sandbox runs here: the database is opened (woken if it sleeps),
+/// then the answer is `101` and the upgraded connection is relayed to its
+/// server, touched while it lasts. A refusal is an ordinary error: 404 for
+/// no such database, 503 with the reason otherwise.
+async fn connect_database(State(state): State<AppState>, Path(id): Path<String>, mut request: Request) -> Result<Response, ApiError> {
+    let wants = request.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok());
+    if !wants.is_some_and(|protocol| protocol.eq_ignore_ascii_case(DB_UPGRADE)) {
+        return Err(ApiError::bad_request(format!("connecting to a database upgrades to {DB_UPGRADE}")));
+    }
+    let on_upgrade = request
+        .extensions_mut()
+        .remove::<hyper::upgrade::OnUpgrade>()
+        .ok_or_else(|| ApiError::bad_request("this connection cannot be upgraded"))?;
+    let mut upstream = state.databases.open(&id).await.map_err(|refusal| match refusal.sqlstate {
+        endpoint::NO_SUCH_DATABASE => ApiError::not_found(refusal.message),
+        _ => ApiError::Unavailable { message: refusal.message, retry_after: None },
+    })?;
+    let databases = state.databases.clone();
+    tokio::spawn(async move {
+        let relayed = match on_upgrade.await {
+            Ok(upgraded) => endpoint::relay(&databases, &id, &mut TokioIo::new(upgraded), &mut upstream).await,
+            Err(e) => Err(std::io::Error::other(e)),
+        };
+        if let Err(e) = relayed {
+            tracing::debug!(database = %id, "a replica's database connection: {e}");
+        }
+    });
+    let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
+    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    response.headers_mut().insert(header::UPGRADE, HeaderValue::from_static(DB_UPGRADE));
+    Ok(response)
 }

@@ -65,6 +65,8 @@ async fn a_replica_sends_each_request_to_its_sandboxs_host_and_a_stopped_host_lo
         secret: ClusterSecret::new(SECRET).unwrap(),
         limits: Limits::default(),
         preview_suffix: String::new(),
+        db_listen: None,
+        db_listen_optional: false,
     })
     .await
     .expect("replica starts");

@@ -9,6 +9,9 @@
 //!   the host placement picks (`Store::place_sandbox`), the next one when
 //!   that one is full or does not answer;
 //! - about a volume (`/v1/volumes/{name}`): the host that has its files;
+//! - a database create: the host placement picks for the `postgres`
+//!   template, as a sandbox create; about a database
+//!   (`/v1/databases/{id}…`, its broker too): the host of its sandbox;
 //! - anything else (lists, keys, templates, the document): any live host.
 //!
 //! Requests stream both ways as they come, upgrades (terminals, port
@@ -17,6 +20,12 @@
 //! requests about it are refused with the reason. Replicas also mark down
 //! the hosts whose leases ran out, so a dead host is noticed when no other
 //! host is left to notice it.
+//!
+//! With `--db-listen`, a replica also runs the databases' PostgreSQL
+//! endpoint ([`databases`]), and tells each host it forwards to where that
+//! endpoint is, for the `connection_url`s the host answers.
+
+mod databases;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,11 +42,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
 use axum::Router;
 use bytes::Bytes;
-use clade_store::{now_ms, HostRow, HostState, SandboxRow, SandboxState, Store};
+use clade_store::{now_ms, DatabaseRow, HostRow, HostState, SandboxRow, SandboxState, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{authenticate, presents_key, Caller};
-use crate::cluster::{ClusterSecret, HELD_KEY_HEADER, INTERNAL_HEADERS, KEY_HEADER, SECRET_HEADER, WORKSPACE_HEADER};
+use crate::cluster::{ClusterSecret, DB_ENDPOINT_HEADER, HELD_KEY_HEADER, INTERNAL_HEADERS, KEY_HEADER, SECRET_HEADER, WORKSPACE_HEADER};
 use crate::error::{ApiError, HOST_RETRY_AFTER, REQUEST_ID};
 use crate::forward::{relay, strip_hop_by_hop, upgrade_protocol, UnaskedUpgrade};
 use crate::http::{content_length, read_body, JSON_BODY_LIMIT, REQUEST_ID_HEADER};
@@ -52,6 +61,9 @@ use crate::{Limits, ServerError};
 /// How often a replica looks for hosts whose lease ran out.
 const EXPIRY_SWEEP: Duration = Duration::from_secs(2);
 
+/// The databases' HTTP query broker, opened by a database's own token.
+const BROKER_ROUTE: &str = "/v1/databases/{id}/proxy";
+
 /// At most this many hosts are tried for one create.
 const PLACEMENT_TRIES: usize = 8;
 
@@ -65,6 +77,9 @@ pub struct ReplicaConfig {
     pub limits: Limits,
     /// As `ServerConfig::preview_suffix`.
     pub preview_suffix: String,
+    /// As `ServerConfig::db_listen` and `db_listen_optional`.
+    pub db_listen: Option<SocketAddr>,
+    pub db_listen_optional: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +90,9 @@ struct ReplicaState {
     previews: Arc<Previews>,
     metrics: Arc<Metrics>,
     stopping: CancellationToken,
+    /// Where this replica's databases' endpoint takes clients, sent to
+    /// hosts with each request (`DB_ENDPOINT_HEADER`); none: it runs none.
+    db_endpoint: Option<Arc<str>>,
 }
 
 /// A replica accepting requests.
@@ -90,6 +108,7 @@ pub struct Replica {
     serving: crate::Serving,
     sweep: tokio::task::JoinHandle<()>,
     heap_trim: tokio::task::JoinHandle<()>,
+    db_endpoint: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Replica {
@@ -105,16 +124,36 @@ impl Replica {
     pub async fn start_with_tls(config: ReplicaConfig, tls: Option<&crate::tls::TlsSource>) -> Result<Self, ServerError> {
         let data_dir = config.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+        let tls_source = tls;
         let tls = tls.map(|source| crate::tls::Tls::load(source, &data_dir, &config.preview_suffix)).transpose()?;
         let store = Store::open(&config.database_url).await?;
         let admin_key = crate::auth::first_start(&store, &data_dir).await?;
+        let stopping = CancellationToken::new();
+        let (db_endpoint, db_address) = match config.db_listen {
+            Some(listen) => {
+                let endpoint = crate::DbEndpointConfig {
+                    listen,
+                    optional: config.db_listen_optional,
+                    tls: tls_source,
+                    preview_suffix: &config.preview_suffix,
+                    data_dir: &data_dir,
+                };
+                let hosts = databases::HostDatabases { store: store.clone(), secret: config.secret.clone() };
+                match crate::start_db_endpoint(endpoint, Arc::new(hosts), &stopping).await? {
+                    Some((serving, address)) => (Some(serving), Some(Arc::from(address.header_value()))),
+                    None => (None, None),
+                }
+            }
+            None => (None, None),
+        };
         let state = ReplicaState {
             store: store.clone(),
             limiter: Arc::new(RateLimiter::new(config.limits.rate_burst, config.limits.rate_per_sec)),
             secret: config.secret.clone(),
             previews: Arc::new(Previews::new(&config.preview_suffix)),
             metrics: Arc::default(),
-            stopping: CancellationToken::new(),
+            stopping,
+            db_endpoint: db_address,
         };
         let endpoint = crate::Endpoint::bind(config.listen, tls.as_ref()).await?;
         let (addr, url) = (endpoint.addr, endpoint.url());
@@ -123,7 +162,7 @@ impl Replica {
         let sweep = tokio::spawn(sweep_expired_hosts(store));
         tracing::info!(%url, "clade server (replica, no VMs) listening");
         let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
-        Ok(Self { addr, url, tls_ca, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim() })
+        Ok(Self { addr, url, tls_ca, admin_key, state, serving, sweep, heap_trim: crate::start_heap_trim(), db_endpoint })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -154,6 +193,9 @@ impl Replica {
         self.sweep.abort();
         self.heap_trim.abort();
         self.state.stopping.cancel();
+        if let Some(db_endpoint) = self.db_endpoint {
+            let _ = db_endpoint.await;
+        }
         self.serving.stop("replica").await;
         self.state.store.close().await;
     }
@@ -261,7 +303,8 @@ struct Outgoing {
     parts: Parts,
     caller: Option<Caller>,
     held: Option<HeldKey>,
-    /// A preview host's request: its `Authorization` is the sandbox app's, not Clade's.
+    /// A preview host's request (its `Authorization` is the sandbox app's) or the
+    /// broker's (a database's token): credentials that are not Clade's API keys.
     keep_credentials: bool,
 }
 
@@ -279,6 +322,18 @@ impl Outgoing {
 /// Every API route but the replica's own: to the host it concerns.
 async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, request: Request) -> Result<Response, ApiError> {
     let (mut parts, body) = request.into_parts();
+    let template = matched.as_str();
+    let client_upgrade = upgrade_protocol(&parts.headers).and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+    // The broker is opened by a database's token, not an API key: as it
+    // came, to the database's host, which checks the token.
+    if template == BROKER_ROUTE {
+        let outgoing = Outgoing { parts, caller: None, held: None, keep_credentials: true };
+        let id = outgoing.segment(3).unwrap_or_default();
+        return match state.store.database_by_id(id).await? {
+            Some(row) => to_database_host(&state, template, &outgoing, &row, Body::new(body), client_upgrade).await,
+            None => send_anywhere(&state, &outgoing, Body::new(body)).await,
+        };
+    }
     let caller = match parts.extensions.get::<Caller>().cloned() {
         Some(caller) => Some(caller),
         None if presents_key(&parts) => Some(authenticate(&state.store, &state.limiter, &parts).await?),
@@ -286,14 +341,29 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
         None => None,
     };
     let held = parts.extensions.get::<HeldKey>().cloned();
-    let client_upgrade = upgrade_protocol(&parts.headers).and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
     let outgoing = Outgoing { parts, caller, held, keep_credentials: false };
     let Some(workspace_id) = outgoing.caller.as_ref().map(|c| c.workspace.id.clone()) else {
         return send_anywhere(&state, &outgoing, Body::new(body)).await;
     };
-    let template = matched.as_str();
     if template == "/v1/sandboxes" && outgoing.parts.method == Method::POST {
         return create(&state, &outgoing, body).await;
+    }
+    // A database is a sandbox of the `postgres` template, made where that sandbox would be.
+    if template == "/v1/databases" && outgoing.parts.method == Method::POST {
+        if state.db_endpoint.is_none() {
+            return Err(ApiError::Unavailable {
+                message: "this server runs no PostgreSQL endpoint (start it with --db-listen ADDR)".into(),
+                retry_after: None,
+            });
+        }
+        let body = read_body(body, content_length(&outgoing.parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
+        return place(&state, &outgoing, body, Some(crate::databases::TEMPLATE)).await;
+    }
+    if template.starts_with("/v1/databases/{id}") {
+        let id = outgoing.segment(3).unwrap_or_default();
+        if let Some(row) = state.store.database(&workspace_id, id).await? {
+            return to_database_host(&state, template, &outgoing, &row, Body::new(body), client_upgrade).await;
+        }
     }
     if template.starts_with("/v1/sandboxes/{id}") {
         let id = outgoing.segment(3).unwrap_or_default().to_string();
@@ -378,10 +448,15 @@ async fn create(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result
             return Ok(send(state, &host, outgoing, Body::from(body), None).await?);
         }
     }
-    // A host that has baked the template already first.
+    place(state, outgoing, body, template.as_deref()).await
+}
+
+/// Sends a create to the host placement picks for `template` (one that has
+/// baked it already first), the next when one is full or does not answer.
+async fn place(state: &ReplicaState, outgoing: &Outgoing, body: Bytes, template: Option<&str>) -> Result<Response, ApiError> {
     let mut tried = Vec::new();
     while tried.len() < PLACEMENT_TRIES {
-        let Some(host) = state.store.place_sandbox(&tried, template.as_deref()).await? else { break };
+        let Some(host) = state.store.place_sandbox(&tried, template).await? else { break };
         match send(state, &host, outgoing, Body::from(body.clone()), None).await {
             // Nothing was sent: the next host may take it.
             Err(PeerError::Connect { .. }) => tracing::warn!(host = %host.id, "placement: the host did not answer; trying another"),
@@ -457,15 +532,66 @@ async fn without_host(
         return send_anywhere(state, outgoing, body).await;
     }
     if *method == Method::DELETE && template == "/v1/sandboxes/{id}" {
-        state.store.set_sandbox_state(&row.id, SandboxState::Deleted, None).await?;
-        let host = row.host_id.as_deref().unwrap_or_default();
-        let detail = serde_json::json!({ "while_host_down": host });
-        if let Err(e) = state.store.record_event(&row.workspace_id, &row.id, "deleted", detail).await {
-            tracing::warn!(sandbox = %row.id, "recording a delete: {}", crate::error::chain(&e));
-        }
+        delete_while_host_down(state, row).await?;
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     Err(host_down(row))
+}
+
+/// Records sandbox `row` deleted while its host is down: that host removes
+/// what is left of its VM when it comes back.
+async fn delete_while_host_down(state: &ReplicaState, row: &SandboxRow) -> Result<(), ApiError> {
+    state.store.set_sandbox_state(&row.id, SandboxState::Deleted, None).await?;
+    let host = row.host_id.as_deref().unwrap_or_default();
+    let detail = serde_json::json!({ "while_host_down": host });
+    if let Err(e) = state.store.record_event(&row.workspace_id, &row.id, "deleted", detail).await {
+        tracing::warn!(sandbox = %row.id, "recording a delete: {}", crate::error::chain(&e));
+    }
+    Ok(())
+}
+
+/// A request about a database: to the host of its sandbox, where its
+/// server, its backups and its making are. Without one (being made,
+/// failed) or while that host is down, any host answers what the row
+/// answers: a read, and a delete (its sandbox is recorded deleted first);
+/// anything else is refused with the reason.
+async fn to_database_host(
+    state: &ReplicaState,
+    template: &str,
+    outgoing: &Outgoing,
+    database: &DatabaseRow,
+    body: Body,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+) -> Result<Response, ApiError> {
+    let sandbox = match &database.sandbox_id {
+        Some(id) => state.store.sandbox_by_id(id).await?.filter(|row| row.state != SandboxState::Deleted),
+        None => None,
+    };
+    let Some(sandbox) = sandbox else { return send_anywhere(state, outgoing, body).await };
+    if let Some(host) = usable_host_of(state, &sandbox).await? {
+        match connect(&host).await {
+            Ok(sender) => return Ok(exchange(state, &host, sender, outgoing, body, client_upgrade).await?),
+            // Dead before its lease says so: as if it were down.
+            Err(e @ PeerError::Connect { .. }) => tracing::warn!(database = %database.id, "{e}"),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let method = &outgoing.parts.method;
+    if template == "/v1/databases/{id}" && *method == Method::DELETE {
+        delete_while_host_down(state, &sandbox).await?;
+        return send_anywhere(state, outgoing, body).await;
+    }
+    if template == "/v1/databases/{id}" && *method == Method::GET {
+        return send_anywhere(state, outgoing, body).await;
+    }
+    let host = sandbox.host_id.as_deref().unwrap_or("(none)");
+    Err(ApiError::Unavailable {
+        message: format!(
+            "database {} runs on host {host}, which is down (its backups are kept there too); it can be used again when that host is back",
+            database.id
+        ),
+        retry_after: Some(HOST_RETRY_AFTER),
+    })
 }
 
 /// Whether a request about a sandbox leaves it as it is (reads its row or
@@ -607,6 +733,9 @@ fn to_host(state: &ReplicaState, outgoing: &Outgoing, body: Body) -> Result<axum
     }
     if let Some(HeldKey(key)) = &outgoing.held {
         set(&mut headers, HELD_KEY_HEADER, key);
+    }
+    if let Some(address) = &state.db_endpoint {
+        set(&mut headers, DB_ENDPOINT_HEADER, address);
     }
     if let Ok(request_id) = REQUEST_ID.try_with(Clone::clone) {
         set(&mut headers, REQUEST_ID_HEADER, &request_id);
