@@ -14,6 +14,7 @@ the nftables table and namespace names (each real host is a machine of its own).
 
 from __future__ import annotations
 
+import datetime
 import os
 import pwd
 import subprocess
@@ -379,16 +380,41 @@ def test_a_database_is_reached_through_the_replicas_endpoint_on_whichever_host_r
     backups_on = c.pg.query(f"SELECT backup_host_id FROM databases WHERE id = '{db['id']}'")[0][0]
     assert backups_on == runs_on
 
-    # Its host dies: refused with the reason, readable, deletable.
+    # The other host keeps a copy of its backups, WAL shipped later included
+    # (a target_time clone ships what its source wrote first).
+    other = next(h for h in host_ids if h != runs_on)
+    wait_for(lambda: c.pg.query(f"SELECT backup_copy_host_id FROM databases WHERE id = '{db['id']}'") == [[other]],
+             timeout=120, interval=0.5, what="a copy of its backups on the other host")
+    with connect(db["connection_url"]) as conn:
+        conn.execute("INSERT INTO t VALUES (3)")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    as_of = client.databases.clone(db["id"], target_time=now, label="as of now")
+    assert as_of["status"] == "running", as_of
+    client.databases.delete(as_of["id"])
+
+    # Its host dies: uses are refused with the reason, the row is readable,
+    # and a failover rebuilds it on the host with the copy, same URL, every commit shipped.
     host_ids[runs_on].kill()
     wait_for(lambda: c.pg.query(f"SELECT state FROM hosts WHERE id = '{runs_on}'") == [["down"]],
              timeout=LEASE_SECONDS * 4, interval=0.2, what="the dead host to be marked down")
     with pytest.raises(psycopg.OperationalError, match="which is down"):
         connect(db["connection_url"]).close()
     stats = requests.get(f"{replica.url}/v1/databases/{db['id']}/stats", headers=auth, timeout=120)
-    assert stats.status_code == 503 and "which is down" in stats.text, stats.text
+    assert stats.status_code == 503 and "which is down" in stats.text and "failover" in stats.text, stats.text
     assert client.databases.get(db["id"])["id"] == db["id"]
-    client.databases.delete(db["id"])
-    client.databases.delete(clone["id"])
-    assert [d["id"] for d in client.databases.list()] == []
+    started = time.monotonic()
+    after = client.databases.failover(db["id"])
+    print(f"failover onto the copy's host after its own died: {time.monotonic() - started:.1f} s")
+    assert after["status"] == "running" and after["connection_url"] == db["connection_url"], after
+    assert hosts_of(c.pg, [after["sandbox_id"]])[after["sandbox_id"]] == other
+    with connect(db["connection_url"]) as conn:
+        assert conn.execute("SELECT string_agg(n::text, ',' ORDER BY n) FROM t").fetchone()[0] == "1,2,3"
+        conn.execute("INSERT INTO t VALUES (4)")
     assert c.pg.query(f"SELECT state FROM sandboxes WHERE id = '{db['sandbox_id']}'") == [["deleted"]]
+
+    # The clone's host is still down: it is deleted all the same; the rebuilt one normally.
+    client.databases.delete(clone["id"])
+    assert c.pg.query(f"SELECT state FROM sandboxes WHERE id = '{clone['sandbox_id']}'") == [["deleted"]]
+    client.databases.delete(db["id"])
+    assert [d["id"] for d in client.databases.list()] == []
+    assert not (host_ids[other].data_dir / "db-backups" / db["id"]).exists()

@@ -76,18 +76,26 @@ impl Peer {
 
     /// `method` on an internal path, with a JSON body; the answer's body on success.
     pub async fn call(&self, method: Method, path: &str, body: Option<&serde_json::Value>) -> Result<Bytes, PeerError> {
+        let body = match body {
+            Some(json) => {
+                Body::from(serde_json::to_vec(json).map_err(|e| PeerError::Exchange { host: self.host.id.clone(), detail: e.to_string() })?)
+            }
+            None => Body::empty(),
+        };
+        self.send(method, path, "application/json", body).await
+    }
+
+    /// `method` on an internal path with a body of `content_type`
+    /// (streamed as it comes); the answer's body on success.
+    pub async fn send(&self, method: Method, path: &str, content_type: &str, body: Body) -> Result<Bytes, PeerError> {
         let exchange = |detail: String| PeerError::Exchange { host: self.host.id.clone(), detail };
         let mut sender = connect(&self.host).await?;
         let authority = self.host.address.as_deref().unwrap_or_default().trim_start_matches("http://").trim_end_matches('/');
-        let body = match body {
-            Some(json) => Body::from(serde_json::to_vec(json).map_err(|e| exchange(e.to_string()))?),
-            None => Body::empty(),
-        };
         let request = Request::builder()
             .method(method)
             .uri(format!("{INTERNAL_PREFIX}{path}"))
             .header(header::HOST, authority)
-            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_TYPE, content_type)
             .header(SECRET_HEADER, self.secret.header_value())
             .body(body)
             .map_err(|e| exchange(e.to_string()))?;

@@ -61,12 +61,17 @@ pub struct DatabaseRow {
     /// The host whose disk keeps its backups; `None` before its first base
     /// backup. Set by [`Store::set_database_backup_host`] only.
     pub backup_host_id: Option<String>,
+    /// In a cluster, the host that keeps a copy of them (where a failover
+    /// runs while the backups' own host is down). Set by
+    /// [`Store::set_database_backup_copy_host`] only.
+    pub backup_copy_host_id: Option<String>,
     pub created_at: UnixMillis,
     pub updated_at: UnixMillis,
 }
 
 const COLUMNS: &str = "id, workspace_id, sandbox_id, label, size, cpu, memory_mb, always_on, status, error, password, \
-                       broker_token, cloned_from, created_at, updated_at, backup_host_id";
+                       broker_token, cloned_from, created_at, updated_at, backup_host_id, \
+                       backup_copy_host_id";
 
 impl DatabaseRow {
     fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
@@ -91,6 +96,7 @@ impl DatabaseRow {
             created_at: col(row, "created_at")?,
             updated_at: col(row, "updated_at")?,
             backup_host_id: col(row, "backup_host_id")?,
+            backup_copy_host_id: col(row, "backup_copy_host_id")?,
         })
     }
 }
@@ -98,7 +104,7 @@ impl DatabaseRow {
 impl Store {
     pub async fn insert_database(&self, db: &DatabaseRow) -> Result<(), StoreError> {
         sqlx::query(&format!(
-            "INSERT INTO databases ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+            "INSERT INTO databases ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
         ))
         .bind(&db.id)
         .bind(&db.workspace_id)
@@ -116,6 +122,7 @@ impl Store {
         .bind(db.created_at)
         .bind(db.updated_at)
         .bind(&db.backup_host_id)
+        .bind(&db.backup_copy_host_id)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -126,6 +133,14 @@ impl Store {
     pub async fn set_database_backup_host(&self, id: &str, host_id: &str) -> Result<bool, StoreError> {
         let updated =
             sqlx::query("UPDATE databases SET backup_host_id = $2 WHERE id = $1").bind(id).bind(host_id).execute(&self.pool).await?;
+        Ok(updated.rows_affected() > 0)
+    }
+
+    /// Records that `host_id` keeps a copy of database `id`'s backups;
+    /// false when there is no such database.
+    pub async fn set_database_backup_copy_host(&self, id: &str, host_id: &str) -> Result<bool, StoreError> {
+        let updated =
+            sqlx::query("UPDATE databases SET backup_copy_host_id = $2 WHERE id = $1").bind(id).bind(host_id).execute(&self.pool).await?;
         Ok(updated.rows_affected() > 0)
     }
 

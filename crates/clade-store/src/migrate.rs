@@ -85,6 +85,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0015_database_backup_host.sql"),
         postgres: include_str!("../migrations/postgres/0015_database_backup_host.sql"),
     },
+    Migration {
+        version: 16,
+        sqlite: include_str!("../migrations/sqlite/0016_database_backup_copy.sql"),
+        postgres: include_str!("../migrations/postgres/0016_database_backup_copy.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -57,6 +57,8 @@ pub enum BackupError {
     Guest { what: &'static str, detail: String },
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{0:?} is not a file of a database's backups")]
+    Name(String),
 }
 
 /// A complete base backup of one database.
@@ -169,13 +171,15 @@ impl Backups {
 
     async fn ship_held(&self, id: &str, agent: &AgentClient, mark: bool) -> Result<usize, BackupError> {
         let wal = self.wal_dir(id);
-        let mark_sql = if mark { "SELECT txid_current();" } else { "" };
+        // A `-c` of its own: one string of two statements is one
+        // transaction, whose commit would come after the switch.
+        let mark_sql = if mark { "-c 'SELECT txid_current()'" } else { "" };
         // The switch finishes the segment being written (nothing when none
         // was written since the last); then wait, at most 60 s, until the
         // archiver has nothing pending, and gzip what it archived.
         let script = format!(
             "set -e; rm -rf {STAGING}; install -d -o postgres -g postgres -m 0700 {STAGING}\n\
-             runuser -u postgres -- psql -X -q -A -t -d postgres -c \"{mark_sql} SELECT pg_switch_wal();\" >/dev/null\n\
+             runuser -u postgres -- psql -X -q -A -t -d postgres {mark_sql} -c 'SELECT pg_switch_wal()' >/dev/null\n\
              for i in $(seq 1 300); do ls {DATA_DIR}/pg_wal/archive_status | grep -q '[.]ready$' || break; sleep 0.2; done\n\
              cd {WAL_ARCHIVE}\n\
              for f in *; do [ -f \"$f\" ] || continue; gzip -1 -c -- \"$f\" > {STAGING}/\"$f\".gz; echo \"$f\"; done"
@@ -267,9 +271,77 @@ impl Backups {
 
     /// Drops a database's backups (it is deleted), once what runs on them ends.
     pub async fn remove(&self, id: &str) -> Result<(), BackupError> {
+        if !is_database_id(id) {
+            return Err(BackupError::Name(id.to_string()));
+        }
         let _held = self.lock(id).await;
         match std::fs::remove_dir_all(self.dir(id)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(BackupError::Io { path: self.dir(id), source: e }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The database's complete files (a copy of its backups is made of
+    /// them), each named relative to its directory, oldest base first.
+    pub fn files(&self, id: &str) -> Vec<BackupFile> {
+        let mut files = Vec::new();
+        let mut add = |name: String, path: PathBuf| {
+            if let Ok(meta) = std::fs::metadata(&path) {
+                files.push(BackupFile { name, len: meta.len() });
+            }
+        };
+        for name in list_names(&self.wal_dir(id)).unwrap_or_default() {
+            if is_copy_name(&format!("wal/{name}")) {
+                add(format!("wal/{name}"), self.wal_dir(id).join(&name));
+            }
+        }
+        // A base's archive before its `.start`, which says it is whole.
+        for base in self.bases(id) {
+            let name = format!("base-{}", base.finished_ms);
+            add(format!("{name}.tar.gz"), self.dir(id).join(format!("{name}.tar.gz")));
+            add(format!("{name}.start"), self.dir(id).join(format!("{name}.start")));
+        }
+        files
+    }
+
+    /// Where file `name` of [`Self::files`] is; `None` for any other name.
+    pub fn file_path(&self, id: &str, name: &str) -> Option<PathBuf> {
+        (is_database_id(id) && is_copy_name(name)).then(|| self.dir(id).join(name))
+    }
+
+    /// Writes file `name` of another host's backups of database `id` (a
+    /// copy kept here) from `chunks`: whole or not at all.
+    pub async fn receive<S, E>(&self, id: &str, name: &str, chunks: S) -> Result<(), BackupError>
+    where
+        S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+        E: std::fmt::Display,
+    {
+        use futures::StreamExt;
+        use tokio::io::AsyncWriteExt;
+        let path = self.file_path(id, name).ok_or_else(|| BackupError::Name(name.to_string()))?;
+        let _held = self.lock(id).await;
+        for dir in [&self.root, &self.dir(id), &self.wal_dir(id)] {
+            make_private_dir(dir)?;
+        }
+        let partial = path.with_extension("part");
+        let io = |source| BackupError::Io { path: partial.clone(), source };
+        let mut file = tokio::fs::File::create(&partial).await.map_err(io)?;
+        let mut chunks = chunks;
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| io(std::io::Error::other(e.to_string())))?;
+            file.write_all(&chunk).await.map_err(io)?;
+        }
+        file.sync_all().await.map_err(io)?;
+        drop(file);
+        rename(&partial, &path)
+    }
+
+    /// Removes file `name` of a copy (its source pruned it).
+    pub async fn drop_file(&self, id: &str, name: &str) -> Result<(), BackupError> {
+        let path = self.file_path(id, name).ok_or_else(|| BackupError::Name(name.to_string()))?;
+        let _held = self.lock(id).await;
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(BackupError::Io { path, source: e }),
             _ => Ok(()),
         }
     }
@@ -293,6 +365,32 @@ impl Backups {
             }
         }
     }
+}
+
+/// One file of a database's backups, as a copy lists it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BackupFile {
+    /// Relative to the database's directory: `base-<ms>.tar.gz`,
+    /// `base-<ms>.start` or `wal/<file>.gz`.
+    pub name: String,
+    pub len: u64,
+}
+
+/// A database's id as they are made (`db-` and lowercase alphanumerics):
+/// a directory name, never a path.
+fn is_database_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// Whether `name` is a file a database's backups hold (nothing else is
+/// written or removed for a copy: no other path, no `..`).
+fn is_copy_name(name: &str) -> bool {
+    if let Some(wal) = name.strip_prefix("wal/") {
+        return wal.strip_suffix(".gz").is_some_and(is_wal_file);
+    }
+    let Some(rest) = name.strip_prefix("base-") else { return false };
+    let digits = rest.strip_suffix(".tar.gz").or_else(|| rest.strip_suffix(".start"));
+    digits.is_some_and(|d| !d.is_empty() && d.len() <= 20 && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// A WAL segment's name: timeline, log and segment, 24 hex digits.
@@ -381,6 +479,19 @@ async fn copy_in(agent: &AgentClient, host_path: &Path, guest_path: &str) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_writes_only_the_names_backups_have() {
+        for good in ["base-1765000000000.tar.gz", "base-1.start", "wal/000000010000000000000003.gz", "wal/00000002.history.gz"] {
+            assert!(is_copy_name(good), "{good}");
+        }
+        for bad in ["base-.start", "base-1.tar", "../x", "wal/../base-1.start", "wal/000000010000000000000003", "x/base-1.start", ""] {
+            assert!(!is_copy_name(bad), "{bad}");
+        }
+        let backups = Backups::new(PathBuf::from("/b"));
+        assert_eq!(backups.file_path("db-1", "base-1.start"), Some(PathBuf::from("/b/db-1/base-1.start")));
+        assert_eq!(backups.file_path("../etc", "base-1.start"), None);
+    }
 
     #[test]
     fn only_the_files_postgres_archives_are_taken() {

@@ -23,6 +23,7 @@
 
 pub mod backup;
 pub mod broker;
+mod copies;
 pub mod endpoint;
 
 use std::collections::{BTreeMap, HashMap};
@@ -265,6 +266,7 @@ impl DatabaseService {
             broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
             cloned_from: None,
             backup_host_id: None,
+            backup_copy_host_id: None,
             created_at: now,
             updated_at: now,
         };
@@ -382,7 +384,10 @@ impl DatabaseService {
         let (service, row) = (self.clone(), row.clone());
         tokio::spawn(async move {
             match service.take_base(&row).await {
-                Ok(base) => tracing::info!(database = %row.id, start = %base.start_segment, "base backup taken"),
+                Ok(base) => {
+                    tracing::info!(database = %row.id, start = %base.start_segment, "base backup taken");
+                    service.copy_backups(&row).await;
+                }
                 Err(e) => tracing::warn!(database = %row.id, "taking a base backup: {e}"),
             }
         });
@@ -456,6 +461,7 @@ impl DatabaseService {
             // Backups taken before the host was recorded (an older server's).
             self.note_backups_here(row).await?;
         }
+        self.copy_backups(row).await;
         Ok(())
     }
 
@@ -566,6 +572,7 @@ impl DatabaseService {
         if let Err(e) = self.backups.remove(id).await {
             tracing::warn!(database = %id, "removing its backups: {e}");
         }
+        self.drop_copy(&row).await;
         Ok(())
     }
 
@@ -679,6 +686,7 @@ impl DatabaseService {
             let running = self.sandboxes.running(&source.workspace_id, source_sandbox).await?;
             self.backups.ship(&source.id, running.vm.agent(), true).await.map_err(backup_error)?;
             drop(running);
+            self.copy_backups(&source).await;
             let base = self
                 .backups
                 .base_for(&source.id, target_ms)
@@ -739,6 +747,12 @@ impl DatabaseService {
             match self.sandboxes.delete(&workspace.id, &old).await {
                 Ok(()) | Err(ApiError::NotFound(_)) => {}
                 Err(e) => tracing::warn!(database = %id, sandbox = %old, "failover: removing the old sandbox: {e}"),
+            }
+            // Another host's (this one keeps the copy, and that one is
+            // down): recorded deleted; that host removes what is left of
+            // it when it is back.
+            if self.store().host_of_sandbox(&old).await?.is_some_and(|host| host != self.sandboxes.host_id()) {
+                self.store().set_sandbox_state(&old, SandboxState::Deleted, None).await?;
             }
         }
         tracing::info!(database = %id, sandbox = %sandbox.id, "failover: rebuilt from its backups");
@@ -857,6 +871,7 @@ fn clone_row(source: &DatabaseRow, label: Option<String>) -> DatabaseRow {
         broker_token: format!("{BROKER_TOKEN_PREFIX}{}", random_token(24)),
         cloned_from: Some(source.id.clone()),
         backup_host_id: None,
+        backup_copy_host_id: None,
         created_at: now,
         updated_at: now,
         ..source.clone()
@@ -869,12 +884,13 @@ const MAKING_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Why a database may have no base backup.
 pub const NO_BASE_YET: &str = "its first base backup is taken in the background once it is made (seconds)";
 
-fn backup_error(e: backup::BackupError) -> ApiError {
+pub(crate) fn backup_error(e: backup::BackupError) -> ApiError {
     match e {
         backup::BackupError::Agent { what, source } => agent_error(what, source, None),
         // The guest's words are of the caller's own database (its server's log).
         e @ backup::BackupError::Guest { .. } => ApiError::internal(e.to_string(), e),
         e @ backup::BackupError::Io { .. } => ApiError::internal("a database backup step failed on the server", e),
+        e @ backup::BackupError::Name(_) => ApiError::bad_request(e.to_string()),
     }
 }
 
@@ -968,6 +984,7 @@ mod tests {
             broker_token: "t".into(),
             cloned_from: None,
             backup_host_id: None,
+            backup_copy_host_id: None,
             created_at: 0,
             updated_at: 0,
         };

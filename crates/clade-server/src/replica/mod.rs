@@ -577,6 +577,14 @@ async fn to_database_host(
         }
     }
     let method = &outgoing.parts.method;
+    // The host that keeps a copy of its backups rebuilds it (ADR 31 §13).
+    if template == "/v1/databases/{id}/failover" && *method == Method::POST {
+        if let Some(holder) = &database.backup_copy_host_id {
+            if let Some(host) = state.store.host(holder).await?.filter(reachable) {
+                return Ok(send(state, &host, outgoing, body, None).await?);
+            }
+        }
+    }
     if template == "/v1/databases/{id}" && *method == Method::DELETE {
         delete_while_host_down(state, &sandbox).await?;
         return send_anywhere(state, outgoing, body).await;
@@ -585,9 +593,13 @@ async fn to_database_host(
         return send_anywhere(state, outgoing, body).await;
     }
     let host = sandbox.host_id.as_deref().unwrap_or("(none)");
+    let failover = match &database.backup_copy_host_id {
+        Some(_) => ", or rebuilt on another host now by a failover (from the copy of its backups)",
+        None => " (no other host keeps a copy of its backups to fail it over from)",
+    };
     Err(ApiError::Unavailable {
         message: format!(
-            "database {} runs on host {host}, which is down (its backups are kept there too); it can be used again when that host is back",
+            "database {} runs on host {host}, which is down: it can be used again when that host is back{failover}",
             database.id
         ),
         retry_after: Some(HOST_RETRY_AFTER),

@@ -8,13 +8,14 @@
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use clade_host::vm::{BundleKind, Manifest};
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 
 use crate::cluster::DB_UPGRADE;
+use crate::databases::backup::BackupFile;
 use crate::databases::endpoint::{self, Databases};
 use crate::error::{vm_error, ApiError};
 use crate::peer::INTERNAL_PREFIX;
@@ -31,6 +32,8 @@ pub fn router() -> Router<AppState> {
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/replica"), post(keep_replica))
         .route(&format!("{INTERNAL_PREFIX}/sandboxes/{{id}}/take-over"), post(take_over))
         .route(&format!("{INTERNAL_PREFIX}/databases/{{id}}/connect"), post(connect_database))
+        .route(&format!("{INTERNAL_PREFIX}/db-backups/{{id}}"), get(backup_files).delete(drop_backups))
+        .route(&format!("{INTERNAL_PREFIX}/db-backups/{{id}}/files"), put(receive_backup_file).delete(drop_backup_file))
 }
 
 fn kind(name: &str) -> Result<BundleKind, ApiError> {
@@ -146,4 +149,42 @@ async fn connect_database(State(state): State<AppState>, Path(id): Path<String>,
     response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     response.headers_mut().insert(header::UPGRADE, HeaderValue::from_static(DB_UPGRADE));
     Ok(response)
+}
+
+/// The files this host keeps of database `id`'s backups (its own, or a
+/// copy of another host's: ADR 31 §13).
+async fn backup_files(State(state): State<AppState>, Path(id): Path<String>) -> Json<Vec<BackupFile>> {
+    Json(state.databases.backups().files(&id))
+}
+
+#[derive(Debug, Deserialize)]
+struct BackupFileName {
+    name: String,
+}
+
+/// One file of a copy of another host's backups, streamed: whole or not at all.
+async fn receive_backup_file(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(file): Query<BackupFileName>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let backups = state.databases.backups();
+    backups.receive(&id, &file.name, body.into_data_stream()).await.map_err(crate::databases::backup_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn drop_backup_file(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(file): Query<BackupFileName>,
+) -> Result<StatusCode, ApiError> {
+    state.databases.backups().drop_file(&id, &file.name).await.map_err(crate::databases::backup_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A deleted database's copy goes.
+async fn drop_backups(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    state.databases.backups().remove(&id).await.map_err(crate::databases::backup_error)?;
+    Ok(StatusCode::NO_CONTENT)
 }

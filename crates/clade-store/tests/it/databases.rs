@@ -19,6 +19,7 @@ fn database(id: &str, workspace_id: &str, created_at: i64) -> DatabaseRow {
         broker_token: "pds_pg_1".into(),
         cloned_from: None,
         backup_host_id: None,
+        backup_copy_host_id: None,
         created_at,
         updated_at: created_at,
     }
@@ -59,7 +60,15 @@ async fn a_database_is_its_workspaces_and_keeps_what_changes() {
         assert!(store.update_database(&ready).await.unwrap());
         let read = store.database(&a.id, "db-1").await.unwrap().unwrap();
         assert_eq!(read.backup_host_id.as_deref(), Some("host-a"), "{}", db.name());
-        ready = DatabaseRow { updated_at: read.updated_at, backup_host_id: read.backup_host_id.clone(), ..ready };
+        assert!(store.set_database_backup_copy_host("db-1", "host-b").await.unwrap());
+        let read = store.database(&a.id, "db-1").await.unwrap().unwrap();
+        assert_eq!(read.backup_copy_host_id.as_deref(), Some("host-b"), "{}", db.name());
+        ready = DatabaseRow {
+            updated_at: read.updated_at,
+            backup_host_id: read.backup_host_id.clone(),
+            backup_copy_host_id: read.backup_copy_host_id.clone(),
+            ..ready
+        };
         assert!(!store.set_database_backup_host("db-none", "host-a").await.unwrap());
         // Workspace b can neither change nor delete a's.
         assert!(!store.update_database(&DatabaseRow { workspace_id: b.id.clone(), ..ready.clone() }).await.unwrap());
