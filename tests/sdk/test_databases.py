@@ -272,6 +272,31 @@ def test_a_database_woken_from_its_disk_alone_starts_its_server(client, server, 
     assert scalar(current["connection_url"], "SELECT string_agg(n::text, ',' ORDER BY n) FROM ledger") == "1,2,3,4"
 
 
+def test_a_size_is_its_disk_and_memory_asleep_and_in_its_clones_too(client):
+    def disk_bytes(sandbox_id: str) -> int:
+        out = client.sandboxes.get(sandbox_id).exec("df -B1 --output=size / | tail -n 1")
+        return int(out.stdout)
+
+    db = client.databases.create(size="4g", label="sized")
+    try:
+        assert db["size"] == "4g" and db["memory_mb"] == 1024, db
+        # 4 GiB of data, the system and the WAL: a 6 GiB disk (the template's is 4).
+        assert disk_bytes(db["sandbox_id"]) > 5.5 * 2**30
+        with connect(db["connection_url"]) as conn:
+            conn.execute("CREATE TABLE big AS SELECT g AS n, repeat('x', 500) AS pad FROM generate_series(1, 20000) g")
+        client.sandboxes.get(db["sandbox_id"]).hibernate()
+        assert scalar(db["connection_url"], "SELECT count(*) FROM big") == 20000
+        assert disk_bytes(db["sandbox_id"]) > 5.5 * 2**30
+        clone = client.databases.clone(db["id"])
+        try:
+            assert disk_bytes(clone["sandbox_id"]) > 5.5 * 2**30
+            assert scalar(clone["connection_url"], "SELECT count(*) FROM big") == 20000
+        finally:
+            client.databases.delete(clone["id"])
+    finally:
+        client.databases.delete(db["id"])
+
+
 def test_bad_requests_are_refused_with_the_rule(client, server):
     answer = raw(server, "POST", "/v1/databases", json={"size": "3g"})
     assert answer.status_code == 400 and "1g, 4g, 16g" in answer.text

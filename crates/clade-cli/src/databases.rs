@@ -21,7 +21,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(300);
 pub enum DbCommand {
     /// Make a database and wait until it takes connections; prints it with its connection URL.
     Create {
-        /// `1g` (512 MiB of memory, the default), `4g` or `16g`.
+        /// `1g` (512 MiB of memory, a 4 GiB disk; the default), `4g` (1 GiB, 6 GiB) or `16g` (2 GiB, 18 GiB).
         #[arg(long)]
         size: Option<String>,
         /// vCPUs (default 1).

@@ -64,8 +64,9 @@ export type QueryResult = api.QueryResult;
 export type QueryColumn = api.Column;
 /**
  * What a database is made with; every field is optional: `size` `1g`
- * (512 MiB of memory, the default), `4g` or `16g`, or `cpu` (1 to 8) and
- * `memoryMb` (256 to 16384); `alwaysOn`: never idled into hibernation.
+ * (512 MiB of memory and a 4 GiB disk, the default), `4g` (1 GiB, 6 GiB)
+ * or `16g` (2 GiB, 18 GiB); `cpu` (1 to 8) and `memoryMb` (256 to 16384)
+ * override the memory; `alwaysOn`: never idled into hibernation.
  */
 export type CreateDatabaseParams = api.CreateDatabaseBody;
 /**

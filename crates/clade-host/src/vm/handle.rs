@@ -235,6 +235,20 @@ impl Vm {
         self.set_phase(Phase::Paused)
     }
 
+    /// Grows the VM's disk to `bytes` (a multiple of 512; a disk that
+    /// large already is left as it is: false). Its own layer takes the new
+    /// size, which its snapshots, forks and hibernations keep, and the
+    /// guest's device is told; growing the guest's filesystem is the
+    /// caller's (`resize2fs` in the guest, once the device shows the size).
+    pub async fn grow_disk(&self, bytes: u64) -> Result<bool, VmError> {
+        let now = super::runtime::qcow2_virtual_size(&self.dir().join(super::runtime::DISK_LAYER))?;
+        if bytes <= now {
+            return Ok(false);
+        }
+        self.inner.qmp.execute("block_resize", Some(serde_json::json!({ "node-name": "root", "size": bytes }))).await?;
+        Ok(true)
+    }
+
     pub async fn resume(&self) -> Result<(), VmError> {
         self.transition(&[State::Paused], State::Running)?;
         if let Err(e) = self.inner.qmp.execute("cont", None).await {

@@ -68,11 +68,17 @@ const MAX_DATABASES: u64 = 20;
 pub struct Size {
     pub name: &'static str,
     pub memory_mb: u32,
+    /// The VM's disk: room for the size's data, plus the system and the
+    /// WAL (2 GiB); never less than the template's own (4 GiB).
+    pub disk_gib: u32,
 }
 
 /// The sizes, smallest first: the first is the default.
-pub const SIZES: &[Size] =
-    &[Size { name: "1g", memory_mb: 512 }, Size { name: "4g", memory_mb: 1024 }, Size { name: "16g", memory_mb: 2048 }];
+pub const SIZES: &[Size] = &[
+    Size { name: "1g", memory_mb: 512, disk_gib: 4 },
+    Size { name: "4g", memory_mb: 1024, disk_gib: 6 },
+    Size { name: "16g", memory_mb: 2048, disk_gib: 18 },
+];
 
 /// Bounds of `cpu` and `memory_mb` on a create.
 const CPU_RANGE: std::ops::RangeInclusive<u32> = 1..=8;
@@ -303,6 +309,7 @@ impl DatabaseService {
             let (sandbox, _boot) = self.create_sandbox(workspace, params).await?;
             row.sandbox_id = Some(sandbox.id.clone());
             self.store().update_database(&row).await?;
+            self.fit_disk(&row, &sandbox.id).await?;
             self.set_credentials(&row, &row.password).await
         }
         .await;
@@ -396,6 +403,31 @@ impl DatabaseService {
     async fn take_base(&self, row: &DatabaseRow) -> Result<backup::BaseBackup, ApiError> {
         let running = self.sandboxes.running(&row.workspace_id, row.sandbox_id.as_deref().ok_or_else(|| not_ready(row))?).await?;
         self.base_here(row, running.vm.agent()).await
+    }
+
+    /// Grows a new sandbox's disk to the database's size (the template's
+    /// is the smallest), and its root filesystem with it (ext4 grows
+    /// mounted). Clones made by a fork have their source's already.
+    async fn fit_disk(&self, row: &DatabaseRow, sandbox: &str) -> Result<(), ApiError> {
+        let size = SIZES.iter().find(|s| s.name == row.size).copied().unwrap_or(SIZES[0]);
+        let bytes = u64::from(size.disk_gib) << 30;
+        let running = self.sandboxes.running(&row.workspace_id, sandbox).await?;
+        if !running.vm.grow_disk(bytes).await.map_err(|e| crate::error::vm_error("growing the database's disk", e))? {
+            return Ok(());
+        }
+        // The device shows its new size once the guest has taken the
+        // configuration interrupt: waited for, then the filesystem follows.
+        let script = format!(
+            "for i in $(seq 1 100); do [ \"$(blockdev --getsize64 /dev/vda)\" -ge {bytes} ] && break; sleep 0.1; done\n\
+             resize2fs /dev/vda >&2"
+        );
+        let mut request = ExecRequest::new(Command::Argv(vec!["sh".into(), "-c".into(), script]));
+        request.timeout_ms = Some(120_000);
+        let out = running.vm.agent().run(request).await.map_err(|e| agent_error("growing the database's filesystem", e, None))?;
+        if out.exit_code() != 0 {
+            return Err(ApiError::internal("growing the database's filesystem failed", out.stderr_str()));
+        }
+        Ok(())
     }
 
     /// A base backup of the database onto this host's disk, which then
@@ -694,6 +726,7 @@ impl DatabaseService {
             let (sandbox, _boot) = self.create_sandbox(workspace, self.sandbox_params(&row)).await?;
             row.sandbox_id = Some(sandbox.id.clone());
             self.store().update_database(&row).await?;
+            self.fit_disk(&row, &sandbox.id).await?;
             let running = self.sandboxes.running(&workspace.id, &sandbox.id).await?;
             let target = crate::http::rfc3339(target_ms);
             self.backups.restore(&source.id, &base, running.vm.agent(), Some(&target)).await.map_err(backup_error)?;
@@ -731,6 +764,7 @@ impl DatabaseService {
         let (sandbox, _boot) = self.sandboxes.create(workspace, self.sandbox_params(&row)).await?;
         let rebuilt = DatabaseRow { sandbox_id: Some(sandbox.id.clone()), ..row.clone() };
         let restored = async {
+            self.fit_disk(&rebuilt, &sandbox.id).await?;
             let running = self.sandboxes.running(&workspace.id, &sandbox.id).await?;
             self.backups.restore(id, &base, running.vm.agent(), None).await.map_err(backup_error)?;
             drop(running);

@@ -99,7 +99,7 @@ pub struct ConnectionInfo {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[schema(as = CreateDatabaseBody)]
 pub struct CreateBody {
-    /// `1g` (512 MiB of memory, the default), `4g` (1 GiB) or `16g` (2 GiB).
+    /// `1g` (512 MiB of memory and a 4 GiB disk, the default), `4g` (1 GiB, 6 GiB) or `16g` (2 GiB, 18 GiB).
     pub size: Option<String>,
     /// vCPUs, 1 to 8 (default 1).
     pub cpu: Option<u32>,

@@ -182,7 +182,8 @@ class CreateContextBody(Model):
 class CreateDatabaseBody(Model):
     """`CreateDatabaseBody` in docs/openapi.json."""
 
-    #: `1g` (512 MiB of memory, the default), `4g` (1 GiB) or `16g` (2 GiB).
+    #: `1g` (512 MiB of memory and a 4 GiB disk, the default), `4g` (1 GiB, 6 GiB) or `16g` (2 GiB, 18
+    #: GiB).
     size: Optional[str] = None
     #: vCPUs, 1 to 8 (default 1).
     cpu: Optional[int] = None

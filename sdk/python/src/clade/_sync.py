@@ -734,8 +734,9 @@ class Databases:
         wait: bool = True,
         timeout: float = DATABASE_WAIT_TIMEOUT,
     ) -> gen.DatabaseInfo:
-        """A new database: `size` `1g` (512 MiB of memory, the default), `4g`
-        or `16g`, or `cpu` (1 to 8) and `memory_mb` (256 to 16384). With
+        """A new database: `size` `1g` (512 MiB of memory and a 4 GiB disk,
+        the default), `4g` (1 GiB, 6 GiB) or `16g` (2 GiB, 18 GiB); `cpu`
+        (1 to 8) and `memory_mb` (256 to 16384) override the memory. With
         `wait` it is returned running, with its credentials (raises
         `DatabaseFailedError`, or `DatabaseTimeoutError` after `timeout`
         seconds); without, as the server recorded it (`provisioning`).

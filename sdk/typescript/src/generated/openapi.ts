@@ -94,7 +94,7 @@ export interface CreateContextBody {
 }
 
 export interface CreateDatabaseBody {
-  /** `1g` (512 MiB of memory, the default), `4g` (1 GiB) or `16g` (2 GiB). */
+  /** `1g` (512 MiB of memory and a 4 GiB disk, the default), `4g` (1 GiB, 6 GiB) or `16g` (2 GiB, 18 GiB). */
   size?: string | null;
   /** vCPUs, 1 to 8 (default 1). */
   cpu?: number | null;
