@@ -928,6 +928,11 @@ pub(crate) fn backup_error(e: backup::BackupError) -> ApiError {
     }
 }
 
+/// A create where no PostgreSQL endpoint would reach the database.
+pub fn no_endpoint() -> ApiError {
+    ApiError::Unavailable { message: "this server runs no PostgreSQL endpoint (start it with --db-listen ADDR)".into(), retry_after: None }
+}
+
 pub fn database_not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("database {id} not found"))
 }

@@ -351,10 +351,7 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
     // A database is a sandbox of the `postgres` template, made where that sandbox would be.
     if template == "/v1/databases" && outgoing.parts.method == Method::POST {
         if state.db_endpoint.is_none() {
-            return Err(ApiError::Unavailable {
-                message: "this server runs no PostgreSQL endpoint (start it with --db-listen ADDR)".into(),
-                retry_after: None,
-            });
+            return Err(crate::databases::no_endpoint());
         }
         let body = read_body(body, content_length(&outgoing.parts.headers), JSON_BODY_LIMIT, "the JSON body").await?;
         return place(&state, &outgoing, body, Some(crate::databases::TEMPLATE)).await;

@@ -203,13 +203,7 @@ fn broker_url(headers: &HeaderMap, id: &str) -> String {
 
 /// 503 when the caller's server runs no PostgreSQL endpoint: a database nobody can reach is not made.
 fn endpoint_required(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match endpoint(state, headers) {
-        Some(_) => Ok(()),
-        None => Err(ApiError::Unavailable {
-            message: "this server runs no PostgreSQL endpoint (start it with --db-listen ADDR)".into(),
-            retry_after: None,
-        }),
-    }
+    endpoint(state, headers).map(drop).ok_or_else(crate::databases::no_endpoint)
 }
 
 #[utoipa::path(post, operation_id = "createDatabase", path = "/v1/databases", tag = "databases", request_body(content = Option<CreateBody>),
