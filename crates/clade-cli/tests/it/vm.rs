@@ -277,7 +277,9 @@ fn a_create_killed_half_way_is_rolled_back() {
 fn a_wake_killed_half_way_leaves_no_qemu_and_the_vm_wakes_again() {
     let Some(env) = vm_env() else { return };
     let id = succeed(clade(&env).args(["vm", "create"]));
-    let counter = "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done' >/dev/null 2>&1 &";
+    // Written beside and renamed, so a reader never sees the file truncated and empty.
+    let counter =
+        "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; sleep 0.05; done' >/dev/null 2>&1 &";
     succeed(clade(&env).args(["vm", "exec", &id, "--", "sh", "-c", &format!("echo kept > /root/f; {counter}")]));
     succeed(clade(&env).args(["vm", "hibernate", &id]));
 
