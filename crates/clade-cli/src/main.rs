@@ -7,6 +7,7 @@ mod code;
 mod config;
 mod databases;
 mod fs;
+mod functions;
 mod hosts;
 mod images;
 mod keys;
@@ -109,6 +110,23 @@ enum Command {
         #[command(subcommand)]
         command: databases::DbCommand,
     },
+    /// Functions of a Clade server, over its API: create, deploy, invoke,
+    /// runs, metrics, ls, get, rm.
+    #[command(name = "fn", alias = "function")]
+    Fn {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: functions::FnCommand,
+    },
+    /// Cron schedules of functions: create, ls, get, pause, resume, update, trigger, runs, rm.
+    #[command(alias = "sched")]
+    Schedule {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: functions::ScheduleCommand,
+    },
     /// Serve MCP (Model Context Protocol) over stdio for desktop clients and
     /// agent SDKs: sandboxes as tools, on the server the client settings name
     /// (flags > CLADE_API_URL/CLADE_API_KEY > ~/.config/clade/config.json).
@@ -162,6 +180,8 @@ fn main() -> ExitCode {
             Command::Template { api, command } => templates::run(command, &client(&api)?, api.json).await,
             Command::Volume { api, command } => volumes::run(command, &client(&api)?, api.json).await,
             Command::Db { api, command } => databases::run(command, &client(&api)?, api.json).await,
+            Command::Fn { api, command } => functions::run_fn(command, &client(&api)?, api.json).await,
+            Command::Schedule { api, command } => functions::run_schedule(command, &client(&api)?, api.json).await,
             Command::Mcp { api } => mcp::run(&api).await,
             Command::Openapi => {
                 print!("{}", clade_server::openapi::document());

@@ -118,6 +118,11 @@ pub struct MachineArgs {
     /// Env: CLADE_STANDBY_HORIZON.
     #[arg(long, env = "CLADE_STANDBY_HORIZON", default_value_t = clade_host::vm::HORIZON_SECS)]
     standby_horizon: u64,
+    /// Seconds late a schedule's due run may still start; a run found later
+    /// (the servers were down at its time) is recorded `skipped`.
+    /// Env: CLADE_SCHEDULE_GRACE.
+    #[arg(long, env = "CLADE_SCHEDULE_GRACE", default_value_t = clade_server::functions::schedules::DEFAULT_GRACE.as_secs())]
+    schedule_grace: u64,
     /// A template name that resolves to an image (repeatable, NAME=IMAGE;
     /// IMAGE is base, code-interpreter, agent or postgres). `ubuntu-24.04=base` is
     /// kept unless given another image. Env: CLADE_TEMPLATE_ALIASES
@@ -195,6 +200,7 @@ impl MachineArgs {
         config.sandboxes.standby = self.standby;
         config.sandboxes.standby_memory_mb = self.standby_memory;
         config.sandboxes.standby_horizon = std::time::Duration::from_secs(self.standby_horizon);
+        config.schedule_grace = std::time::Duration::from_secs(self.schedule_grace);
         config.sandboxes.template_aliases.extend(self.template_aliases.iter().cloned());
         config.sandboxes.registries =
             clade_server::registry::RegistrySettings { insecure: self.insecure_registries.clone(), auth_file: self.registry_auth.clone() };

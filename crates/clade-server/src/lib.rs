@@ -34,6 +34,7 @@ pub mod dockerfile;
 pub mod e2b;
 pub mod error;
 mod forward;
+pub mod functions;
 mod host_api;
 pub mod http;
 pub mod idempotency;
@@ -124,6 +125,9 @@ pub struct ServerConfig {
     /// (a warning) instead of failing its start: the default address, of
     /// which a machine has one.
     pub db_listen_optional: bool,
+    /// How late a schedule's due run may start; a later one (the servers
+    /// were down at its time) is recorded `skipped`.
+    pub schedule_grace: Duration,
 }
 
 impl ServerConfig {
@@ -141,6 +145,7 @@ impl ServerConfig {
             tls: None,
             db_listen: None,
             db_listen_optional: false,
+            schedule_grace: functions::schedules::DEFAULT_GRACE,
         }
     }
 
@@ -197,6 +202,8 @@ pub struct AppState {
     pub own_url: Arc<str>,
     /// Managed PostgreSQL databases (sandboxes of the `postgres` template).
     pub databases: databases::DatabaseService,
+    /// Functions and their schedules (snapshots of sandboxes with the code installed).
+    pub functions: functions::FunctionService,
 }
 
 /// A server accepting requests.
@@ -220,6 +227,8 @@ pub struct Server {
     db_endpoint: Option<tokio::task::JoinHandle<()>>,
     /// Copies the databases' WAL out of their guests and takes their base backups.
     db_archiver: tokio::task::JoinHandle<()>,
+    /// Fires the functions' due schedules.
+    scheduler: tokio::task::JoinHandle<()>,
     host_id: String,
 }
 
@@ -329,6 +338,9 @@ impl Server {
             None => None,
         };
         let db_archiver = databases.start_archiver(stopping.clone());
+        let functions = functions::FunctionService::new(service.clone());
+        functions.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
+        let scheduler = functions.start_scheduler(functions::schedules::TICK, config.schedule_grace, stopping.clone());
         let state = AppState {
             store,
             service,
@@ -339,6 +351,7 @@ impl Server {
             cluster: config.cluster.as_ref().map(|member| member.secret.clone()),
             own_url: endpoint.own_url().into(),
             databases,
+            functions,
         };
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
@@ -347,7 +360,22 @@ impl Server {
         tracing::info!(%url, "clade server listening");
         let heap_trim = start_heap_trim();
         let tls_ca = tls.and_then(|tls| tls.ca().map(PathBuf::from));
-        Ok(Self { addr, url, tls_ca, admin_key, state, serving, reaper, lease, heap_trim, standby, db_endpoint, db_archiver, host_id })
+        Ok(Self {
+            addr,
+            url,
+            tls_ca,
+            admin_key,
+            state,
+            serving,
+            reaper,
+            lease,
+            heap_trim,
+            standby,
+            db_endpoint,
+            db_archiver,
+            scheduler,
+            host_id,
+        })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -390,6 +418,7 @@ impl Server {
         }
         self.reaper.abort();
         self.db_archiver.abort();
+        self.scheduler.abort();
         self.heap_trim.abort();
         self.standby.abort();
         self.lease.abort();

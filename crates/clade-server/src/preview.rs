@@ -31,6 +31,9 @@ pub const LOCAL_SUFFIX: &str = "localhost";
 /// Where preview requests are routed inside the server (only with a
 /// `PreviewRequest`, which only `routes::preview::route_host` attaches).
 pub const PREVIEW_ROUTE: &str = "/_preview";
+/// Where a public function's requests are routed (only with a
+/// `PublicRequest`, which only `routes::preview::route_host` attaches).
+pub const FUNCTION_ROUTE: &str = "/_function";
 
 /// The preview settings and the token key, loaded once.
 #[derive(Debug)]
@@ -61,6 +64,11 @@ impl Previews {
     /// The sandbox and port `host` names, if it is a preview host (see [`parse_host`]).
     pub fn recognise(&self, host: &str) -> Option<Result<PreviewHost, String>> {
         parse_host(host, self.suffix.as_deref())
+    }
+
+    /// The public function `host` names, if it is a function's host (see [`parse_function_host`]).
+    pub fn recognise_function(&self, host: &str) -> Option<String> {
+        parse_function_host(host, self.suffix.as_deref())
     }
 
     /// The token key, made on first use and kept in the store.
@@ -142,11 +150,29 @@ pub fn parse_host(host: &str, suffix: Option<&str>) -> Option<Result<PreviewHost
 /// `{scheme}://{port}-{id}.{suffix}[:listen_port]`: what the SDKs'
 /// `preview_url(port)` formats (with no path).
 pub fn url(scheme: &str, suffix: &str, listen_port: Option<u16>, port: u16, sandbox_id: &str) -> String {
+    host_url(scheme, suffix, listen_port, &format!("{port}-{sandbox_id}"))
+}
+
+/// `{scheme}://{label}.{suffix}[:listen_port]`.
+pub fn host_url(scheme: &str, suffix: &str, listen_port: Option<u16>, label: &str) -> String {
     let listen = match (scheme, listen_port) {
         (_, None) | ("http", Some(80)) | ("https", Some(443)) => String::new(),
         (_, Some(p)) => format!(":{p}"),
     };
-    format!("{scheme}://{port}-{sandbox_id}.{suffix}{listen}")
+    format!("{scheme}://{label}.{suffix}{listen}")
+}
+
+/// The function a public function's host names: `fn-{hex}.{suffix}` (a
+/// function's id is the host's one label), under `suffix` when one is
+/// configured, under any otherwise.
+pub fn parse_function_host(host: &str, suffix: Option<&str>) -> Option<String> {
+    let name = host_name(host);
+    let label = match suffix {
+        Some(suffix) => name.strip_suffix(suffix)?.strip_suffix('.')?,
+        None => name.split_once('.').filter(|(_, rest)| !rest.is_empty())?.0,
+    };
+    let hex = label.strip_prefix("fn-")?;
+    (!hex.is_empty() && hex.len() <= 32 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| label.to_string())
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -229,6 +255,19 @@ mod tests {
         ] {
             assert_eq!(parse_host(host, Some("localhost")), None, "{host}");
         }
+    }
+
+    #[test]
+    fn function_hosts_are_told_apart_from_preview_hosts() {
+        let local = Some("localhost");
+        assert_eq!(parse_function_host("fn-0123abcd.localhost:8080", local).as_deref(), Some("fn-0123abcd"));
+        assert_eq!(parse_function_host("FN-0123ABCD.example.com", None).as_deref(), Some("fn-0123abcd"));
+        for host in ["fn-.localhost", "fn-xyz.localhost", "8000-abc.localhost", "fn-01.evil.localhost", "fn-01", "fn-01.localhost.evil"] {
+            assert_eq!(parse_function_host(host, local), None, "{host}");
+        }
+        // Neither is the other: a function's host is no preview host.
+        assert_eq!(parse_host("fn-0123abcd.localhost", local), None);
+        assert_eq!(host_url("http", "localhost", Some(8080), "fn-01"), "http://fn-01.localhost:8080");
     }
 
     /// As `pandastack`'s `_preview_host_suffix` derives it from the API URL.

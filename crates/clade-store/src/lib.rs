@@ -11,6 +11,7 @@
 
 mod databases;
 mod events;
+mod functions;
 mod hosts;
 mod idempotency;
 mod keys;
@@ -30,6 +31,7 @@ use sqlx::AnyPool;
 
 pub use databases::{DatabaseRow, DatabaseStatus};
 pub use events::Event;
+pub use functions::{FunctionRow, FunctionRunRow, FunctionStatus, ScheduleRow, RUNS_KEPT};
 pub use hosts::{HostLoad, HostRegistration, HostRow, HostState};
 pub use idempotency::{Claim, KeyHold, StoredAnswer, KEY_LIFETIME_MS};
 pub use keys::{ApiKey, KeyCheck, KeyFormat, NewKey, E2B_KEY_PREFIX, KEY_PREFIX};

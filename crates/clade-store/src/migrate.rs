@@ -90,6 +90,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0016_database_backup_copy.sql"),
         postgres: include_str!("../migrations/postgres/0016_database_backup_copy.sql"),
     },
+    Migration {
+        version: 17,
+        sqlite: include_str!("../migrations/sqlite/0017_functions.sql"),
+        postgres: include_str!("../migrations/postgres/0017_functions.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

@@ -17,7 +17,7 @@ import keyword
 import textwrap
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
 SDK_DIR = Path(__file__).resolve().parents[1]
 OPENAPI = SDK_DIR.parents[1] / "docs" / "openapi.json"
@@ -79,17 +79,18 @@ def types_of(schema: Dict[str, Any]) -> Tuple[List[str], bool]:
     return [k for k in kinds if k != "null"], "null" in kinds
 
 
-def python_type(schema: Dict[str, Any]) -> Tuple[str, str, bool]:
-    """(annotation without Optional, decoder of `v`, nullable)."""
+def python_type(schema: Dict[str, Any], raw: AbstractSet[str] = frozenset()) -> Tuple[str, str, bool]:
+    """(annotation without Optional, decoder of `v`, nullable). `raw` names
+    the schemas that are raw bytes (`bytes` aliases, not models)."""
     if "$ref" in schema:
         name = ref_name(schema["$ref"])
-        return name, f"{name}.from_json(v)", False
+        return name, "v" if name in raw else f"{name}.from_json(v)", False
     if "oneOf" in schema or "anyOf" in schema:
         options: List[Dict[str, Any]] = schema.get("oneOf") or schema.get("anyOf") or []
         concrete = [o for o in options if o.get("type") != "null"]
         nullable = len(concrete) < len(options)
         if len(concrete) == 1:
-            annotation, decode, inner_nullable = python_type(concrete[0])
+            annotation, decode, inner_nullable = python_type(concrete[0], raw)
             return annotation, decode, nullable or inner_nullable
         return "Any", "v", nullable
     kinds, nullable = types_of(schema)
@@ -99,25 +100,25 @@ def python_type(schema: Dict[str, Any]) -> Tuple[str, str, bool]:
     if kind in SCALARS:
         return SCALARS[kind], "v", nullable
     if kind == "array":
-        item_annotation, item_decode, _ = python_type(schema.get("items", {}))
+        item_annotation, item_decode, _ = python_type(schema.get("items", {}), raw)
         if item_decode == "v":
             return f"List[{item_annotation}]", "list(v)", nullable
         return f"List[{item_annotation}]", f"[{item_decode.replace('(v)', '(item)')} for item in v]", nullable
     if kind == "object":
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict) and extra:
-            value_annotation, value_decode, _ = python_type(extra)
+            value_annotation, value_decode, _ = python_type(extra, raw)
             if value_decode == "v":
                 return f"Dict[str, {value_annotation}]", "dict(v)", nullable
         return "Dict[str, Any]", "dict(v)", nullable
     return "Any", "v", nullable
 
 
-def fields_of(schema: Dict[str, Any]) -> List[Field]:
+def fields_of(schema: Dict[str, Any], raw: AbstractSet[str]) -> List[Field]:
     required = set(schema.get("required", []))
     fields = []
     for json_name, prop in schema.get("properties", {}).items():
-        annotation, decode, nullable = python_type(prop)
+        annotation, decode, nullable = python_type(prop, raw)
         is_required = json_name in required
         if nullable or not is_required:
             annotation = f"Optional[{annotation}]" if annotation != "Any" else "Any"
@@ -136,10 +137,10 @@ def docstring(text: str, indent: str) -> List[str]:
     return [f'{indent}"""{lines[0]}'] + [f"{indent}{line}" if line else "" for line in lines[1:]] + [f'{indent}"""']
 
 
-def render_model(name: str, schema: Dict[str, Any]) -> List[str]:
+def render_model(name: str, schema: Dict[str, Any], raw: AbstractSet[str]) -> List[str]:
     out = ["", "", "@dataclasses.dataclass", f"class {name}(Model):"]
     out += docstring(schema.get("description", ""), "    ") or [f'    """`{name}` in docs/openapi.json."""']
-    fields = fields_of(schema)
+    fields = fields_of(schema, raw)
     out.append("")
     for field in fields:
         out += [f"    #: {line}" for line in textwrap.wrap(field.doc, 100)]
@@ -208,15 +209,22 @@ def flatten(schema: Dict[str, Any], schemas: Dict[str, Any]) -> Dict[str, Any]:
 def render(spec: Dict[str, Any]) -> str:
     lines = HEADER.rstrip("\n").splitlines()
     schemas = spec["components"]["schemas"]
+    raw = {name for name in schemas if _is_raw(schemas[name])}
     for name in sorted(schemas):
         schema = flatten(schemas[name], schemas)
         kinds, _ = types_of(schema)
         if kinds == ["object"] or "properties" in schema:
-            lines += render_model(name, schema)
-        elif kinds == ["string"] and schema.get("format") == "binary":
+            lines += render_model(name, schema, raw)
+        elif name in raw:
             lines += ["", "", f"#: {name}: raw bytes (docs/openapi.json)", f"{name} = bytes"]
     lines += ["", "", "MODELS = {", *[f'    "{n}": {n},' for n in sorted(schemas) if _is_model(flatten(schemas[n], schemas))], "}"]
     return "\n".join(lines) + "\n"
+
+
+def _is_raw(schema: Dict[str, Any]) -> bool:
+    """A schema of raw bytes (`format: binary`): a `bytes` alias, taken as it is."""
+    kinds, _ = types_of(schema)
+    return kinds == ["string"] and schema.get("format") == "binary" and "properties" not in schema
 
 
 def _is_model(schema: Dict[str, Any]) -> bool:

@@ -103,3 +103,12 @@ export function decodeBase64(text: string): Uint8Array {
   for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
   return bytes;
 }
+
+/** Bytes (or text, as UTF-8) to base64, without Node's Buffer. */
+export function encodeBase64(content: string | Uint8Array): string {
+  const bytes = typeof content === 'string' ? new TextEncoder().encode(content) : content;
+  let binary = '';
+  // In slices: String.fromCharCode takes its bytes as arguments, and a call has a limit of them.
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}

@@ -3,8 +3,10 @@
 import { Transport, type RequestOptions } from './http.js';
 import type { Health, Me, Version } from './models.js';
 import { Databases } from './resources/databases.js';
+import { Functions } from './resources/functions.js';
 import { Keys } from './resources/keys.js';
 import { Sandboxes } from './resources/sandboxes.js';
+import { Schedules } from './resources/schedules.js';
 import { Snapshots } from './resources/snapshots.js';
 import { Templates } from './resources/templates.js';
 import { Volumes } from './resources/volumes.js';
@@ -36,6 +38,8 @@ export class Clade {
   readonly volumes: Volumes;
   readonly keys: Keys;
   readonly databases: Databases;
+  readonly functions: Functions;
+  readonly schedules: Schedules;
   private readonly transport: Transport;
   private settings: Promise<ResolvedSettings> | undefined;
 
@@ -55,6 +59,8 @@ export class Clade {
     this.volumes = new Volumes(this.transport);
     this.keys = new Keys(this.transport);
     this.databases = new Databases(this.transport);
+    this.functions = new Functions(this.transport);
+    this.schedules = new Schedules(this.transport);
   }
 
   /** The server and key this client uses (after options, environment and config file). */

@@ -7,7 +7,7 @@
  * is a {@link CommandExitError}.
  */
 
-import type { DatabaseInfo } from './models.js';
+import type { DatabaseInfo, FunctionInfo } from './models.js';
 
 /** The base of every error this SDK throws. */
 export class CladeError extends Error {
@@ -199,5 +199,38 @@ export class DatabaseTimeoutError extends CladeError {
   constructor(database: DatabaseInfo, deadlineMs: number) {
     super(`database ${database.id} is still ${database.status} after ${deadlineMs} ms`);
     this.database = database;
+  }
+}
+
+/**
+ * A function's deploy being waited for ended `failed`: `function.error`
+ * says why and `deployLog` is the end of its install's output. The version
+ * before it, if any, still runs.
+ */
+export class FunctionDeployError extends CladeError {
+  override name = 'FunctionDeployError';
+  readonly function: FunctionInfo;
+  /** The end of the install's output (`function.deployLog`). */
+  readonly deployLog: string;
+
+  constructor(fn: FunctionInfo) {
+    super(`deploying function ${fn.id} (version ${fn.version}) failed: ${fn.error || 'no reason given'}`);
+    this.function = fn;
+    this.deployLog = fn.deployLog ?? '';
+  }
+}
+
+/**
+ * A function's deploy had not ended by the wait's deadline. Nothing is
+ * stopped: `function` is what the server last said of it, and waiting
+ * again may still see it ready.
+ */
+export class FunctionDeployTimeoutError extends CladeError {
+  override name = 'FunctionDeployTimeoutError';
+  readonly function: FunctionInfo;
+
+  constructor(fn: FunctionInfo, deadlineMs: number) {
+    super(`function ${fn.id} is still ${fn.status} after ${deadlineMs} ms`);
+    this.function = fn;
   }
 }

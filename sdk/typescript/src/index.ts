@@ -21,6 +21,14 @@ export { Templates, TemplateBuilds, type BuildParams } from './resources/templat
 export { Volumes } from './resources/volumes.js';
 export { Keys } from './resources/keys.js';
 export { Databases, DATABASE_DEADLINE_MS, type DatabaseCreateOptions, type DatabaseWaitOptions, type QueryOptions } from './resources/databases.js';
+export {
+  Functions,
+  FUNCTION_DEPLOY_DEADLINE_MS,
+  type FunctionCreateOptions,
+  type FunctionDeployOptions,
+  type FunctionWaitOptions,
+} from './resources/functions.js';
+export { Schedules } from './resources/schedules.js';
 export type { RequestOptions } from './http.js';
 export type { FileContent } from './bytes.js';
 export { DEFAULT_API_URL, type ResolvedSettings } from './settings.js';

@@ -78,6 +78,46 @@ export type CloneDatabaseParams = api.CloneBody;
 /** What a database's settings are changed with: `alwaysOn`, never idled into hibernation. */
 export type UpdateDatabaseParams = api.PatchDatabaseBody;
 
+/**
+ * A function: code the server keeps and deploys as a snapshot of a sandbox
+ * with its dependencies installed. `status` is `empty` (no code yet),
+ * `deploying`, `ready` or `failed` (`error` and `deployLog` say why; the
+ * version before it still runs).
+ */
+export type FunctionInfo = api.FunctionInfo;
+/**
+ * One run of a function: `status` `running`, `success`, `error`, `timeout`
+ * or `skipped` (a scheduled run the servers missed); `output` is what the
+ * handler returned (JSON), `stdout` and `stderr` what it printed.
+ */
+export type FunctionRun = api.FunctionRun;
+/** A function's runs over a period: latency percentiles (nearest rank), error rate and cold-start rate. */
+export type FunctionMetrics = api.Metrics;
+/**
+ * What a function is made with. `runtime` is `python` or `nodejs`;
+ * `code` is the entrypoint's content (text, or bytes: a file's, or a
+ * tar.gz's), at most 512 KiB; without it, `deploy` code later.
+ * `entrypoint` is `handler.py` / `handler.js` by default, `template`
+ * `code-interpreter`; `timeoutSeconds` a run's limit (1 to 900, 300 by
+ * default); `public` answers HTTP at its `url` without a key.
+ */
+export type CreateFunctionParams = Omit<api.CreateFunctionBody, 'code'> & { code?: string | Uint8Array | undefined };
+/** What a function's settings are changed with; a new `entrypoint` or `template` deploys it again. */
+export type UpdateFunctionParams = api.PatchFunctionBody;
+/** A run made elsewhere, recorded in the function's runs (nothing is executed): `status` `success`, `error`, `timeout` or `running`. */
+export type RecordRunParams = api.RecordRunBody;
+/** A cron schedule of a function; `nextRunAt` is absent while it is paused. */
+export type ScheduleInfo = api.ScheduleInfo;
+/**
+ * What a schedule is made with: a `name` unique in the workspace, the
+ * function (`functionId`: its id or name), `cron` (five fields or
+ * `@hourly`…), `timezone` (IANA, `UTC` by default), `paused`, and the
+ * `input` each run gets.
+ */
+export type CreateScheduleParams = api.CreateScheduleBody;
+/** What a schedule is changed with (`input: null` removes its input; a resume sets its next run from now). */
+export type UpdateScheduleParams = api.PatchScheduleBody;
+
 /** A database's figures, as its own server counts them. */
 export interface DatabaseStats {
   /** The server's whole version, e.g. `15.10 (Debian 15.10-0+deb12u1)`. */

@@ -55,7 +55,7 @@ export interface RunningServer {
   dataDir: string;
   bin: string;
   logPath: string;
-  /** What the tests created and did not delete: sandboxes, volumes, snapshots and databases of both workspaces. */
+  /** What the tests created and did not delete: sandboxes, volumes, snapshots, databases, functions and schedules of both workspaces. */
   leftovers(): Promise<string[]>;
   stop(): Promise<void>;
 }
@@ -133,6 +133,10 @@ async function listLeftovers(url: string, keys: string[]): Promise<string[]> {
     found.push(...snapshots.map((s) => `snapshot ${s.id}`));
     const databases = ((await get('/v1/databases')) as { items: { id: string; label?: string }[] }).items;
     found.push(...databases.map((d) => `database ${d.id} ${d.label ?? ''}`.trimEnd()));
+    const functions = ((await get('/v1/functions')) as { items: { id: string; name: string }[] }).items;
+    found.push(...functions.map((f) => `function ${f.id} ${f.name}`));
+    const schedules = ((await get('/v1/schedules')) as { items: { id: string; name: string }[] }).items;
+    found.push(...schedules.map((s) => `schedule ${s.id} ${s.name}`));
   }
   return found;
 }

@@ -275,6 +275,9 @@ async fn track(State(state): State<ReplicaState>, request: Request, next: Next) 
 /// by a header), goes as it came to its sandbox's host.
 async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next: Next) -> Response {
     let host = request.headers().get(header::HOST).and_then(|v| v.to_str().ok()).map(str::to_string);
+    if let Some(function_id) = host.as_deref().and_then(|h| state.previews.recognise_function(h)) {
+        return public_function(&state, &function_id, request).await.unwrap_or_else(IntoResponse::into_response);
+    }
     let sandbox_id = match crate::e2b::named_sandbox(request.headers()) {
         Some(id) => id,
         None => match host.and_then(|h| state.previews.recognise(&h)) {
@@ -296,6 +299,22 @@ async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next
         }
     };
     answer.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A public function's request goes as it came to the host that keeps its
+/// snapshot, or to any host (which deploys it there) when that one is down.
+async fn public_function(state: &ReplicaState, function_id: &str, request: Request) -> Result<Response, ApiError> {
+    let function = state.store.function_by_id(function_id).await?;
+    let (parts, body) = request.into_parts();
+    let outgoing = Outgoing { parts, caller: None, held: None, keep_credentials: true };
+    let host = match function.and_then(|f| f.host_id) {
+        Some(host_id) => state.store.host(&host_id).await?.filter(reachable),
+        None => None,
+    };
+    match host {
+        Some(host) => Ok(send(state, &host, &outgoing, Body::new(body), None).await?),
+        None => send_anywhere(state, &outgoing, Body::new(body)).await,
+    }
 }
 
 /// A request on its way to a host: what it asked, and who asked.
@@ -388,6 +407,15 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
     if template.starts_with("/v1/snapshots/{id}") {
         let id = outgoing.segment(3).unwrap_or_default();
         if let Some(host) = snapshot_host(&state, &workspace_id, id).await? {
+            return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+        }
+    }
+    // A function's snapshot is on the host that deployed it: its runs, new
+    // code and delete go there while it is up; elsewhere, a run deploys it
+    // anew on the host that takes it (ADR 32).
+    if template.starts_with("/v1/functions/{id}") || template == "/v1/schedules/{id}/trigger" {
+        let id = outgoing.segment(3).unwrap_or_default();
+        if let Some(host) = function_host(&state, &workspace_id, template, id).await? {
             return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
         }
     }
@@ -506,6 +534,20 @@ async fn kept_on(state: &ReplicaState, host_id: &str, what: &str) -> Result<Opti
         }),
         None => Ok(None),
     }
+}
+
+/// The live host that keeps the snapshot of the function a request is
+/// about (`id` is a schedule's for a trigger), if there is one.
+async fn function_host(state: &ReplicaState, workspace_id: &str, template: &str, id: &str) -> Result<Option<HostRow>, ApiError> {
+    let function_id = match template.starts_with("/v1/schedules") {
+        true => match state.store.schedule(workspace_id, id).await? {
+            Some(schedule) => schedule.function_id,
+            None => return Ok(None),
+        },
+        false => id.to_string(),
+    };
+    let Some(host_id) = state.store.function(workspace_id, &function_id).await?.and_then(|f| f.host_id) else { return Ok(None) };
+    Ok(state.store.host(&host_id).await?.filter(reachable))
 }
 
 /// The sandbox's host, if it can be asked (a draining host still serves its sandboxes).

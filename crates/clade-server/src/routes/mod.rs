@@ -9,6 +9,7 @@ pub(crate) mod exec;
 pub(crate) mod exec_stream;
 pub(crate) mod files;
 pub(crate) mod fork;
+pub(crate) mod functions;
 mod internal;
 pub(crate) mod lifecycle;
 pub(crate) mod limits;
@@ -22,6 +23,7 @@ pub(crate) mod ports;
 pub(crate) mod preview;
 pub(crate) mod proxy;
 pub(crate) mod sandboxes;
+pub(crate) mod schedules;
 pub(crate) mod snapshots;
 pub(crate) mod templates;
 pub(crate) mod terminal;
@@ -98,6 +100,17 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(databases::stats))
         .routes(routes!(databases::logs))
         .routes(routes!(databases::proxy))
+        .routes(routes!(functions::create, functions::list))
+        .routes(routes!(functions::get, functions::patch, functions::delete))
+        .routes(routes!(functions::deploy))
+        .routes(routes!(functions::invoke))
+        .routes(routes!(functions::runs, functions::record_run))
+        .routes(routes!(functions::metrics))
+        .routes(routes!(functions::code))
+        .routes(routes!(schedules::create, schedules::list))
+        .routes(routes!(schedules::get, schedules::patch, schedules::delete))
+        .routes(routes!(schedules::trigger))
+        .routes(routes!(schedules::runs))
         .routes(routes!(fork::fork))
         .routes(routes!(fork::fork_tree))
         .routes(routes!(fork::promote))
@@ -168,6 +181,7 @@ fn route_label(template: &str) -> &str {
         PROXY_ROOT_SLASH => "/v1/sandboxes/{id}/proxy/{port}",
         PROXY_DEEP_PATH => PROXY_DEEP_DOCUMENTED,
         crate::preview::PREVIEW_ROUTE => "preview",
+        crate::preview::FUNCTION_ROUTE => "function",
         other => other,
     }
 }
@@ -190,6 +204,7 @@ pub fn router(state: AppState) -> Router {
     };
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
+        .route(crate::preview::FUNCTION_ROUTE, any(functions::serve_public))
         .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
         // On a host: the cluster secret, before anything a route does.
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::host_api::admit))

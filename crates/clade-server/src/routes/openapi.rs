@@ -40,6 +40,8 @@ const API_KEY: &str = "api_key";
         (name = "forks", description = "Fork, fork-tree, promote"),
         (name = "terminal", description = "Interactive terminals over WebSocket"),
         (name = "ports", description = "Ports, the proxy into them, preview tokens (preview hosts `{port}-{id}.{suffix}` are served before the API)"),
+        (name = "functions", description = "Code deployed once as a snapshot and invoked in a sandbox restored from it; runs and metrics (public functions answer at `{id}.{suffix}`)"),
+        (name = "schedules", description = "Cron schedules that invoke functions, exactly once per due time"),
     )
 )]
 pub(super) struct ApiDoc;

@@ -74,6 +74,12 @@ impl UrlBase {
         Self { scheme, host, listen_port }
     }
 
+    /// `{scheme}://{label}.{suffix}[:port]`: a public function's address.
+    pub(crate) fn host_url(&self, state: &AppState, label: &str) -> String {
+        let suffix = state.previews.suffix_for(self.host.as_deref());
+        preview::host_url(&self.scheme, &suffix, self.listen_port, label)
+    }
+
     pub(crate) fn preview_url(&self, state: &AppState, port: u16, id: &str) -> String {
         let suffix = state.previews.suffix_for(self.host.as_deref());
         preview::url(&self.scheme, &suffix, self.listen_port, port, id)

@@ -45,7 +45,11 @@ pub(crate) async fn route_host(State(state): State<AppState>, mut request: Reque
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .or_else(|| request.uri().authority().map(|a| a.to_string()));
-    if let Some(found) = host.and_then(|h| state.previews.recognise(&h)) {
+    if let Some(function_id) = host.as_deref().and_then(|h| state.previews.recognise_function(h)) {
+        let uri = request.uri().clone();
+        request.extensions_mut().insert(super::functions::PublicRequest { function_id, uri });
+        *request.uri_mut() = Uri::from_static(preview::FUNCTION_ROUTE);
+    } else if let Some(found) = host.and_then(|h| state.previews.recognise(&h)) {
         let uri = request.uri().clone();
         request.extensions_mut().insert(PreviewRequest { host: found, uri });
         *request.uri_mut() = Uri::from_static(PREVIEW_ROUTE);

@@ -2,5 +2,6 @@
 //! PostgreSQL cluster (`clade_testkit::pg`).
 
 mod databases;
+mod functions;
 mod store;
 mod volumes;

@@ -97,6 +97,24 @@ OPERATIONS: Dict[str, str] = {
     "databaseStats": "databases.stats",
     "databaseLogs": "databases.logs",
     "databaseQuery": "databases.query",
+    "listFunctions": "functions.list",
+    "createFunction": "functions.create",
+    "getFunction": "functions.get",
+    "updateFunction": "functions.update",
+    "deleteFunction": "functions.delete",
+    "deployFunction": "functions.deploy",
+    "invokeFunction": "functions.invoke",
+    "listFunctionRuns": "functions.runs",
+    "recordFunctionRun": "functions.record_run",
+    "functionMetrics": "functions.metrics",
+    "functionCode": "functions.code",
+    "listSchedules": "schedules.list",
+    "createSchedule": "schedules.create",
+    "getSchedule": "schedules.get",
+    "updateSchedule": "schedules.update",
+    "deleteSchedule": "schedules.delete",
+    "triggerSchedule": "schedules.trigger",
+    "listScheduleRuns": "schedules.runs",
 }
 
 #: Operations the SDK does not call, and why.
@@ -126,7 +144,7 @@ class Call(Generic[T]):
     headers: Dict[str, str] = field(default_factory=dict)
     #: A raw body (bytes); streamed bodies are the clients' own.
     content: Optional[bytes] = None
-    #: Multipart form fields and files (`buildTemplate`).
+    #: Multipart form fields and files (`buildTemplate`, `deployFunction`).
     data: Optional[Dict[str, str]] = None
     files: Optional[List[Any]] = None
     #: Seconds for this call, over the client's timeout.
@@ -151,6 +169,10 @@ def _text(response: httpx.Response) -> str:
 
 def _raw(response: httpx.Response) -> httpx.Response:
     return response
+
+
+def _bytes(response: httpx.Response) -> bytes:
+    return response.content
 
 
 def _segment(value: Union[str, int]) -> str:
@@ -556,6 +578,104 @@ def database_query(database_id: str, sql: str, params: Optional[Sequence[Any]], 
     body = gen.QueryRequest(sql=sql, params=None if params is None else list(params)).to_json()
     return Call("databaseQuery", "POST", database_path(database_id, "/proxy"), _json(gen.QueryResult.from_json), json=body,
                 headers={"Authorization": f"Bearer {broker_token}"})
+
+
+# Functions and schedules -------------------------------------------------
+
+#: How long an invoke's (or a trigger's) answer is waited for unless told:
+#: a run may last 900 s, and a deploy in progress is waited for first.
+INVOKE_TIMEOUT = 960.0
+
+
+def function_path(function_id: str, rest: str = "") -> str:
+    return f"/v1/functions/{_segment(function_id)}{rest}"
+
+
+def schedule_path(schedule_id: str, rest: str = "") -> str:
+    return f"/v1/schedules/{_segment(schedule_id)}{rest}"
+
+
+def _runs(response: httpx.Response) -> List[gen.FunctionRun]:
+    return gen.FunctionRunList.from_json(response.json()).items
+
+
+def list_functions() -> Call[List[gen.FunctionInfo]]:
+    return Call("listFunctions", "GET", "/v1/functions", lambda r: gen.FunctionList.from_json(r.json()).items)
+
+
+def create_function(body: gen.CreateFunctionBody) -> Call[gen.FunctionInfo]:
+    # No Idempotency-Key (the route takes none): a create is sent once.
+    return Call("createFunction", "POST", "/v1/functions", _json(gen.FunctionInfo.from_json), json=body.to_json())
+
+
+def get_function(function_id: str) -> Call[gen.FunctionInfo]:
+    return Call("getFunction", "GET", function_path(function_id), _json(gen.FunctionInfo.from_json))
+
+
+def update_function(function_id: str, body: gen.PatchFunctionBody) -> Call[gen.FunctionInfo]:
+    return Call("updateFunction", "PATCH", function_path(function_id), _json(gen.FunctionInfo.from_json), json=body.to_json())
+
+
+def delete_function(function_id: str) -> Call[None]:
+    return Call("deleteFunction", "DELETE", function_path(function_id), _nothing)
+
+
+def deploy_function(function_id: str, bundle: bytes, entrypoint: Optional[str]) -> Call[gen.FunctionInfo]:
+    """The code as multipart: the tar.gz in the field `bundle`, and another `entrypoint`."""
+    files = [("bundle", ("bundle.tar.gz", bundle, "application/gzip"))]
+    return Call("deployFunction", "POST", function_path(function_id, "/deploy"), _json(gen.FunctionInfo.from_json),
+                data=without_none(entrypoint=entrypoint), files=files)
+
+
+def invoke_function(function_id: str, input: Any, request_timeout: Optional[float]) -> Call[gen.FunctionRun]:
+    return Call("invokeFunction", "POST", function_path(function_id, "/invoke"), _json(gen.FunctionRun.from_json),
+                json=gen.InvokeBody(input=input).to_json(), timeout=INVOKE_TIMEOUT if request_timeout is None else request_timeout)
+
+
+def function_runs(function_id: str, limit: Optional[int]) -> Call[List[gen.FunctionRun]]:
+    return Call("listFunctionRuns", "GET", function_path(function_id, "/runs"), _runs, params=without_none(limit=limit))
+
+
+def record_function_run(function_id: str, body: gen.RecordRunBody) -> Call[gen.FunctionRun]:
+    return Call("recordFunctionRun", "POST", function_path(function_id, "/runs"), _json(gen.FunctionRun.from_json), json=body.to_json())
+
+
+def function_metrics(function_id: str, period_hours: int) -> Call[gen.Metrics]:
+    return Call("functionMetrics", "GET", function_path(function_id, "/metrics"), _json(gen.Metrics.from_json),
+                params={"period": period_hours})
+
+
+def function_code(function_id: str) -> Call[bytes]:
+    return Call("functionCode", "GET", function_path(function_id, "/code"), _bytes)
+
+
+def list_schedules() -> Call[List[gen.ScheduleInfo]]:
+    return Call("listSchedules", "GET", "/v1/schedules", lambda r: gen.ScheduleList.from_json(r.json()).items)
+
+
+def create_schedule(body: gen.CreateScheduleBody) -> Call[gen.ScheduleInfo]:
+    return Call("createSchedule", "POST", "/v1/schedules", _json(gen.ScheduleInfo.from_json), json=body.to_json())
+
+
+def get_schedule(schedule_id: str) -> Call[gen.ScheduleInfo]:
+    return Call("getSchedule", "GET", schedule_path(schedule_id), _json(gen.ScheduleInfo.from_json))
+
+
+def update_schedule(schedule_id: str, body: gen.PatchScheduleBody) -> Call[gen.ScheduleInfo]:
+    return Call("updateSchedule", "PATCH", schedule_path(schedule_id), _json(gen.ScheduleInfo.from_json), json=body.to_json())
+
+
+def delete_schedule(schedule_id: str) -> Call[None]:
+    return Call("deleteSchedule", "DELETE", schedule_path(schedule_id), _nothing)
+
+
+def trigger_schedule(schedule_id: str, request_timeout: Optional[float]) -> Call[gen.FunctionRun]:
+    return Call("triggerSchedule", "POST", schedule_path(schedule_id, "/trigger"), _json(gen.FunctionRun.from_json),
+                timeout=INVOKE_TIMEOUT if request_timeout is None else request_timeout)
+
+
+def schedule_runs(schedule_id: str, limit: Optional[int]) -> Call[List[gen.FunctionRun]]:
+    return Call("listScheduleRuns", "GET", schedule_path(schedule_id, "/runs"), _runs, params=without_none(limit=limit))
 
 
 # Forks -------------------------------------------------------------------

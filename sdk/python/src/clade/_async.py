@@ -9,6 +9,7 @@ request goes through `_async_io` (`_sync_io` in the sync client)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from types import TracebackType
@@ -20,7 +21,17 @@ from . import _api as api
 from . import _generated as gen
 from ._async_io import INTERRUPTIONS, run_blocking, run_shielded, sleep
 from ._async_transport import AsyncTransport, async_sse_events
-from ._errors import CommandFailedError, ConflictError, DatabaseFailedError, DatabaseTimeoutError, NotFoundError, StreamError
+from ._bundles import BundleSource, function_bundle
+from ._errors import (
+    CommandFailedError,
+    ConflictError,
+    DatabaseFailedError,
+    DatabaseTimeoutError,
+    FunctionDeployError,
+    FunctionDeployTimeoutError,
+    NotFoundError,
+    StreamError,
+)
 from ._models import CodeEvent, DatabaseStats, Execution, ExecEvent, Exit, ForkTree, code_event, exec_event
 from ._retry import DEFAULT_MAX_RETRIES, RetryPolicy
 from ._settings import resolve_settings
@@ -33,9 +44,13 @@ Destination = Union[str, "os.PathLike[str]", IO[bytes]]
 #: Seconds a create or clone waits for its database by default (the first
 #: database of a size bakes its template: tens of seconds under TCG).
 DATABASE_WAIT_TIMEOUT = 300.0
-#: Polling a database being made: the first look soon, then less often.
-DATABASE_POLL_FIRST = 0.25
-DATABASE_POLL_MAX = 2.0
+#: Seconds a function's create or deploy waits for the deploy by default: a
+#: sandbox booted, the dependencies installed, a snapshot taken (and, the
+#: first time a template is used on a host, its image made).
+FUNCTION_WAIT_TIMEOUT = 600.0
+#: Polling a database or a function being made: the first look soon, then less often.
+POLL_FIRST = 0.25
+POLL_MAX = 2.0
 
 
 class AsyncClade:
@@ -66,6 +81,8 @@ class AsyncClade:
         self.snapshots = AsyncSnapshots(self._transport)
         self.keys = AsyncKeys(self._transport)
         self.databases = AsyncDatabases(self._transport)
+        self.functions = AsyncFunctions(self._transport)
+        self.schedules = AsyncSchedules(self._transport)
 
     @property
     def base_url(self) -> str:
@@ -754,7 +771,7 @@ class AsyncDatabases:
         `DatabaseFailedError` if it fails, `DatabaseTimeoutError` after
         `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        interval = DATABASE_POLL_FIRST
+        interval = POLL_FIRST
         while True:
             info = await self.get(database_id)
             if info.status in ("running", "hibernated") and info.connection_url:
@@ -765,7 +782,7 @@ class AsyncDatabases:
             if left <= 0:
                 raise DatabaseTimeoutError(info, timeout)
             await sleep(min(interval, left))
-            interval = min(interval * 1.5, DATABASE_POLL_MAX)
+            interval = min(interval * 1.5, POLL_MAX)
 
     async def _wait_for_new(self, info: gen.DatabaseInfo, wait: bool, timeout: float) -> gen.DatabaseInfo:
         if not wait:
@@ -863,3 +880,245 @@ class AsyncDatabases:
         token = broker_token or (await self.connection(database_id)).broker_token
         return await self._transport.request(api.database_query(database_id, sql, params, token))
 
+
+
+class AsyncFunctions:
+    """Functions: code the server keeps and deploys once (a sandbox of its
+    template with the dependencies installed, snapshotted); each invoke
+    restores that snapshot, runs the entrypoint's `handler(event)` (or the
+    module as a script) and records the run."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(
+        self,
+        name: str,
+        runtime: str,
+        *,
+        code: Optional[Union[bytes, str]] = None,
+        entrypoint: Optional[str] = None,
+        template: Optional[str] = None,
+        public: Optional[bool] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout_seconds: Optional[int] = None,
+        wait: bool = True,
+        timeout: float = FUNCTION_WAIT_TIMEOUT,
+    ) -> gen.FunctionInfo:
+        """A new function, `runtime` `python` or `nodejs`. `code` is one
+        file's content (it becomes the `entrypoint`, `handler.py` /
+        `handler.js` by default), or a tar.gz's bytes, at most 512 KiB;
+        without it, `deploy` code later. `template` defaults to
+        `code-interpreter` (`base` has Python and starts faster); `env` is
+        its runs' environment, `timeout_seconds` a run's limit (1 to 900,
+        300 by default), `public` makes it answer HTTP at its `url`. With
+        code and `wait`, it is returned once deployed (`ready`), else
+        `FunctionDeployError` or, after `timeout` seconds,
+        `FunctionDeployTimeoutError`; without `wait`, `deploying`.
+        Interrupted while waiting (Ctrl-C, a cancelled task), it deletes
+        the function it was making."""
+        encoded = None
+        if code is not None:
+            encoded = base64.b64encode(code.encode() if isinstance(code, str) else bytes(code)).decode("ascii")
+        body = gen.CreateFunctionBody(
+            name=name, runtime=runtime, entrypoint=entrypoint, code=encoded, template=template, public=public,
+            env=dict(env) if env is not None else None, timeout_seconds=timeout_seconds,
+        )
+        info = await self._transport.request(api.create_function(body))
+        if not wait or info.status != "deploying":
+            return info
+        try:
+            return await self.wait(info.id, timeout=timeout)
+        except INTERRUPTIONS:
+            # The caller never got its id, and its name stays taken while it is kept.
+            await run_shielded(lambda: self._delete_if_present(info.id))
+            raise
+
+    async def _delete_if_present(self, function_id: str) -> None:
+        try:
+            await self.delete(function_id)
+        except NotFoundError:
+            pass
+
+    async def deploy(
+        self,
+        function_id: str,
+        source: BundleSource,
+        *,
+        entrypoint: Optional[str] = None,
+        wait: bool = True,
+        timeout: float = FUNCTION_WAIT_TIMEOUT,
+    ) -> gen.FunctionInfo:
+        """New code for the function: a directory (its files, without
+        node_modules, __pycache__, .git, .venv, venv, dist, .next and
+        .turbo), a file (a `.tar.gz` / `.tgz` as it is, any other as a
+        bundle of that one file under its name), or a tar.gz's bytes; at
+        most 16 MiB compressed. A `requirements.txt` (pip) or `package.json`
+        (npm) at its root is installed once, in the deploy. `entrypoint`
+        names another file of it to run. `wait` and `timeout` as for
+        `create`; a failed deploy leaves the version before it running."""
+        bundle = await run_blocking(function_bundle, source)
+        info = await self._transport.request(api.deploy_function(function_id, bundle, entrypoint))
+        if not wait:
+            return info
+        return await self.wait(info.id, timeout=timeout)
+
+    async def wait(self, function_id: str, *, timeout: float = FUNCTION_WAIT_TIMEOUT) -> gen.FunctionInfo:
+        """The function once its deploy has ended `ready` (or at once if it
+        has no code: `empty`). Polls with a growing interval;
+        `FunctionDeployError` if the deploy failed, with its `error` and
+        `deploy_log`; `FunctionDeployTimeoutError` after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        interval = POLL_FIRST
+        while True:
+            info = await self.get(function_id)
+            if info.status in ("ready", "empty"):
+                return info
+            if info.status == "failed":
+                raise FunctionDeployError(info)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FunctionDeployTimeoutError(info, timeout)
+            await sleep(min(interval, left))
+            interval = min(interval * 1.5, POLL_MAX)
+
+    async def invoke(self, function_id: str, input: Any = None, *, request_timeout: Optional[float] = None) -> gen.FunctionRun:
+        """Runs the function once with `input` (any JSON value: its
+        handler's `event`, and its stdin) and returns the finished run: its
+        `status` (`success`, `error` or `timeout`), `exit_code`, `stdout`,
+        `stderr`, and `output`, what the handler returned. A deploy in
+        progress is waited for; a function without code (or whose only
+        deploy failed) is a `ServiceUnavailableError`. Not retried: the run
+        may have happened. `request_timeout`: seconds to wait for the
+        answer (960 by default)."""
+        return await self._transport.request(api.invoke_function(function_id, input, request_timeout))
+
+    async def runs(self, function_id: str, *, limit: Optional[int] = None) -> List[gen.FunctionRun]:
+        """Its runs, newest first (`limit` 1 to 1000, 100 by default; the newest 1000 are kept)."""
+        return await self._transport.request(api.function_runs(function_id, limit))
+
+    async def record_run(
+        self,
+        function_id: str,
+        status: str,
+        *,
+        sandbox_id: Optional[str] = None,
+        exit_code: Optional[int] = None,
+        stdout: Optional[str] = None,
+        stderr: Optional[str] = None,
+        duration_ms: Optional[int] = None,
+    ) -> gen.FunctionRun:
+        """Records a run made elsewhere (nothing is executed): `status`
+        `success`, `error`, `timeout` or `running`. It counts in `metrics`."""
+        body = gen.RecordRunBody(status=status, sandbox_id=sandbox_id, exit_code=exit_code, stdout=stdout, stderr=stderr,
+                                 duration_ms=duration_ms)
+        return await self._transport.request(api.record_function_run(function_id, body))
+
+    async def metrics(self, function_id: str, *, period_hours: int = 24) -> gen.Metrics:
+        """Its finished runs of the last `period_hours` (1 to 720): count,
+        errors and error rate, p50/p95/p99 latency, cold-start rate."""
+        return await self._transport.request(api.function_metrics(function_id, period_hours))
+
+    async def code(self, function_id: str) -> bytes:
+        """Its code, as the tar.gz the server keeps (`ServiceUnavailableError` without code)."""
+        return await self._transport.request(api.function_code(function_id))
+
+    async def list(self) -> List[gen.FunctionInfo]:
+        """The workspace's functions, oldest first."""
+        return await self._transport.request(api.list_functions())
+
+    async def get(self, function_id: str) -> gen.FunctionInfo:
+        """A function, by its id or its name."""
+        return await self._transport.request(api.get_function(function_id))
+
+    async def update(
+        self,
+        function_id: str,
+        *,
+        name: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        public: Optional[bool] = None,
+        entrypoint: Optional[str] = None,
+        template: Optional[str] = None,
+        timeout_seconds: Optional[int] = None,
+    ) -> gen.FunctionInfo:
+        """Changes what is given. `env` replaces the whole environment; it,
+        `public` and `timeout_seconds` apply from the next run. Another
+        `entrypoint` or `template` deploys the code again: it is returned
+        `deploying` (`wait` waits)."""
+        body = gen.PatchFunctionBody(name=name, env=dict(env) if env is not None else None, public=public, entrypoint=entrypoint,
+                                     template=template, timeout_seconds=timeout_seconds)
+        return await self._transport.request(api.update_function(function_id, body))
+
+    async def delete(self, function_id: str) -> None:
+        """Deletes it with its runs, its schedules and its snapshot."""
+        await self._transport.request(api.delete_function(function_id))
+
+
+class AsyncSchedules:
+    """Cron schedules that invoke a function. Each due run fires once,
+    whichever server of a cluster claims it; runs missed while no server
+    ran are not replayed (a late one is recorded `skipped`)."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(
+        self,
+        name: str,
+        function_id: str,
+        cron: str,
+        *,
+        timezone: Optional[str] = None,
+        paused: bool = False,
+        input: Any = None,
+    ) -> gen.ScheduleInfo:
+        """A schedule of the function (its id or name): `cron` has five
+        fields (`0 9 * * 1-5`) or is `@hourly`, `@daily`, `@weekly`,
+        `@monthly` or `@yearly`, read in `timezone` (IANA, `UTC` by
+        default). Each run gets `input`."""
+        body = gen.CreateScheduleBody(name=name, function_id=function_id, cron=cron, timezone=timezone, paused=paused, input=input)
+        return await self._transport.request(api.create_schedule(body))
+
+    async def list(self) -> List[gen.ScheduleInfo]:
+        """The workspace's schedules, oldest first."""
+        return await self._transport.request(api.list_schedules())
+
+    async def get(self, schedule_id: str) -> gen.ScheduleInfo:
+        """A schedule, by its id or its name."""
+        return await self._transport.request(api.get_schedule(schedule_id))
+
+    async def update(
+        self,
+        schedule_id: str,
+        *,
+        name: Optional[str] = None,
+        cron: Optional[str] = None,
+        timezone: Optional[str] = None,
+        paused: Optional[bool] = None,
+        input: Any = None,
+    ) -> gen.ScheduleInfo:
+        """Changes what is given (`None` keeps it). Its next run is computed anew from now."""
+        body = gen.PatchScheduleBody(name=name, cron=cron, timezone=timezone, paused=paused, input=input)
+        return await self._transport.request(api.update_schedule(schedule_id, body))
+
+    async def pause(self, schedule_id: str) -> gen.ScheduleInfo:
+        """Stops its runs (`next_run_at` None) until `resume`."""
+        return await self.update(schedule_id, paused=True)
+
+    async def resume(self, schedule_id: str) -> gen.ScheduleInfo:
+        """Runs it again, its next run counted from now (missed runs are not made up)."""
+        return await self.update(schedule_id, paused=False)
+
+    async def trigger(self, schedule_id: str, *, request_timeout: Optional[float] = None) -> gen.FunctionRun:
+        """Runs its function now, with its input, and returns the finished
+        run (its `schedule_id` set); its cron is unchanged. As `invoke`."""
+        return await self._transport.request(api.trigger_schedule(schedule_id, request_timeout))
+
+    async def runs(self, schedule_id: str, *, limit: Optional[int] = None) -> List[gen.FunctionRun]:
+        """The runs it fired, and those it skipped, newest first."""
+        return await self._transport.request(api.schedule_runs(schedule_id, limit))
+
+    async def delete(self, schedule_id: str) -> None:
+        """Deletes it; its runs stay with its function."""
+        await self._transport.request(api.delete_schedule(schedule_id))

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type
 
 if TYPE_CHECKING:
-    from ._generated import DatabaseInfo
+    from ._generated import DatabaseInfo, FunctionInfo
 
 
 class CladeError(Exception):
@@ -156,6 +156,33 @@ class DatabaseTimeoutError(CladeError):
         self.database = database
         self.timeout = timeout
         super().__init__(f"database {database.id} is still {database.status} after {timeout:g} s")
+
+
+class FunctionDeployError(CladeError):
+    """A function's deploy ended `failed`. `function` is what the server said
+    of it, `error` why, and `deploy_log` the end of its install's output. The
+    version before it, if it had one, still runs."""
+
+    def __init__(self, function: FunctionInfo) -> None:
+        self.function = function
+        self.error = function.error
+        self.deploy_log = function.deploy_log
+        message = f"function {function.id} (version {function.version}) failed to deploy: {function.error or 'no reason given'}"
+        tail = (function.deploy_log or "").strip().splitlines()[-5:]
+        if tail:
+            message += "\n" + "\n".join(tail)
+        super().__init__(message)
+
+
+class FunctionDeployTimeoutError(CladeError):
+    """A function's deploy had not ended within the wait's timeout. It goes
+    on: `function` is what the server last said of it, and waiting again
+    may still see it ready."""
+
+    def __init__(self, function: FunctionInfo, timeout: float) -> None:
+        self.function = function
+        self.timeout = timeout
+        super().__init__(f"function {function.id} is still {function.status} after {timeout:g} s")
 
 
 _BY_STATUS: Dict[int, Type[APIStatusError]] = {

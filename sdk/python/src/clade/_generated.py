@@ -63,6 +63,10 @@ class Attachment(Model):
         )
 
 
+#: Bundle: raw bytes (docs/openapi.json)
+Bundle = bytes
+
+
 @dataclasses.dataclass
 class ChildError(Model):
     """A child of a fork-tree that did not start: its index among the
@@ -205,6 +209,40 @@ class CreateDatabaseBody(Model):
 
 
 @dataclasses.dataclass
+class CreateFunctionBody(Model):
+    """`CreateFunctionBody` in docs/openapi.json."""
+
+    #: Unique in the workspace.
+    name: str
+    #: `python` or `nodejs`.
+    runtime: str
+    #: Default `handler.py` / `handler.js`.
+    entrypoint: Optional[str] = None
+    #: Base64 of one file (plain or gzip; it becomes the entrypoint) or of a tar.gz bundle, at most 512 KiB
+    #: decoded. Without it, deploy code later.
+    code: Optional[str] = None
+    #: Default `code-interpreter` (Python 3 and Node.js).
+    template: Optional[str] = None
+    public: Optional[bool] = None
+    env: Optional[Dict[str, str]] = None
+    #: A run's time limit, 1 to 900 (default 300).
+    timeout_seconds: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateFunctionBody:
+        return cls(
+            name=data["name"],
+            runtime=data["runtime"],
+            entrypoint=data.get("entrypoint"),
+            code=data.get("code"),
+            template=data.get("template"),
+            public=data.get("public"),
+            env=None if data.get("env") is None else dict(data["env"]),
+            timeout_seconds=data.get("timeout_seconds"),
+        )
+
+
+@dataclasses.dataclass
 class CreateSandboxBody(Model):
     """Every field is optional; an empty body creates a `base` sandbox."""
 
@@ -248,6 +286,34 @@ class CreateSandboxBody(Model):
             preview_auth=data.get("preview_auth"),
             limits=None if data.get("limits") is None else Limits.from_json(data["limits"]),
             env=None if data.get("env") is None else dict(data["env"]),
+        )
+
+
+@dataclasses.dataclass
+class CreateScheduleBody(Model):
+    """`CreateScheduleBody` in docs/openapi.json."""
+
+    #: Unique in the workspace.
+    name: str
+    #: A function of the workspace (its id or name).
+    function_id: str
+    #: Five fields, such as `0 9 * * 1-5`, or `@hourly`, `@daily`, `@weekly`, `@monthly`, `@yearly`.
+    cron: str
+    #: An IANA time zone, such as `Europe/Paris` (default `UTC`).
+    timezone: Optional[str] = None
+    paused: Optional[bool] = None
+    #: Given to each run as its input.
+    input: Any = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CreateScheduleBody:
+        return cls(
+            name=data["name"],
+            function_id=data["function_id"],
+            cron=data["cron"],
+            timezone=data.get("timezone"),
+            paused=data.get("paused"),
+            input=data.get("input"),
         )
 
 
@@ -437,6 +503,23 @@ class DatabaseLogs(Model):
     def from_json(cls, data: Mapping[str, Any]) -> DatabaseLogs:
         return cls(
             logs=data["logs"],
+        )
+
+
+@dataclasses.dataclass
+class DeployForm(Model):
+    """The multipart form of a deploy: the schema of its body only."""
+
+    #: The code: a tar.gz, at most 16 MiB.
+    bundle: Bundle
+    #: Another entrypoint in the bundle.
+    entrypoint: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeployForm:
+        return cls(
+            bundle=data["bundle"],
+            entrypoint=data.get("entrypoint"),
         )
 
 
@@ -694,6 +777,150 @@ class ForkTreeResult(Model):
 
 
 @dataclasses.dataclass
+class FunctionInfo(Model):
+    """A function (PandaStack's FunctionInfo)."""
+
+    id: str
+    #: The workspace's name.
+    workspace: str
+    name: str
+    #: `python` or `nodejs`.
+    runtime: str
+    #: The file run, relative to the code's root.
+    entrypoint: str
+    #: The size of the code as it was given, in bytes.
+    code_size: int
+    #: The template its sandboxes are made of.
+    template: str
+    #: Its runs' environment.
+    env: Dict[str, str]
+    #: Answers HTTP at `url` without an API key.
+    public: bool
+    #: Counts its code's changes.
+    version: int
+    #: Its code is deployed: invokes run it.
+    is_ready: bool
+    #: `empty` (no code yet), `deploying`, `ready` or `failed`.
+    status: str
+    #: A run's time limit.
+    timeout_seconds: int
+    #: RFC 3339.
+    created_at: str
+    updated_at: str
+    #: A public function's address: `http://{id}.{suffix}`.
+    url: Optional[str] = None
+    #: The same as `url`.
+    endpoint: Optional[str] = None
+    #: Why its last deploy failed.
+    error: Optional[str] = None
+    #: The end of its last deploy's install output.
+    deploy_log: Optional[str] = None
+    #: The snapshot its runs restore (named `{id}-v{version}` in the workspace's snapshots).
+    snapshot_id: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FunctionInfo:
+        return cls(
+            id=data["id"],
+            workspace=data["workspace"],
+            name=data["name"],
+            runtime=data["runtime"],
+            entrypoint=data["entrypoint"],
+            code_size=data["code_size"],
+            template=data["template"],
+            env=dict(data["env"]),
+            public=data["public"],
+            version=data["version"],
+            is_ready=data["is_ready"],
+            status=data["status"],
+            timeout_seconds=data["timeout_seconds"],
+            created_at=data["created_at"],
+            updated_at=data["updated_at"],
+            url=data.get("url"),
+            endpoint=data.get("endpoint"),
+            error=data.get("error"),
+            deploy_log=data.get("deploy_log"),
+            snapshot_id=data.get("snapshot_id"),
+        )
+
+
+@dataclasses.dataclass
+class FunctionList(Model):
+    """`FunctionList` in docs/openapi.json."""
+
+    items: List[FunctionInfo]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FunctionList:
+        return cls(
+            items=[FunctionInfo.from_json(item) for item in data["items"]],
+            count=data["count"],
+        )
+
+
+@dataclasses.dataclass
+class FunctionRun(Model):
+    """One run of a function (PandaStack's FunctionRun)."""
+
+    id: str
+    workspace: str
+    function_id: str
+    #: `running`, `success`, `error`, `timeout`, or `skipped` (a scheduled run the servers missed).
+    status: str
+    #: `invoke`, `http`, `schedule` or `recorded`.
+    invoked_by: str
+    #: Its sandbox was restored from the function's snapshot for it.
+    cold_start: bool
+    #: RFC 3339.
+    started_at: str
+    schedule_id: Optional[str] = None
+    sandbox_id: Optional[str] = None
+    exit_code: Optional[int] = None
+    stdout: Optional[str] = None
+    stderr: Optional[str] = None
+    #: What the entrypoint's `handler` returned (JSON), when it has one.
+    output: Any = None
+    duration_ms: Optional[int] = None
+    ended_at: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FunctionRun:
+        return cls(
+            id=data["id"],
+            workspace=data["workspace"],
+            function_id=data["function_id"],
+            status=data["status"],
+            invoked_by=data["invoked_by"],
+            cold_start=data["cold_start"],
+            started_at=data["started_at"],
+            schedule_id=data.get("schedule_id"),
+            sandbox_id=data.get("sandbox_id"),
+            exit_code=data.get("exit_code"),
+            stdout=data.get("stdout"),
+            stderr=data.get("stderr"),
+            output=data.get("output"),
+            duration_ms=data.get("duration_ms"),
+            ended_at=data.get("ended_at"),
+        )
+
+
+@dataclasses.dataclass
+class FunctionRunList(Model):
+    """`FunctionRunList` in docs/openapi.json."""
+
+    items: List[FunctionRun]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FunctionRunList:
+        return cls(
+            items=[FunctionRun.from_json(item) for item in data["items"]],
+            count=data["count"],
+        )
+
+
+@dataclasses.dataclass
 class Health(Model):
     """`Health` in docs/openapi.json."""
 
@@ -721,6 +948,20 @@ class HibernateBody(Model):
     def from_json(cls, data: Mapping[str, Any]) -> HibernateBody:
         return cls(
             memory=data.get("memory"),
+        )
+
+
+@dataclasses.dataclass
+class InvokeBody(Model):
+    """`InvokeBody` in docs/openapi.json."""
+
+    #: Given to the function as JSON: on its stdin, and as the `event` of its `handler`.
+    input: Any = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> InvokeBody:
+        return cls(
+            input=data.get("input"),
         )
 
 
@@ -857,6 +1098,36 @@ class Me(Model):
 
 
 @dataclasses.dataclass
+class Metrics(Model):
+    """What `GET …/metrics` answers."""
+
+    #: The hours looked back over.
+    period: int
+    total: int
+    #: Runs that did not succeed (an error or a timeout).
+    errors: int
+    error_rate: float
+    p50_ms: int
+    p95_ms: int
+    p99_ms: int
+    #: The share of runs whose sandbox was restored for them.
+    cold_start_rate: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Metrics:
+        return cls(
+            period=data["period"],
+            total=data["total"],
+            errors=data["errors"],
+            error_rate=data["error_rate"],
+            p50_ms=data["p50_ms"],
+            p95_ms=data["p95_ms"],
+            p99_ms=data["p99_ms"],
+            cold_start_rate=data["cold_start_rate"],
+        )
+
+
+@dataclasses.dataclass
 class NetworkPolicy(Model):
     """What a sandbox may reach. Every field is optional; absent fields take
     their defaults (the internet yes; private ranges, the host, other
@@ -928,6 +1199,55 @@ class PatchDatabaseBody(Model):
     def from_json(cls, data: Mapping[str, Any]) -> PatchDatabaseBody:
         return cls(
             always_on=data.get("always_on"),
+        )
+
+
+@dataclasses.dataclass
+class PatchFunctionBody(Model):
+    """`PatchFunctionBody` in docs/openapi.json."""
+
+    name: Optional[str] = None
+    #: Replaces the whole environment.
+    env: Optional[Dict[str, str]] = None
+    public: Optional[bool] = None
+    #: Another file of its code (deploys it again).
+    entrypoint: Optional[str] = None
+    #: Another template (deploys it again).
+    template: Optional[str] = None
+    timeout_seconds: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PatchFunctionBody:
+        return cls(
+            name=data.get("name"),
+            env=None if data.get("env") is None else dict(data["env"]),
+            public=data.get("public"),
+            entrypoint=data.get("entrypoint"),
+            template=data.get("template"),
+            timeout_seconds=data.get("timeout_seconds"),
+        )
+
+
+@dataclasses.dataclass
+class PatchScheduleBody(Model):
+    """`PatchScheduleBody` in docs/openapi.json."""
+
+    name: Optional[str] = None
+    cron: Optional[str] = None
+    timezone: Optional[str] = None
+    #: A pause stops its runs; a resume sets its next run from now.
+    paused: Optional[bool] = None
+    #: `null` removes it.
+    input: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PatchScheduleBody:
+        return cls(
+            name=data.get("name"),
+            cron=data.get("cron"),
+            timezone=data.get("timezone"),
+            paused=data.get("paused"),
+            input=None if data.get("input") is None else dict(data["input"]),
         )
 
 
@@ -1086,6 +1406,30 @@ class QueryResult(Model):
 
 
 @dataclasses.dataclass
+class RecordRunBody(Model):
+    """`RecordRunBody` in docs/openapi.json."""
+
+    #: `success`, `error`, `timeout` or `running`.
+    status: str
+    sandbox_id: Optional[str] = None
+    exit_code: Optional[int] = None
+    stdout: Optional[str] = None
+    stderr: Optional[str] = None
+    duration_ms: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RecordRunBody:
+        return cls(
+            status=data["status"],
+            sandbox_id=data.get("sandbox_id"),
+            exit_code=data.get("exit_code"),
+            stdout=data.get("stdout"),
+            stderr=data.get("stderr"),
+            duration_ms=data.get("duration_ms"),
+        )
+
+
+@dataclasses.dataclass
 class RunCodeBody(Model):
     """`RunCodeBody` in docs/openapi.json."""
 
@@ -1180,6 +1524,62 @@ class SandboxPatch(Model):
     def from_json(cls, data: Mapping[str, Any]) -> SandboxPatch:
         return cls(
             preview_auth=data.get("preview_auth"),
+        )
+
+
+@dataclasses.dataclass
+class ScheduleInfo(Model):
+    """A cron schedule of a function (PandaStack's ScheduleInfo)."""
+
+    id: str
+    #: The workspace's name.
+    workspace: str
+    name: str
+    function_id: str
+    #: Five fields (minute hour day-of-month month day-of-week) or a macro such as `@hourly`.
+    cron: str
+    #: The IANA time zone its expression is read in.
+    timezone: str
+    paused: bool
+    created_at: str
+    updated_at: str
+    #: The input its runs get.
+    input: Any = None
+    #: RFC 3339.
+    last_run_at: Optional[str] = None
+    #: RFC 3339; absent while paused.
+    next_run_at: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ScheduleInfo:
+        return cls(
+            id=data["id"],
+            workspace=data["workspace"],
+            name=data["name"],
+            function_id=data["function_id"],
+            cron=data["cron"],
+            timezone=data["timezone"],
+            paused=data["paused"],
+            created_at=data["created_at"],
+            updated_at=data["updated_at"],
+            input=data.get("input"),
+            last_run_at=data.get("last_run_at"),
+            next_run_at=data.get("next_run_at"),
+        )
+
+
+@dataclasses.dataclass
+class ScheduleList(Model):
+    """`ScheduleList` in docs/openapi.json."""
+
+    items: List[ScheduleInfo]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ScheduleList:
+        return cls(
+            items=[ScheduleInfo.from_json(item) for item in data["items"]],
+            count=data["count"],
         )
 
 
@@ -1535,7 +1935,9 @@ MODELS = {
     "ConnectionInfo": ConnectionInfo,
     "CreateContextBody": CreateContextBody,
     "CreateDatabaseBody": CreateDatabaseBody,
+    "CreateFunctionBody": CreateFunctionBody,
     "CreateSandboxBody": CreateSandboxBody,
+    "CreateScheduleBody": CreateScheduleBody,
     "CreateSnapshotBody": CreateSnapshotBody,
     "CreateToken": CreateToken,
     "CreateVolumeBody": CreateVolumeBody,
@@ -1543,6 +1945,7 @@ MODELS = {
     "DatabaseInfo": DatabaseInfo,
     "DatabaseList": DatabaseList,
     "DatabaseLogs": DatabaseLogs,
+    "DeployForm": DeployForm,
     "DirListing": DirListing,
     "ErrorBody": ErrorBody,
     "Event": Event,
@@ -1554,18 +1957,26 @@ MODELS = {
     "ForkBody": ForkBody,
     "ForkResult": ForkResult,
     "ForkTreeResult": ForkTreeResult,
+    "FunctionInfo": FunctionInfo,
+    "FunctionList": FunctionList,
+    "FunctionRun": FunctionRun,
+    "FunctionRunList": FunctionRunList,
     "Health": Health,
     "HibernateBody": HibernateBody,
+    "InvokeBody": InvokeBody,
     "KeyRef": KeyRef,
     "LifecyclePatch": LifecyclePatch,
     "LifecycleSettings": LifecycleSettings,
     "LifecycleStatus": LifecycleStatus,
     "Limits": Limits,
     "Me": Me,
+    "Metrics": Metrics,
     "NetworkPolicy": NetworkPolicy,
     "NetworkStatus": NetworkStatus,
     "PatchBody": PatchBody,
     "PatchDatabaseBody": PatchDatabaseBody,
+    "PatchFunctionBody": PatchFunctionBody,
+    "PatchScheduleBody": PatchScheduleBody,
     "PortInfo": PortInfo,
     "PreviewToken": PreviewToken,
     "PreviewTokenBody": PreviewTokenBody,
@@ -1573,10 +1984,13 @@ MODELS = {
     "PromoteResult": PromoteResult,
     "QueryRequest": QueryRequest,
     "QueryResult": QueryResult,
+    "RecordRunBody": RecordRunBody,
     "RunCodeBody": RunCodeBody,
     "Sandbox": Sandbox,
     "SandboxDisk": SandboxDisk,
     "SandboxPatch": SandboxPatch,
+    "ScheduleInfo": ScheduleInfo,
+    "ScheduleList": ScheduleList,
     "Snapshot": Snapshot,
     "Snapshots": Snapshots,
     "SseEvent": SseEvent,

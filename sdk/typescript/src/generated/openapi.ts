@@ -21,6 +21,9 @@ export interface Attachment {
   mountPath?: string | null;
 }
 
+/** A tar.gz's bytes: a schema only. */
+export type Bundle = Uint8Array;
+
 /**
  * A child of a fork-tree that did not start: its index among the
  * requested children (§3.9 `errors`).
@@ -113,6 +116,30 @@ export interface CreateDatabaseBody {
   alwaysOn?: boolean | null;
 }
 
+export interface CreateFunctionBody {
+  /** Unique in the workspace. */
+  name: string;
+  /** `python` or `nodejs`. */
+  runtime: string;
+  /** Default `handler.py` / `handler.js`. */
+  entrypoint?: string | null;
+  /**
+   * Base64 of one file (plain or gzip; it becomes the entrypoint) or of
+   * a tar.gz bundle, at most 512 KiB decoded. Without it, deploy code later.
+   */
+  code?: string | null;
+  /** Default `code-interpreter` (Python 3 and Node.js). */
+  template?: string | null;
+  public?: boolean;
+  env?: Record<string, string> | null;
+  /**
+   * A run's time limit, 1 to 900 (default 300).
+   *
+   * Wire name: `timeout_seconds`.
+   */
+  timeoutSeconds?: number | null;
+}
+
 /** Every field is optional; an empty body creates a `base` sandbox. */
 export interface CreateSandboxBody {
   /** An image name (`GET /v1/templates`); `base` when absent or empty. */
@@ -170,6 +197,24 @@ export interface CreateSandboxBody {
    * not with `from_snapshot`, which keeps the snapshot's.
    */
   env?: Record<string, string> | null;
+}
+
+export interface CreateScheduleBody {
+  /** Unique in the workspace. */
+  name: string;
+  /**
+   * A function of the workspace (its id or name).
+   *
+   * Wire name: `function_id`.
+   */
+  functionId: string;
+  /** Five fields, such as `0 9 * * 1-5`, or `@hourly`, `@daily`, `@weekly`, `@monthly`, `@yearly`. */
+  cron: string;
+  /** An IANA time zone, such as `Europe/Paris` (default `UTC`). */
+  timezone?: string | null;
+  paused?: boolean;
+  /** Given to each run as its input. */
+  input?: unknown;
 }
 
 /** `POST /v1/sandboxes/{id}/snapshots`; an empty body is no name. */
@@ -319,6 +364,14 @@ export interface DatabaseList {
 export interface DatabaseLogs {
   /** The end of the server's log (at most 256 KiB). */
   logs: string;
+}
+
+/** The multipart form of a deploy: the schema of its body only. */
+export interface DeployForm {
+  /** The code: a tar.gz, at most 16 MiB. */
+  bundle: Bundle;
+  /** Another entrypoint in the bundle. */
+  entrypoint?: string | null;
 }
 
 export interface DirListing {
@@ -472,6 +525,124 @@ export interface ForkTreeResult {
   errors: ChildError[];
 }
 
+/** A function (PandaStack's FunctionInfo). */
+export interface FunctionInfo {
+  id: string;
+  /** The workspace's name. */
+  workspace: string;
+  name: string;
+  /** `python` or `nodejs`. */
+  runtime: string;
+  /** The file run, relative to the code's root. */
+  entrypoint: string;
+  /**
+   * The size of the code as it was given, in bytes.
+   *
+   * Wire name: `code_size`.
+   */
+  codeSize: number;
+  /** The template its sandboxes are made of. */
+  template: string;
+  /** Its runs' environment. */
+  env: Record<string, string>;
+  /** Answers HTTP at `url` without an API key. */
+  public: boolean;
+  /** A public function's address: `http://{id}.{suffix}`. */
+  url?: string | null;
+  /** The same as `url`. */
+  endpoint?: string | null;
+  /** Counts its code's changes. */
+  version: number;
+  /**
+   * Its code is deployed: invokes run it.
+   *
+   * Wire name: `is_ready`.
+   */
+  isReady: boolean;
+  /** `empty` (no code yet), `deploying`, `ready` or `failed`. */
+  status: string;
+  /** Why its last deploy failed. */
+  error?: string | null;
+  /**
+   * The end of its last deploy's install output.
+   *
+   * Wire name: `deploy_log`.
+   */
+  deployLog?: string | null;
+  /**
+   * A run's time limit.
+   *
+   * Wire name: `timeout_seconds`.
+   */
+  timeoutSeconds: number;
+  /**
+   * The snapshot its runs restore (named `{id}-v{version}` in the workspace's snapshots).
+   *
+   * Wire name: `snapshot_id`.
+   */
+  snapshotId?: string | null;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `created_at`.
+   */
+  createdAt: string;
+  /** Wire name: `updated_at`. */
+  updatedAt: string;
+}
+
+export interface FunctionList {
+  items: FunctionInfo[];
+  count: number;
+}
+
+/** One run of a function (PandaStack's FunctionRun). */
+export interface FunctionRun {
+  id: string;
+  workspace: string;
+  /** Wire name: `function_id`. */
+  functionId: string;
+  /** Wire name: `schedule_id`. */
+  scheduleId?: string | null;
+  /** Wire name: `sandbox_id`. */
+  sandboxId?: string | null;
+  /** `running`, `success`, `error`, `timeout`, or `skipped` (a scheduled run the servers missed). */
+  status: string;
+  /**
+   * `invoke`, `http`, `schedule` or `recorded`.
+   *
+   * Wire name: `invoked_by`.
+   */
+  invokedBy: string;
+  /** Wire name: `exit_code`. */
+  exitCode?: number | null;
+  stdout?: string | null;
+  stderr?: string | null;
+  /** What the entrypoint's `handler` returned (JSON), when it has one. */
+  output?: unknown;
+  /** Wire name: `duration_ms`. */
+  durationMs?: number | null;
+  /**
+   * Its sandbox was restored from the function's snapshot for it.
+   *
+   * Wire name: `cold_start`.
+   */
+  coldStart: boolean;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `started_at`.
+   */
+  startedAt: string;
+  /** Wire name: `ended_at`. */
+  endedAt?: string | null;
+}
+
+export interface FunctionRunList {
+  items: FunctionRun[];
+  count: number;
+}
+
 export interface Health {
   /** `ok`. */
   status: string;
@@ -488,6 +659,11 @@ export interface HibernateBody {
    * (a 503 otherwise, and the sandbox runs on).
    */
   memory?: boolean | null;
+}
+
+export interface InvokeBody {
+  /** Given to the function as JSON: on its stdin, and as the `event` of its `handler`. */
+  input?: unknown;
 }
 
 export interface KeyRef {
@@ -595,6 +771,29 @@ export interface Me {
   key: KeyRef;
 }
 
+/** What `GET …/metrics` answers. */
+export interface Metrics {
+  /** The hours looked back over. */
+  period: number;
+  total: number;
+  /** Runs that did not succeed (an error or a timeout). */
+  errors: number;
+  /** Wire name: `error_rate`. */
+  errorRate: number;
+  /** Wire name: `p50_ms`. */
+  p50Ms: number;
+  /** Wire name: `p95_ms`. */
+  p95Ms: number;
+  /** Wire name: `p99_ms`. */
+  p99Ms: number;
+  /**
+   * The share of runs whose sandbox was restored for them.
+   *
+   * Wire name: `cold_start_rate`.
+   */
+  coldStartRate: number;
+}
+
 /**
  * What a sandbox may reach. Every field is optional; absent fields take
  * their defaults (the internet yes; private ranges, the host, other
@@ -649,6 +848,29 @@ export interface PatchBody {
 export interface PatchDatabaseBody {
   /** Wire name: `always_on`. */
   alwaysOn?: boolean | null;
+}
+
+export interface PatchFunctionBody {
+  name?: string | null;
+  /** Replaces the whole environment. */
+  env?: Record<string, string> | null;
+  public?: boolean | null;
+  /** Another file of its code (deploys it again). */
+  entrypoint?: string | null;
+  /** Another template (deploys it again). */
+  template?: string | null;
+  /** Wire name: `timeout_seconds`. */
+  timeoutSeconds?: number | null;
+}
+
+export interface PatchScheduleBody {
+  name?: string | null;
+  cron?: string | null;
+  timezone?: string | null;
+  /** A pause stops its runs; a resume sets its next run from now. */
+  paused?: boolean | null;
+  /** `null` removes it. */
+  input?: Record<string, unknown> | null;
 }
 
 /** A port of a sandbox (§3.10). */
@@ -766,6 +988,19 @@ export interface QueryResult {
   command: string;
 }
 
+export interface RecordRunBody {
+  /** Wire name: `sandbox_id`. */
+  sandboxId?: string | null;
+  /** `success`, `error`, `timeout` or `running`. */
+  status: string;
+  /** Wire name: `exit_code`. */
+  exitCode?: number | null;
+  stdout?: string | null;
+  stderr?: string | null;
+  /** Wire name: `duration_ms`. */
+  durationMs?: number | null;
+}
+
 export interface RunCodeBody {
   /** The cell. Required, not blank. */
   code: string;
@@ -857,6 +1092,44 @@ export interface SandboxPatch {
    * Wire name: `preview_auth`.
    */
   previewAuth?: boolean | null;
+}
+
+/** A cron schedule of a function (PandaStack's ScheduleInfo). */
+export interface ScheduleInfo {
+  id: string;
+  /** The workspace's name. */
+  workspace: string;
+  name: string;
+  /** Wire name: `function_id`. */
+  functionId: string;
+  /** Five fields (minute hour day-of-month month day-of-week) or a macro such as `@hourly`. */
+  cron: string;
+  /** The IANA time zone its expression is read in. */
+  timezone: string;
+  paused: boolean;
+  /** The input its runs get. */
+  input?: unknown;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `last_run_at`.
+   */
+  lastRunAt?: string | null;
+  /**
+   * RFC 3339; absent while paused.
+   *
+   * Wire name: `next_run_at`.
+   */
+  nextRunAt?: string | null;
+  /** Wire name: `created_at`. */
+  createdAt: string;
+  /** Wire name: `updated_at`. */
+  updatedAt: string;
+}
+
+export interface ScheduleList {
+  items: ScheduleInfo[];
+  count: number;
 }
 
 /** A snapshot of a sandbox (§3.8). */
@@ -1103,6 +1376,7 @@ export interface PropertyShape {
 export type SchemaName =
   | 'AddPort'
   | 'Attachment'
+  | 'Bundle'
   | 'ChildError'
   | 'CloneBody'
   | 'CodeContext'
@@ -1110,7 +1384,9 @@ export type SchemaName =
   | 'ConnectionInfo'
   | 'CreateContextBody'
   | 'CreateDatabaseBody'
+  | 'CreateFunctionBody'
   | 'CreateSandboxBody'
+  | 'CreateScheduleBody'
   | 'CreateSnapshotBody'
   | 'CreateToken'
   | 'CreateVolumeBody'
@@ -1118,6 +1394,7 @@ export type SchemaName =
   | 'DatabaseInfo'
   | 'DatabaseList'
   | 'DatabaseLogs'
+  | 'DeployForm'
   | 'DirListing'
   | 'ErrorBody'
   | 'Event'
@@ -1130,18 +1407,26 @@ export type SchemaName =
   | 'ForkBody'
   | 'ForkResult'
   | 'ForkTreeResult'
+  | 'FunctionInfo'
+  | 'FunctionList'
+  | 'FunctionRun'
+  | 'FunctionRunList'
   | 'Health'
   | 'HibernateBody'
+  | 'InvokeBody'
   | 'KeyRef'
   | 'LifecyclePatch'
   | 'LifecycleSettings'
   | 'LifecycleStatus'
   | 'Limits'
   | 'Me'
+  | 'Metrics'
   | 'NetworkPolicy'
   | 'NetworkStatus'
   | 'PatchBody'
   | 'PatchDatabaseBody'
+  | 'PatchFunctionBody'
+  | 'PatchScheduleBody'
   | 'PortInfo'
   | 'PreviewToken'
   | 'PreviewTokenBody'
@@ -1149,10 +1434,13 @@ export type SchemaName =
   | 'PromoteResult'
   | 'QueryRequest'
   | 'QueryResult'
+  | 'RecordRunBody'
   | 'RunCodeBody'
   | 'Sandbox'
   | 'SandboxDisk'
   | 'SandboxPatch'
+  | 'ScheduleInfo'
+  | 'ScheduleList'
   | 'Snapshot'
   | 'Snapshots'
   | 'SseEvent'
@@ -1217,6 +1505,16 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     label: { wire: 'label' },
     alwaysOn: { wire: 'always_on' },
   },
+  CreateFunctionBody: {
+    name: { wire: 'name' },
+    runtime: { wire: 'runtime' },
+    entrypoint: { wire: 'entrypoint' },
+    code: { wire: 'code' },
+    template: { wire: 'template' },
+    public: { wire: 'public' },
+    env: { wire: 'env' },
+    timeoutSeconds: { wire: 'timeout_seconds' },
+  },
   CreateSandboxBody: {
     template: { wire: 'template' },
     metadata: { wire: 'metadata' },
@@ -1230,6 +1528,14 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     previewAuth: { wire: 'preview_auth' },
     limits: { wire: 'limits', ref: 'Limits' },
     env: { wire: 'env' },
+  },
+  CreateScheduleBody: {
+    name: { wire: 'name' },
+    functionId: { wire: 'function_id' },
+    cron: { wire: 'cron' },
+    timezone: { wire: 'timezone' },
+    paused: { wire: 'paused' },
+    input: { wire: 'input' },
   },
   CreateSnapshotBody: {
     name: { wire: 'name' },
@@ -1285,6 +1591,10 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   },
   DatabaseLogs: {
     logs: { wire: 'logs' },
+  },
+  DeployForm: {
+    bundle: { wire: 'bundle', ref: 'Bundle' },
+    entrypoint: { wire: 'entrypoint' },
   },
   DirListing: {
     path: { wire: 'path' },
@@ -1356,11 +1666,61 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     children: { wire: 'children', ref: 'Sandbox', array: true },
     errors: { wire: 'errors', ref: 'ChildError', array: true },
   },
+  FunctionInfo: {
+    id: { wire: 'id' },
+    workspace: { wire: 'workspace' },
+    name: { wire: 'name' },
+    runtime: { wire: 'runtime' },
+    entrypoint: { wire: 'entrypoint' },
+    codeSize: { wire: 'code_size' },
+    template: { wire: 'template' },
+    env: { wire: 'env' },
+    public: { wire: 'public' },
+    url: { wire: 'url' },
+    endpoint: { wire: 'endpoint' },
+    version: { wire: 'version' },
+    isReady: { wire: 'is_ready' },
+    status: { wire: 'status' },
+    error: { wire: 'error' },
+    deployLog: { wire: 'deploy_log' },
+    timeoutSeconds: { wire: 'timeout_seconds' },
+    snapshotId: { wire: 'snapshot_id' },
+    createdAt: { wire: 'created_at' },
+    updatedAt: { wire: 'updated_at' },
+  },
+  FunctionList: {
+    items: { wire: 'items', ref: 'FunctionInfo', array: true },
+    count: { wire: 'count' },
+  },
+  FunctionRun: {
+    id: { wire: 'id' },
+    workspace: { wire: 'workspace' },
+    functionId: { wire: 'function_id' },
+    scheduleId: { wire: 'schedule_id' },
+    sandboxId: { wire: 'sandbox_id' },
+    status: { wire: 'status' },
+    invokedBy: { wire: 'invoked_by' },
+    exitCode: { wire: 'exit_code' },
+    stdout: { wire: 'stdout' },
+    stderr: { wire: 'stderr' },
+    output: { wire: 'output' },
+    durationMs: { wire: 'duration_ms' },
+    coldStart: { wire: 'cold_start' },
+    startedAt: { wire: 'started_at' },
+    endedAt: { wire: 'ended_at' },
+  },
+  FunctionRunList: {
+    items: { wire: 'items', ref: 'FunctionRun', array: true },
+    count: { wire: 'count' },
+  },
   Health: {
     status: { wire: 'status' },
   },
   HibernateBody: {
     memory: { wire: 'memory' },
+  },
+  InvokeBody: {
+    input: { wire: 'input' },
   },
   KeyRef: {
     id: { wire: 'id' },
@@ -1398,6 +1758,16 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     orgs: { wire: 'orgs', ref: 'WorkspaceRef', array: true },
     key: { wire: 'key', ref: 'KeyRef' },
   },
+  Metrics: {
+    period: { wire: 'period' },
+    total: { wire: 'total' },
+    errors: { wire: 'errors' },
+    errorRate: { wire: 'error_rate' },
+    p50Ms: { wire: 'p50_ms' },
+    p95Ms: { wire: 'p95_ms' },
+    p99Ms: { wire: 'p99_ms' },
+    coldStartRate: { wire: 'cold_start_rate' },
+  },
   NetworkPolicy: {
     internet: { wire: 'internet' },
     allowCidrs: { wire: 'allow_cidrs' },
@@ -1415,6 +1785,21 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   },
   PatchDatabaseBody: {
     alwaysOn: { wire: 'always_on' },
+  },
+  PatchFunctionBody: {
+    name: { wire: 'name' },
+    env: { wire: 'env' },
+    public: { wire: 'public' },
+    entrypoint: { wire: 'entrypoint' },
+    template: { wire: 'template' },
+    timeoutSeconds: { wire: 'timeout_seconds' },
+  },
+  PatchScheduleBody: {
+    name: { wire: 'name' },
+    cron: { wire: 'cron' },
+    timezone: { wire: 'timezone' },
+    paused: { wire: 'paused' },
+    input: { wire: 'input' },
   },
   PortInfo: {
     port: { wire: 'port' },
@@ -1456,6 +1841,14 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
     rowCount: { wire: 'row_count' },
     command: { wire: 'command' },
   },
+  RecordRunBody: {
+    sandboxId: { wire: 'sandbox_id' },
+    status: { wire: 'status' },
+    exitCode: { wire: 'exit_code' },
+    stdout: { wire: 'stdout' },
+    stderr: { wire: 'stderr' },
+    durationMs: { wire: 'duration_ms' },
+  },
   RunCodeBody: {
     code: { wire: 'code' },
     timeoutMs: { wire: 'timeout_ms' },
@@ -1483,6 +1876,24 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   },
   SandboxPatch: {
     previewAuth: { wire: 'preview_auth' },
+  },
+  ScheduleInfo: {
+    id: { wire: 'id' },
+    workspace: { wire: 'workspace' },
+    name: { wire: 'name' },
+    functionId: { wire: 'function_id' },
+    cron: { wire: 'cron' },
+    timezone: { wire: 'timezone' },
+    paused: { wire: 'paused' },
+    input: { wire: 'input' },
+    lastRunAt: { wire: 'last_run_at' },
+    nextRunAt: { wire: 'next_run_at' },
+    createdAt: { wire: 'created_at' },
+    updatedAt: { wire: 'updated_at' },
+  },
+  ScheduleList: {
+    items: { wire: 'items', ref: 'ScheduleInfo', array: true },
+    count: { wire: 'count' },
   },
   Snapshot: {
     id: { wire: 'id' },
