@@ -16,6 +16,8 @@ import base64
 import hashlib
 import io
 import json
+import os
+import subprocess
 import tarfile
 import time
 import zipfile
@@ -26,7 +28,7 @@ import pandastack
 import pytest
 import requests
 
-from conftest import ARTIFACTS, CladeServer
+from conftest import ARTIFACTS, BIN, CladeServer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -257,6 +259,39 @@ def test_a_public_nodejs_function_answers_http_at_its_host(client, server, tmp_p
     finally:
         client.functions.delete(created["id"])
         client.functions.delete(private["id"])
+
+
+def test_the_cli_creates_invokes_and_schedules_functions(server, tmp_path):
+    env = {**os.environ, "CLADE_API_URL": server.url, "CLADE_API_KEY": server.admin_key, "CLADE_CONFIG": "/nonexistent"}
+
+    def clade(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN), *args], env=env, capture_output=True, text=True, timeout=600)
+
+    source = tmp_path / "handler.py"
+    source.write_text("import sys\ndef handler(event):\n    print('to stdout')\n    if event.get('fail'):\n        sys.exit(7)\n    return {'hello': event['name']}\n")
+    created = clade("fn", "create", "cli-hello", str(source), "--template", "base", "--env", "A=1")
+    assert created.returncode == 0, created.stderr
+    assert "cli-hello" in created.stdout and "ready" in created.stdout
+    invoked = clade("fn", "invoke", "cli-hello", "--input", '{"name": "Ada"}')
+    assert invoked.returncode == 0 and json.loads(invoked.stdout) == {"hello": "Ada"}, invoked
+    assert "to stdout" in invoked.stderr
+    failed = clade("fn", "invoke", "cli-hello", "--input", '{"fail": true}')
+    assert failed.returncode == 7, failed
+    runs = clade("fn", "runs", "cli-hello", "--json")
+    assert [r["exit_code"] for r in json.loads(runs.stdout)["items"]] == [7, 0], runs.stdout
+    bad = clade("fn", "invoke", "cli-hello", "--input", "{not json")
+    assert bad.returncode != 0 and "not JSON" in bad.stderr
+    scheduled = clade("schedule", "create", "cli-nightly", "--fn", "cli-hello", "--cron", "0 3 * * *", "--input", '{"name": "cron"}', "--json")
+    assert scheduled.returncode == 0, scheduled.stderr
+    assert json.loads(scheduled.stdout)["next_run_at"].endswith("T03:00:00.000Z")
+    triggered = clade("schedule", "trigger", "cli-nightly")
+    assert triggered.returncode == 0 and json.loads(triggered.stdout) == {"hello": "cron"}, triggered
+    paused = clade("schedule", "pause", "cli-nightly", "--json")
+    assert json.loads(paused.stdout)["paused"] is True
+    assert clade("schedule", "rm", "cli-nightly").returncode == 0
+    assert clade("fn", "rm", "cli-hello").returncode == 0
+    missing = clade("fn", "get", "cli-hello")
+    assert missing.returncode != 0 and "not found" in missing.stderr
 
 
 def test_bad_requests_get_clear_errors_and_other_workspaces_see_nothing(client, other_client, server, greeter):
