@@ -8,9 +8,10 @@
 # JSON to $CLADE_OUTPUT, the run's output. A module without a handler runs
 # as a script, with the input on its stdin. An uncaught exception prints its
 # traceback and exits 1, as Python does.
+#
+# It imports only what every run needs (asyncio only for an async
+# handler): a run pays for each import again, in a freshly restored VM.
 import ast
-import asyncio
-import inspect
 import io
 import json
 import os
@@ -46,12 +47,12 @@ def main():
         return
     handler = runpy.run_path(entry, run_name="__clade_function__")["handler"]
     context = {"function_id": os.environ.get("CLADE_FUNCTION_ID"), "run_id": os.environ.get("CLADE_RUN_ID")}
-    try:
-        takes_context = len(inspect.signature(handler).parameters) >= 2
-    except (TypeError, ValueError):
-        takes_context = False
+    code = getattr(handler, "__code__", None)
+    takes_context = code is not None and code.co_argcount - (1 if hasattr(handler, "__self__") else 0) >= 2
     result = handler(event, context) if takes_context else handler(event)
-    if inspect.isawaitable(result):
+    if hasattr(result, "__await__"):
+        import asyncio
+
         async def wait():
             return await result
         result = asyncio.run(wait())
