@@ -418,3 +418,48 @@ def test_a_database_is_reached_through_the_replicas_endpoint_on_whichever_host_r
     client.databases.delete(db["id"])
     assert [d["id"] for d in client.databases.list()] == []
     assert not (host_ids[other].data_dir / "db-backups" / db["id"]).exists()
+
+
+def test_a_function_runs_on_the_host_that_keeps_its_snapshot_and_on_another_when_that_one_dies(new_cluster):
+    """Issue 34 in a cluster: a function deployed through a replica is
+    snapshotted on one host; its invokes and its public host go there; when
+    that host dies, the next invoke deploys the kept code on the other host
+    and runs there, and so do its schedules' triggers."""
+    c = new_cluster()
+    hosts = [c.host(f"host-{i}") for i in range(2)]
+    replica = c.replica("replica-0", "--db-listen", "off")
+    admin_key = (replica.data_dir / "admin.key").read_text().strip()
+    client = pandastack.Client(api_key=admin_key, api_url=replica.url, timeout=600)
+    host_ids = {(h.data_dir / "host.id").read_text().strip(): h for h in hosts}
+
+    source = Path(tempfile.mkdtemp(prefix="clade-sdk-fn-")) / "handler.py"
+    # Over HTTP the event is the request: its number is in the body.
+    source.write_text("import json\ndef handler(event):\n    n = event['n'] if 'n' in event else json.loads(event['body'])['n']\n    return {'n': n * 2}\n")
+    fn = client.functions.create("doubler", "python", str(source), template=TEMPLATE, public=True)
+    wait_for(lambda: client.functions.get(fn["id"])["status"] == "ready", timeout=600, interval=0.5, what="the deploy")
+    kept_on = c.pg.query(f"SELECT host_id FROM functions WHERE id = '{fn['id']}'")[0][0]
+    assert kept_on in host_ids
+    run = client.functions.invoke(fn["id"], input={"n": 21})
+    assert run["status"] == "success" and run["output"] == {"n": 42}, run
+    assert hosts_of(c.pg, [run["sandbox_id"]])[run["sandbox_id"]] == kept_on
+    port = replica.url.rsplit(":", 1)[1]
+    answer = requests.post(f"{replica.url}/", json={"n": 5}, headers={"Host": f"{fn['id']}.localhost:{port}"}, timeout=600)
+    assert answer.status_code == 200 and answer.json() == {"n": 10}, answer.text
+    schedule = client._request("POST", "/schedules", json={"name": "nightly", "function_id": fn["id"], "cron": "0 3 * * *", "input": {"n": 1}})
+
+    host_ids[kept_on].kill()
+    wait_for(lambda: c.pg.query(f"SELECT state FROM hosts WHERE id = '{kept_on}'") == [["down"]],
+             timeout=LEASE_SECONDS * 4, interval=0.2, what="the dead host to be marked down")
+    started = time.monotonic()
+    moved = client.functions.invoke(fn["id"], input={"n": 4})
+    print(f"invoke after the function's host died (a deploy on the other host, then the run): {time.monotonic() - started:.1f} s")
+    other = next(h for h in host_ids if h != kept_on)
+    assert moved["status"] == "success" and moved["output"] == {"n": 8}, (moved.get("stderr"), moved)
+    assert hosts_of(c.pg, [moved["sandbox_id"]])[moved["sandbox_id"]] == other
+    assert c.pg.query(f"SELECT host_id FROM functions WHERE id = '{fn['id']}'") == [[other]]
+    triggered = client.schedules.trigger(schedule["id"])
+    assert triggered["status"] == "success" and triggered["output"] == {"n": 2}, triggered
+    assert hosts_of(c.pg, [triggered["sandbox_id"]])[triggered["sandbox_id"]] == other
+    assert len(client.functions.runs(fn["id"])) == 4
+    client.functions.delete(fn["id"])
+    assert client.functions.list() == [] and client.schedules.list() == []

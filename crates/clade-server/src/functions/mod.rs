@@ -24,7 +24,8 @@ pub mod bundle;
 pub mod cron;
 pub mod schedules;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clade_proto::{Command, ExecRequest};
@@ -203,6 +204,10 @@ pub struct Metrics {
 #[derive(Clone)]
 pub struct FunctionService {
     sandboxes: SandboxService,
+    /// Held while a run deploys a function anew on this host (its snapshot
+    /// is elsewhere or gone): the runs that come meanwhile wait for that
+    /// deploy instead of making their own.
+    redeploying: Arc<std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
 }
 
 impl std::fmt::Debug for FunctionService {
@@ -213,7 +218,7 @@ impl std::fmt::Debug for FunctionService {
 
 impl FunctionService {
     pub fn new(sandboxes: SandboxService) -> Self {
-        Self { sandboxes }
+        Self { sandboxes, redeploying: Arc::default() }
     }
 
     fn store(&self) -> &Store {
@@ -440,7 +445,17 @@ impl FunctionService {
         input: Option<serde_json::Value>,
         by: InvokedBy,
     ) -> Result<FunctionRunRow, ApiError> {
-        let row = self.deployed_here(workspace, row).await?;
+        let function_id = row.id.clone();
+        let row = match self.deployed_here(workspace, row).await {
+            Ok(row) => row,
+            Err(e) => {
+                // A schedule's run that could not start is still its run: recorded, with why.
+                if let InvokedBy::Schedule(schedule) = &by {
+                    self.record_unstarted(&workspace.id, &function_id, schedule, &e).await;
+                }
+                return Err(e);
+            }
+        };
         let runtime = Runtime::parse(&row.runtime)?;
         let started = Instant::now();
         let mut run = FunctionRunRow {
@@ -487,6 +502,31 @@ impl FunctionService {
                 self.finish(&mut run, started, Err(e.to_string())).await;
                 Err(e)
             }
+        }
+    }
+
+    /// Records a run of a schedule that could not start (no code, a failed deploy).
+    async fn record_unstarted(&self, workspace_id: &str, function_id: &str, schedule_id: &str, why: &ApiError) {
+        let now = clade_store::now_ms();
+        let run = FunctionRunRow {
+            id: format!("run-{}", random_hex(8)),
+            workspace_id: workspace_id.to_string(),
+            function_id: function_id.to_string(),
+            schedule_id: Some(schedule_id.to_string()),
+            sandbox_id: None,
+            invoked_by: InvokedBy::Schedule(schedule_id.to_string()).as_str().to_string(),
+            status: "error".into(),
+            exit_code: None,
+            stdout: None,
+            stderr: Some(format!("clade: {why}\n")),
+            output: None,
+            duration_ms: Some(0),
+            cold_start: false,
+            started_at: now,
+            ended_at: Some(now),
+        };
+        if let Err(e) = self.store().put_function_run(&run).await {
+            tracing::warn!(function = %function_id, "recording a run that could not start: {}", chain(&e));
         }
     }
 
@@ -573,31 +613,34 @@ impl FunctionService {
             match row.status {
                 FunctionStatus::Empty => return Err(not_ready(&row)),
                 // A failed deploy leaves the version before it running, where it is kept.
-                FunctionStatus::Failed => match &row.snapshot_id {
-                    Some(snapshot) if row.host_id.as_deref() == Some(self.host_id()) => {
-                        if self.store().snapshot(&workspace.id, snapshot).await?.is_some() {
-                            return Ok(row);
-                        }
-                        return Err(not_ready(&row));
-                    }
-                    _ => return Err(not_ready(&row)),
-                },
+                FunctionStatus::Failed if self.runs_here(&workspace.id, &row).await? => return Ok(row),
+                FunctionStatus::Failed => return Err(not_ready(&row)),
                 FunctionStatus::Ready => {
-                    let here = row.host_id.as_deref() == Some(self.host_id());
-                    let snapshot_kept = match &row.snapshot_id {
-                        Some(snapshot) => self.store().snapshot(&workspace.id, snapshot).await?.is_some(),
-                        None => false,
-                    };
-                    if here && snapshot_kept {
+                    if self.runs_here(&workspace.id, &row).await? {
                         return Ok(row);
                     }
-                    tracing::info!(function = %row.id, "deploying the function on this host for a run");
-                    let version = row.version;
-                    self.deploy_version(workspace, row.clone()).await;
+                    let lock = {
+                        let mut locks = self.redeploying.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        locks.entry(row.id.clone()).or_default().clone()
+                    };
+                    let held = lock.lock().await;
+                    // Another run may have deployed it here while this one waited.
                     row = self.row(&workspace.id, &row.id).await?;
-                    if row.version == version && row.status == FunctionStatus::Failed {
-                        return Err(not_ready(&row));
+                    if row.status == FunctionStatus::Ready && !self.runs_here(&workspace.id, &row).await? {
+                        tracing::info!(function = %row.id, "deploying the function on this host for a run");
+                        // The snapshot of another host (down) or gone: its
+                        // name is this version's, which the new one takes.
+                        if let Some(stale) = &row.snapshot_id {
+                            self.store().delete_snapshot(&workspace.id, stale).await?;
+                        }
+                        let version = row.version;
+                        self.deploy_version(workspace, FunctionRow { snapshot_id: None, ..row.clone() }).await;
+                        row = self.row(&workspace.id, &row.id).await?;
+                        if row.version == version && row.status == FunctionStatus::Failed {
+                            return Err(not_ready(&row));
+                        }
                     }
+                    drop(held);
                     continue;
                 }
                 FunctionStatus::Deploying => {}
@@ -611,6 +654,17 @@ impl FunctionService {
             tokio::time::sleep(Duration::from_millis(250)).await;
             row = self.row(&workspace.id, &row.id).await?;
         }
+    }
+
+    /// Whether a run of `row` can restore its snapshot on this host.
+    async fn runs_here(&self, workspace_id: &str, row: &FunctionRow) -> Result<bool, ApiError> {
+        if row.host_id.as_deref() != Some(self.host_id()) {
+            return Ok(false);
+        }
+        Ok(match &row.snapshot_id {
+            Some(snapshot) => self.store().snapshot(workspace_id, snapshot).await?.is_some(),
+            None => false,
+        })
     }
 
     /// Deploys `row`'s version in the background.
