@@ -126,6 +126,11 @@ pub async fn first_start(store: &Store, data_dir: &Path) -> Result<Option<String
     Ok(Some(new.secret))
 }
 
+/// Random lowercase hex of `bytes` bytes of entropy: ids and secrets.
+pub(crate) fn random_hex(bytes: usize) -> String {
+    hex::encode((0..bytes).map(|_| rand::random::<u8>()).collect::<Vec<_>>())
+}
+
 /// Whether two secrets are equal, in a time that does not depend on where
 /// they first differ (tokens compared with what a caller sent).
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -126,14 +126,7 @@ pub fn derived_suffix(request_host: &str) -> String {
 /// request's own, [`derived_suffix`]); `Some(Err)` when it has that shape
 /// but an impossible port.
 pub fn parse_host(host: &str, suffix: Option<&str>) -> Option<Result<PreviewHost, String>> {
-    let name = host_name(host);
-    let label = match suffix {
-        Some(suffix) => name.strip_suffix(suffix)?.strip_suffix('.')?,
-        None => name.split_once('.').filter(|(_, rest)| !rest.is_empty())?.0,
-    };
-    if label.contains('.') {
-        return None;
-    }
+    let label = first_label(host, suffix)?;
     let (port, id) = label.split_once('-')?;
     let id_ok = id.len() <= 63
         && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
@@ -166,13 +159,20 @@ pub fn host_url(scheme: &str, suffix: &str, listen_port: Option<u16>, label: &st
 /// function's id is the host's one label), under `suffix` when one is
 /// configured, under any otherwise.
 pub fn parse_function_host(host: &str, suffix: Option<&str>) -> Option<String> {
+    let label = first_label(host, suffix)?;
+    let hex = label.strip_prefix("fn-")?;
+    (!hex.is_empty() && hex.len() <= 32 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then_some(label)
+}
+
+/// The one label before the suffix of `host` (lowercase, without its
+/// port): under `suffix` when one is configured, under any otherwise.
+fn first_label(host: &str, suffix: Option<&str>) -> Option<String> {
     let name = host_name(host);
     let label = match suffix {
         Some(suffix) => name.strip_suffix(suffix)?.strip_suffix('.')?,
         None => name.split_once('.').filter(|(_, rest)| !rest.is_empty())?.0,
     };
-    let hex = label.strip_prefix("fn-")?;
-    (!hex.is_empty() && hex.len() <= 32 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| label.to_string())
+    (!label.contains('.')).then(|| label.to_string())
 }
 
 type HmacSha256 = Hmac<Sha256>;

@@ -36,7 +36,7 @@ use clade_store::{DatabaseRow, DatabaseStatus, SandboxState, Store, Workspace};
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::constant_time_eq;
+use crate::auth::{constant_time_eq, random_hex as random_token};
 use crate::error::{agent_error, chain, ApiError};
 use crate::sandbox::{CreateParams, ForkParams, SandboxService};
 
@@ -971,11 +971,6 @@ fn check_label(label: Option<String>) -> Result<Option<String>, ApiError> {
         }
         other => Ok(other),
     }
-}
-
-/// Random lowercase hex of `bytes` bytes of entropy.
-fn random_token(bytes: usize) -> String {
-    hex::encode((0..bytes).map(|_| rand::random::<u8>()).collect::<Vec<_>>())
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use clade_proto::{Command, ExecRequest};
 use clade_store::{FunctionRow, FunctionRunRow, FunctionStatus, Store, StoreError, Workspace};
 
+use crate::auth::random_hex;
 use crate::error::{agent_error, chain, ApiError};
 use crate::sandbox::{CreateParams, SandboxService};
 
@@ -430,8 +431,7 @@ impl FunctionService {
         by: InvokedBy,
     ) -> Result<FunctionRunRow, ApiError> {
         let row = self.row(&workspace.id, id).await?;
-        let (workspace, by) = (workspace.clone(), by);
-        let service = self.clone();
+        let (service, workspace) = (self.clone(), workspace.clone());
         // To the end even if the client goes away: the run is recorded.
         tokio::spawn(async move { service.invoke_task(&workspace, row, input, by).await })
             .await
@@ -451,7 +451,8 @@ impl FunctionService {
             Err(e) => {
                 // A schedule's run that could not start is still its run: recorded, with why.
                 if let InvokedBy::Schedule(schedule) = &by {
-                    self.record_unstarted(&workspace.id, &function_id, schedule, &e).await;
+                    let why = format!("clade: {e}\n");
+                    self.record_unrun(&workspace.id, &function_id, schedule, "error", why, clade_store::now_ms()).await;
                 }
                 return Err(e);
             }
@@ -505,28 +506,28 @@ impl FunctionService {
         }
     }
 
-    /// Records a run of a schedule that could not start (no code, a failed deploy).
-    async fn record_unstarted(&self, workspace_id: &str, function_id: &str, schedule_id: &str, why: &ApiError) {
-        let now = clade_store::now_ms();
+    /// Records a run of a schedule that did not run: `error` (it could not
+    /// start: no code, a failed deploy) or `skipped` (it was missed), with why.
+    async fn record_unrun(&self, workspace_id: &str, function_id: &str, schedule_id: &str, status: &str, why: String, started_at: i64) {
         let run = FunctionRunRow {
             id: format!("run-{}", random_hex(8)),
             workspace_id: workspace_id.to_string(),
             function_id: function_id.to_string(),
             schedule_id: Some(schedule_id.to_string()),
             sandbox_id: None,
-            invoked_by: InvokedBy::Schedule(schedule_id.to_string()).as_str().to_string(),
-            status: "error".into(),
+            invoked_by: "schedule".into(),
+            status: status.into(),
             exit_code: None,
             stdout: None,
-            stderr: Some(format!("clade: {why}\n")),
+            stderr: Some(why),
             output: None,
             duration_ms: Some(0),
             cold_start: false,
-            started_at: now,
-            ended_at: Some(now),
+            started_at,
+            ended_at: Some(clade_store::now_ms()),
         };
         if let Err(e) = self.store().put_function_run(&run).await {
-            tracing::warn!(function = %function_id, "recording a run that could not start: {}", chain(&e));
+            tracing::warn!(schedule = %schedule_id, "recording a {status} run: {}", chain(&e));
         }
     }
 
@@ -992,11 +993,6 @@ fn clip(mut text: String, limit: usize) -> String {
         text.truncate(end);
     }
     text
-}
-
-/// Random lowercase hex of `bytes` bytes of entropy.
-fn random_hex(bytes: usize) -> String {
-    hex::encode((0..bytes).map(|_| rand::random::<u8>()).collect::<Vec<_>>())
 }
 
 #[cfg(test)]

@@ -176,7 +176,7 @@ impl FunctionService {
                 continue;
             }
             if missed {
-                self.record_skipped(&schedule, due, now, grace).await;
+                self.record_skipped(&schedule, due, grace).await;
                 continue;
             }
             let Some(workspace) = self.store().workspace(&schedule.workspace_id).await? else { continue };
@@ -203,32 +203,14 @@ impl FunctionService {
         Ok(!up)
     }
 
-    async fn record_skipped(&self, schedule: &ScheduleRow, due: i64, now: i64, grace: Duration) {
-        let run = FunctionRunRow {
-            id: format!("run-{}", random_hex(8)),
-            workspace_id: schedule.workspace_id.clone(),
-            function_id: schedule.function_id.clone(),
-            schedule_id: Some(schedule.id.clone()),
-            sandbox_id: None,
-            invoked_by: "schedule".into(),
-            status: "skipped".into(),
-            exit_code: None,
-            stdout: None,
-            stderr: Some(format!(
-                "skipped: this run was due at {} and no server could start it within {} s (none was running)\n",
-                crate::http::rfc3339(due),
-                grace.as_secs()
-            )),
-            output: None,
-            duration_ms: Some(0),
-            cold_start: false,
-            started_at: due,
-            ended_at: Some(now),
-        };
+    async fn record_skipped(&self, schedule: &ScheduleRow, due: i64, grace: Duration) {
         tracing::info!(schedule = %schedule.id, due, "a missed scheduled run is skipped");
-        if let Err(e) = self.store().put_function_run(&run).await {
-            tracing::warn!(schedule = %schedule.id, "recording a skipped run: {}", chain(&e));
-        }
+        let why = format!(
+            "skipped: this run was due at {} and no server could start it within {} s (none was running)\n",
+            crate::http::rfc3339(due),
+            grace.as_secs()
+        );
+        self.record_unrun(&schedule.workspace_id, &schedule.function_id, &schedule.id, "skipped", why, due).await;
     }
 }
 
