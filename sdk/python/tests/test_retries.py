@@ -21,10 +21,14 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 class FaultyProxy:
     """Forwards to the server, but answers the first `refusals` requests with
     `status` and `Retry-After: 1`, or (`drop_first_create`) forwards the first
-    `POST /v1/sandboxes` and then closes the connection without an answer."""
+    `POST /v1/sandboxes` and then closes the connection without an answer.
+    `delay` holds every answer back that many seconds (a slow create's)."""
 
-    def __init__(self, upstream: str, *, status: int = 503, refusals: int = 0, drop_first_create: bool = False) -> None:
+    def __init__(
+        self, upstream: str, *, status: int = 503, refusals: int = 0, drop_first_create: bool = False, delay: float = 0.0
+    ) -> None:
         self.upstream = upstream
+        self.delay = delay
         self.status = status
         self.refusals = refusals
         self.drop_first_create = drop_first_create
@@ -63,6 +67,7 @@ class FaultyProxy:
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
                 answer = httpx.request(self.command, proxy.upstream + self.path, headers=headers, content=body, timeout=120)
+                time.sleep(proxy.delay)
                 if drop:
                     # The server did the work; the client never hears of it.
                     self.close_connection = True
@@ -140,6 +145,20 @@ def test_a_create_whose_answer_was_lost_is_retried_with_the_same_key_and_made_on
         assert [s.id for s in mine] == [sb.id]
     finally:
         client.sandboxes.delete(sb.id)
+
+
+def test_a_create_outlasts_the_clients_timeout_which_bounds_the_other_calls(server: Server, client: clade.Clade) -> None:
+    # The first create of a template's shape bakes its snapshot: a minute
+    # or more under emulation. The client's timeout must not give up on it.
+    with FaultyProxy(server.url, delay=2.0) as proxy:
+        with clade.Clade(api_key=server.admin_key, api_url=proxy.url, timeout=1.0, max_retries=0) as slow_client:
+            sb = slow_client.sandboxes.create(metadata={"suite": "sdk-python-slow-create"})
+            try:
+                assert proxy.seen == ["POST /v1/sandboxes"]
+                with pytest.raises(clade.APITimeoutError):
+                    slow_client.templates.list()
+            finally:
+                client.sandboxes.delete(sb.id)
 
 
 async def test_async_client_retries_503_after_waiting(server: Server) -> None:

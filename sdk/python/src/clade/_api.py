@@ -285,9 +285,15 @@ def list_sandboxes() -> Call[List[gen.Sandbox]]:
     return Call("listSandboxes", "GET", "/v1/sandboxes", _json_list(gen.Sandbox.from_json))
 
 
+#: Seconds a create may take: the first sandbox of a template's shape on a
+#: host bakes the template's snapshot first (a minute or more when the host
+#: emulates the VM), so the client's shorter timeout would give up on it.
+CREATE_TIMEOUT = 600.0
+
+
 def create_sandbox(body: gen.CreateSandboxBody, idempotency_key: Optional[str]) -> Call[gen.Sandbox]:
     return Call("createSandbox", "POST", "/v1/sandboxes", _json(gen.Sandbox.from_json), json=body.to_json(),
-                headers=idempotency_headers(idempotency_key))
+                headers=idempotency_headers(idempotency_key), timeout=CREATE_TIMEOUT)
 
 
 def get_sandbox(sandbox_id: str) -> Call[gen.Sandbox]:
@@ -527,7 +533,8 @@ def list_databases() -> Call[List[gen.DatabaseInfo]]:
 
 def create_database(body: gen.CreateDatabaseBody) -> Call[gen.DatabaseInfo]:
     # No Idempotency-Key (the route takes none): a create is sent once.
-    return Call("createDatabase", "POST", "/v1/databases", _json(gen.DatabaseInfo.from_json), json=body.to_json())
+    return Call("createDatabase", "POST", "/v1/databases", _json(gen.DatabaseInfo.from_json), json=body.to_json(),
+                timeout=CREATE_TIMEOUT)
 
 
 def get_database(database_id: str) -> Call[gen.DatabaseInfo]:

@@ -58,7 +58,9 @@ class AsyncClade:
 
     Settings come from the arguments, then `CLADE_API_URL` / `CLADE_API_KEY`,
     then `~/.config/clade/config.json`. `timeout` (seconds) and
-    `max_retries` apply to every request; `with_options` changes them for
+    `max_retries` apply to every request but the long ones (a create, which
+    may bake its template first: 10 minutes; an invoke: 16; a command or a
+    cell: its own timeout and a margin); `with_options` changes them for
     some calls."""
 
     def __init__(
