@@ -34,7 +34,8 @@ TEMPLATE = "base"
 ARTIFACTS = Path(os.environ.get("CLADE_SDK_ARTIFACTS", "/tmp/clade-sdk-artifacts"))
 # The standby pool remembers a burst for 30 s instead of 10 min, so that
 # tests that count what the server holds (the soak) see it shrink back.
-SHARED_SERVER_ARGS = ["--standby-horizon", "30"]
+# Apps may be deployed from file:// repositories (test_apps makes its own).
+SHARED_SERVER_ARGS = ["--standby-horizon", "30", "--apps-allow-file-urls"]
 
 
 def missing_requirement() -> Optional[str]:

@@ -6,7 +6,9 @@ sandbox named by CLADE_FUZZ_SANDBOX (the rest keep their random id: 404s),
 file operations stay under /tmp/fuzz in the guest, commands time out within
 10 s, the real sandbox keeps an idle TTL of at least an hour and limits its
 commands can run under, and logs and events are not followed (a followed
-stream never ends). Deleting the real sandbox is left
+stream never ends), and an app's git URL is a loopback address where nothing
+listens (a deployment's fetch fails at once, and nothing leaves the
+machine). Deleting the real sandbox is left
 to random ids, and so is revoking the admin key (schemathesis reuses values
 from earlier answers, such as the key prefixes `GET /v1/me/tokens` lists,
 and a key may revoke itself). Each steer keeps the value's kind (an out-of-range or
@@ -26,6 +28,8 @@ import schemathesis
 SANDBOX = os.environ.get("CLADE_FUZZ_SANDBOX", "")
 ADMIN_PREFIX = os.environ.get("CLADE_FUZZ_ADMIN_PREFIX", "")
 FS_ROOT = "/tmp/fuzz"
+# Port 9 (discard) of loopback: nothing listens there.
+LOOPBACK_REPO = "https://127.0.0.1:9/fuzz.git"
 
 
 def _real_sandbox(path: str, method: str, generated) -> bool:
@@ -57,6 +61,8 @@ def before_call(context, case, kwargs):
             query["follow"] = "0"
     body = case.body if isinstance(case.body, dict) else None
     if body is not None:
+        if path in ("/v1/apps", "/v1/apps/{id}") and isinstance(body.get("git_url"), str):
+            body["git_url"] = LOOPBACK_REPO
         timeout = body.get("timeout_seconds")
         if path.endswith(("/exec", "/exec/stream")) and isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 10:
             if timeout <= 86400:

@@ -459,7 +459,7 @@ fn schedule_table(schedules: &[Value]) -> String {
     output::table(&["ID", "NAME", "FUNCTION", "CRON", "TZ", "NEXT", "LAST"], &rows)
 }
 
-fn parse_env(pairs: &[String]) -> anyhow::Result<serde_json::Map<String, Value>> {
+pub(crate) fn parse_env(pairs: &[String]) -> anyhow::Result<serde_json::Map<String, Value>> {
     pairs
         .iter()
         .map(|pair| {

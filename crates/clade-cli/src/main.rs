@@ -2,6 +2,7 @@
 //! here, and the HTTP client of `clade sandbox`, `fs`, `template` and
 //! `volume`; everything else is in the library crates.
 
+mod apps;
 mod client;
 mod code;
 mod config;
@@ -119,6 +120,15 @@ enum Command {
         #[command(subcommand)]
         command: functions::FnCommand,
     },
+    /// Apps deployed from git, over the server's API: create, deploy (follows
+    /// the log), logs, deployments, rollback, env, ls, get, rm.
+    #[command(alias = "apps")]
+    App {
+        #[command(flatten)]
+        api: config::ApiArgs,
+        #[command(subcommand)]
+        command: apps::AppCommand,
+    },
     /// Cron schedules of functions: create, ls, get, pause, resume, update, trigger, runs, rm.
     #[command(alias = "sched")]
     Schedule {
@@ -181,6 +191,7 @@ fn main() -> ExitCode {
             Command::Volume { api, command } => volumes::run(command, &client(&api)?, api.json).await,
             Command::Db { api, command } => databases::run(command, &client(&api)?, api.json).await,
             Command::Fn { api, command } => functions::run_fn(command, &client(&api)?, api.json).await,
+            Command::App { api, command } => apps::run(command, &client(&api)?, api.json).await,
             Command::Schedule { api, command } => functions::run_schedule(command, &client(&api)?, api.json).await,
             Command::Mcp { api } => mcp::run(&api).await,
             Command::Openapi => {

@@ -123,6 +123,11 @@ pub struct MachineArgs {
     /// Env: CLADE_SCHEDULE_GRACE.
     #[arg(long, env = "CLADE_SCHEDULE_GRACE", default_value_t = clade_server::functions::schedules::DEFAULT_GRACE.as_secs())]
     schedule_grace: u64,
+    /// Apps may be deployed from file:// repositories: files of this
+    /// machine, which every API key's owner could then read. For one
+    /// user's server and tests. Env: CLADE_APPS_ALLOW_FILE_URLS.
+    #[arg(long, env = "CLADE_APPS_ALLOW_FILE_URLS")]
+    apps_allow_file_urls: bool,
     /// A template name that resolves to an image (repeatable, NAME=IMAGE;
     /// IMAGE is base, code-interpreter, agent or postgres). `ubuntu-24.04=base` is
     /// kept unless given another image. Env: CLADE_TEMPLATE_ALIASES
@@ -201,6 +206,7 @@ impl MachineArgs {
         config.sandboxes.standby_memory_mb = self.standby_memory;
         config.sandboxes.standby_horizon = std::time::Duration::from_secs(self.standby_horizon);
         config.schedule_grace = std::time::Duration::from_secs(self.schedule_grace);
+        config.apps_allow_file_urls = self.apps_allow_file_urls;
         config.sandboxes.template_aliases.extend(self.template_aliases.iter().cloned());
         config.sandboxes.registries =
             clade_server::registry::RegistrySettings { insecure: self.insecure_registries.clone(), auth_file: self.registry_auth.clone() };

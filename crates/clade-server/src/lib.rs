@@ -27,6 +27,7 @@
 //!
 //! `main` lives in `clade-cli` (`clade server`); tests drive [`Server`] directly.
 
+pub mod apps;
 pub mod auth;
 pub mod cluster;
 pub mod databases;
@@ -128,6 +129,8 @@ pub struct ServerConfig {
     /// How late a schedule's due run may start; a later one (the servers
     /// were down at its time) is recorded `skipped`.
     pub schedule_grace: Duration,
+    /// Apps may be deployed from `file://` repositories (the host's own files).
+    pub apps_allow_file_urls: bool,
 }
 
 impl ServerConfig {
@@ -146,6 +149,7 @@ impl ServerConfig {
             db_listen: None,
             db_listen_optional: false,
             schedule_grace: functions::schedules::DEFAULT_GRACE,
+            apps_allow_file_urls: false,
         }
     }
 
@@ -204,6 +208,8 @@ pub struct AppState {
     pub databases: databases::DatabaseService,
     /// Functions and their schedules (snapshots of sandboxes with the code installed).
     pub functions: functions::FunctionService,
+    /// Apps deployed from git (a sandbox per deployment).
+    pub apps: apps::AppService,
 }
 
 /// A server accepting requests.
@@ -229,6 +235,8 @@ pub struct Server {
     db_archiver: tokio::task::JoinHandle<()>,
     /// Fires the functions' due schedules.
     scheduler: tokio::task::JoinHandle<()>,
+    /// Removes and hibernates this host's apps' old sandboxes.
+    app_sweeper: tokio::task::JoinHandle<()>,
     host_id: String,
 }
 
@@ -341,6 +349,10 @@ impl Server {
         let functions = functions::FunctionService::new(service.clone());
         functions.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
         let scheduler = functions.start_scheduler(functions::schedules::TICK, config.schedule_grace, stopping.clone());
+        let app_settings = apps::AppSettings { allow_file_urls: config.apps_allow_file_urls, work_dir: apps::git::work_dir(&data_dir) };
+        let apps = apps::AppService::new(service.clone(), app_settings);
+        apps.recover().await.map_err(|e| ServerError::Recover(e.to_string()))?;
+        let app_sweeper = apps.start_sweeper(stopping.clone());
         let state = AppState {
             store,
             service,
@@ -352,6 +364,7 @@ impl Server {
             own_url: endpoint.own_url().into(),
             databases,
             functions,
+            apps,
         };
         registration.address = config.cluster.as_ref().map(|member| member.advertise.replace("{port}", &addr.port().to_string()));
         let lease = state.service.start_host_lease(registration, config.host_lease).await?;
@@ -374,6 +387,7 @@ impl Server {
             db_endpoint,
             db_archiver,
             scheduler,
+            app_sweeper,
             host_id,
         })
     }
@@ -419,6 +433,7 @@ impl Server {
         self.reaper.abort();
         self.db_archiver.abort();
         self.scheduler.abort();
+        self.app_sweeper.abort();
         self.heap_trim.abort();
         self.standby.abort();
         self.lease.abort();

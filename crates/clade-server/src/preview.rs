@@ -35,6 +35,10 @@ pub const PREVIEW_ROUTE: &str = "/_preview";
 /// `PublicRequest`, which only `routes::preview::route_host` attaches).
 pub const FUNCTION_ROUTE: &str = "/_function";
 
+/// Where an app's requests are routed (only with an `AppRequest`, which
+/// only `routes::preview::route_host` attaches).
+pub const APP_ROUTE: &str = "/_app";
+
 /// The preview settings and the token key, loaded once.
 #[derive(Debug)]
 pub struct Previews {
@@ -69,6 +73,12 @@ impl Previews {
     /// The public function `host` names, if it is a function's host (see [`parse_function_host`]).
     pub fn recognise_function(&self, host: &str) -> Option<String> {
         parse_function_host(host, self.suffix.as_deref())
+    }
+
+    /// The label of `host` that could name an app (`{name}.{suffix}`); whether
+    /// one has that name is the store's to say.
+    pub fn recognise_app(&self, host: &str) -> Option<String> {
+        first_label(host, self.suffix.as_deref()).filter(|label| app_label(label) == Ok(()))
     }
 
     /// The token key, made on first use and kept in the store.
@@ -166,6 +176,28 @@ pub fn parse_function_host(host: &str, suffix: Option<&str>) -> Option<String> {
 
 /// The one label before the suffix of `host` (lowercase, without its
 /// port): under `suffix` when one is configured, under any otherwise.
+/// Labels that are the server's own host names, never an app's.
+const RESERVED_LABELS: [&str; 8] = ["api", "www", "app", "apps", "admin", "mcp", "db", "localhost"];
+
+/// Whether `label` may be an app's name, the first label of its host
+/// name: 1 to 40 lowercase letters, digits and single `-`, beginning with a
+/// letter, and none of the server's own (a function's `fn-…`, `api`, …).
+/// `Err(true)`: well formed but reserved.
+pub fn app_label(label: &str) -> Result<(), bool> {
+    let formed = (1..=40).contains(&label.len())
+        && label.starts_with(|c: char| c.is_ascii_lowercase())
+        && !label.ends_with('-')
+        && !label.contains("--")
+        && label.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if !formed {
+        return Err(false);
+    }
+    if RESERVED_LABELS.contains(&label) || label.starts_with("fn-") {
+        return Err(true);
+    }
+    Ok(())
+}
+
 fn first_label(host: &str, suffix: Option<&str>) -> Option<String> {
     let name = host_name(host);
     let label = match suffix {

@@ -9,6 +9,7 @@
 //! This crate owns rows, not policy: which workspace may see what is decided
 //! by the server, which passes the workspace id to every scoped query.
 
+mod apps;
 mod databases;
 mod events;
 mod functions;
@@ -29,6 +30,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::AnyPool;
 
+pub use apps::{AppEnvRow, AppRow, DeploymentRow, DeploymentStatus, Switched};
 pub use databases::{DatabaseRow, DatabaseStatus};
 pub use events::Event;
 pub use functions::{FunctionRow, FunctionRunRow, FunctionStatus, ScheduleRow, RUNS_KEPT};

@@ -95,6 +95,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0017_functions.sql"),
         postgres: include_str!("../migrations/postgres/0017_functions.sql"),
     },
+    Migration {
+        version: 18,
+        sqlite: include_str!("../migrations/sqlite/0018_apps.sql"),
+        postgres: include_str!("../migrations/postgres/0018_apps.sql"),
+    },
 ];
 
 pub(crate) async fn run(store: &Store) -> Result<(), StoreError> {

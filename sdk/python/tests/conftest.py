@@ -44,7 +44,8 @@ def requirements() -> None:
 
 @pytest.fixture(scope="session")
 def server(requirements: None) -> Iterator[Server]:
-    server = Server("sdk-python", args=["--standby-horizon", "30"], copy_binaries=True).start(timeout=90.0)
+    # Apps may be deployed from file:// repositories (test_apps makes its own).
+    server = Server("sdk-python", args=["--standby-horizon", "30", "--apps-allow-file-urls"], copy_binaries=True).start(timeout=90.0)
     yield server
     server.teardown()
 

@@ -2,6 +2,7 @@
 
 import { Transport, type RequestOptions } from './http.js';
 import type { Health, Me, Version } from './models.js';
+import { Apps } from './resources/apps.js';
 import { Databases } from './resources/databases.js';
 import { Functions } from './resources/functions.js';
 import { Keys } from './resources/keys.js';
@@ -40,6 +41,7 @@ export class Clade {
   readonly databases: Databases;
   readonly functions: Functions;
   readonly schedules: Schedules;
+  readonly apps: Apps;
   private readonly transport: Transport;
   private settings: Promise<ResolvedSettings> | undefined;
 
@@ -61,6 +63,7 @@ export class Clade {
     this.databases = new Databases(this.transport);
     this.functions = new Functions(this.transport);
     this.schedules = new Schedules(this.transport);
+    this.apps = new Apps(this.transport);
   }
 
   /** The server and key this client uses (after options, environment and config file). */

@@ -29,6 +29,7 @@ export {
   type FunctionWaitOptions,
 } from './resources/functions.js';
 export { Schedules } from './resources/schedules.js';
+export { Apps, type AppDeployOptions, type AppEnvOptions } from './resources/apps.js';
 export type { RequestOptions } from './http.js';
 export type { FileContent } from './bytes.js';
 export { DEFAULT_API_URL, type ResolvedSettings } from './settings.js';

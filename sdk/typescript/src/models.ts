@@ -118,6 +118,42 @@ export type CreateScheduleParams = api.CreateScheduleBody;
 /** What a schedule is changed with (`input: null` removes its input; a resume sets its next run from now). */
 export type UpdateScheduleParams = api.PatchScheduleBody;
 
+/**
+ * An app: a service deployed from git that answers at its host name
+ * `{name}.{suffix}`. `status` is `created` (never deployed), `deploying`,
+ * `live` or `failed`; `url`, `activeDeploymentId` and `sandboxId` are the
+ * live deployment's; `env` holds its variables, secrets masked.
+ */
+export type AppInfo = api.AppInfo;
+/**
+ * A deployment of an app: `status` `queued`, `building`, `deploying`, then
+ * `live`, `failed` (`error` says why), `superseded` (a newer one went
+ * live) or `rolled_back`. `buildLogs` only in `apps.deployment`.
+ */
+export type DeploymentInfo = api.DeploymentInfo;
+/**
+ * What an app is made with: its `name` (its host name's first label, 1 to
+ * 40 lowercase letters, digits and `-`, unique on the server) and
+ * `gitUrl` (https, http, ssh or `user@host:path`; `file://` only where
+ * the server allows it). Optional: `gitBranch` (`main`), `framework`
+ * (`nextjs`, `vite`, `node`, `python`, `static`, `custom`; absent:
+ * detected at each deployment), `installCommand`, `buildCommand`,
+ * `startCommand` (run with `$PORT` set), `rootDirectory`, `port` (3000),
+ * `env` (plain variables), `template` (the framework's), `cpu`,
+ * `memoryMb`, `autoHibernate` with `idleTimeoutSeconds` (10 to 604800,
+ * 600 by default), `keepDeployments` (kept for a rollback, 0 to 20, 3 by
+ * default).
+ */
+export type CreateAppParams = api.AppBody & { name: string; gitUrl: string };
+/** What an app's settings are changed with: each field given replaces the app's, from its next deployment. */
+export type UpdateAppParams = api.AppBody;
+/** One variable of an app: `value` masked (`••••••••`) when it is a `secret`; `scope` `all`, `production` or `preview`. */
+export type AppEnvVar = api.AppEnvVar;
+/** What setting an app's variable answers: its `key`, whether it is a `secret`, its `scope`. */
+export type AppEnvSet = api.AppEnvSet;
+/** What a `.env` import answers: the variables it set (`imported`) and how many the app has now (`total`). */
+export type AppEnvImported = api.AppEnvImported;
+
 /** A database's figures, as its own server counts them. */
 export interface DatabaseStats {
   /** The server's whole version, e.g. `15.10 (Debian 15.10-0+deb12u1)`. */

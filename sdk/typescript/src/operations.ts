@@ -98,6 +98,21 @@ export const OPERATIONS: Readonly<Record<string, string>> = {
   deleteSchedule: 'client.schedules.delete',
   triggerSchedule: 'client.schedules.trigger',
   listScheduleRuns: 'client.schedules.runs',
+  listApps: 'client.apps.list',
+  createApp: 'client.apps.create',
+  getApp: 'client.apps.get',
+  updateApp: 'client.apps.update',
+  deleteApp: 'client.apps.delete',
+  deployApp: 'client.apps.deploy',
+  listDeployments: 'client.apps.deployments',
+  getDeployment: 'client.apps.deployment',
+  deploymentLogs: 'client.apps.deployLogs',
+  rollbackApp: 'client.apps.rollback',
+  listAppEnv: 'client.apps.env',
+  setAppEnv: 'client.apps.setEnv',
+  unsetAppEnv: 'client.apps.unsetEnv',
+  importAppEnv: 'client.apps.importEnv',
+  appRuntimeLogs: 'client.apps.runtimeLogs',
 };
 
 /** Operations the SDK does not wrap, and why. */

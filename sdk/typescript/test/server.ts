@@ -75,7 +75,8 @@ export async function startServer(): Promise<RunningServer> {
   const child: ChildProcess = spawn(
     bin,
     // The databases' PostgreSQL endpoint on a free port: never another server's 5433.
-    ['server', '--data-dir', dataDir, '--listen', `127.0.0.1:${port}`, '--standby-horizon', '30', '--db-listen', '127.0.0.1:0'],
+    // Apps from file:// repositories: apps.test.ts deploys one it makes.
+    ['server', '--data-dir', dataDir, '--listen', `127.0.0.1:${port}`, '--standby-horizon', '30', '--db-listen', '127.0.0.1:0', '--apps-allow-file-urls'],
     { stdio: ['ignore', log, log], env, detached: true },
   );
   let exited = false;
@@ -137,6 +138,8 @@ async function listLeftovers(url: string, keys: string[]): Promise<string[]> {
     found.push(...functions.map((f) => `function ${f.id} ${f.name}`));
     const schedules = ((await get('/v1/schedules')) as { items: { id: string; name: string }[] }).items;
     found.push(...schedules.map((s) => `schedule ${s.id} ${s.name}`));
+    const apps = ((await get('/v1/apps')) as { items: { id: string; name: string }[] }).items;
+    found.push(...apps.map((a) => `app ${a.id} ${a.name}`));
   }
   return found;
 }

@@ -280,9 +280,12 @@ async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next
     }
     let sandbox_id = match crate::e2b::named_sandbox(request.headers()) {
         Some(id) => id,
-        None => match host.and_then(|h| state.previews.recognise(&h)) {
+        None => match host.as_deref().and_then(|h| state.previews.recognise(h)) {
             Some(Ok(preview)) => preview.sandbox_id,
-            _ => return next.run(request).await,
+            _ => match app_sandbox(&state, host.as_deref()).await {
+                Some(sandbox) => sandbox,
+                None => return next.run(request).await,
+            },
         },
     };
     let answer = async {
@@ -299,6 +302,14 @@ async fn preview_hosts(State(state): State<ReplicaState>, request: Request, next
         }
     };
     answer.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The live deployment's sandbox of the app whose host name `host` is, if it is one.
+async fn app_sandbox(state: &ReplicaState, host: Option<&str>) -> Option<String> {
+    let name = state.previews.recognise_app(host?)?;
+    let app = state.store.app_by_name(&name).await.ok()??;
+    let deployment = state.store.deployment_by_id(app.active_deployment_id.as_deref()?).await.ok()??;
+    deployment.sandbox_id
 }
 
 /// A public function's request goes as it came to the host that keeps its
@@ -408,6 +419,23 @@ async fn forward(State(state): State<ReplicaState>, matched: MatchedPath, reques
         let id = outgoing.segment(3).unwrap_or_default();
         if let Some(host) = snapshot_host(&state, &workspace_id, id).await? {
             return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+        }
+    }
+    // An app's process runs in its live deployment's sandbox, on that sandbox's host.
+    if template == "/v1/apps/{id}/runtime-logs" {
+        let id = outgoing.segment(3).unwrap_or_default();
+        if let Some(app) = state.store.app(&workspace_id, id).await? {
+            let live = match app.active_deployment_id.as_deref() {
+                Some(deployment) => state.store.deployment_by_id(deployment).await?.and_then(|d| d.sandbox_id),
+                None => None,
+            };
+            if let Some(sandbox) = live {
+                if let Some(row) = state.store.sandbox(&workspace_id, &sandbox).await? {
+                    if let Some(host) = usable_host_of(&state, &row).await? {
+                        return Ok(send(&state, &host, &outgoing, Body::new(body), client_upgrade).await?);
+                    }
+                }
+            }
         }
     }
     // A function's snapshot is on the host that deployed it: its runs, new

@@ -2,6 +2,7 @@
 //! the PandaStack wire contract (`docs/pandastack-compat.md`), whose
 //! section each handler names.
 
+pub(crate) mod apps;
 pub(crate) mod builds;
 pub(crate) mod contexts;
 pub(crate) mod databases;
@@ -107,6 +108,16 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(functions::runs, functions::record_run))
         .routes(routes!(functions::metrics))
         .routes(routes!(functions::code))
+        .routes(routes!(apps::create, apps::list))
+        .routes(routes!(apps::get, apps::patch, apps::delete))
+        .routes(routes!(apps::deploy, apps::deployments))
+        .routes(routes!(apps::deployment))
+        .routes(routes!(apps::deployment_logs))
+        .routes(routes!(apps::rollback))
+        .routes(routes!(apps::list_env))
+        .routes(routes!(apps::set_env, apps::unset_env))
+        .routes(routes!(apps::import_env))
+        .routes(routes!(apps::runtime_logs))
         .routes(routes!(schedules::create, schedules::list))
         .routes(routes!(schedules::get, schedules::patch, schedules::delete))
         .routes(routes!(schedules::trigger))
@@ -124,9 +135,24 @@ pub(crate) fn api() -> OpenApiRouter<AppState> {
         // operation per path (GET): the others reach it as the fallback.
         .routes(every_method(routes!(proxy::proxy_root), proxy::proxy_root))
         .route(PROXY_ROOT_SLASH, any(proxy::proxy_root));
+    // What the PandaStack SDKs call and Clade does not have: a clear 501 (undocumented).
+    let api = NOT_BUILT.iter().fold(api, |api, path| api.route(path, any(apps::not_built)));
     // A proxied path of any depth, which the document spells `{path}`.
     routed_at(api, PROXY_DEEP_PATH, every_method(routes!(proxy::proxy_path), proxy::proxy_path))
 }
+
+/// The PandaStack routes of GitHub's previews and app, and of custom domains.
+const NOT_BUILT: [&str; 9] = [
+    "/v1/apps/{id}/domains",
+    "/v1/apps/{id}/domains/{domain}",
+    "/v1/preview-repos",
+    "/v1/preview-repos/{id}",
+    "/v1/repos/{id}/preview-env",
+    "/v1/repos/{id}/preview-env/import",
+    "/v1/repos/{id}/preview-env/{key}",
+    "/v1/webhooks/github",
+    "/v1/github/{*rest}",
+];
 
 /// A documented handler's routes with `handler` as the fallback for the methods its document does not name.
 fn every_method<H, T>((schemas, paths, methods): UtoipaMethodRouter<AppState>, handler: H) -> UtoipaMethodRouter<AppState>
@@ -182,6 +208,7 @@ fn route_label(template: &str) -> &str {
         PROXY_DEEP_PATH => PROXY_DEEP_DOCUMENTED,
         crate::preview::PREVIEW_ROUTE => "preview",
         crate::preview::FUNCTION_ROUTE => "function",
+        crate::preview::APP_ROUTE => "app",
         other => other,
     }
 }
@@ -205,6 +232,7 @@ pub fn router(state: AppState) -> Router {
     let router = api
         .route(crate::preview::PREVIEW_ROUTE, any(preview::serve))
         .route(crate::preview::FUNCTION_ROUTE, any(functions::serve_public))
+        .route(crate::preview::APP_ROUTE, any(apps::serve))
         .layer(axum::middleware::from_fn_with_state(idempotency, idempotency::deduplicate))
         // On a host: the cluster secret, before anything a route does.
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::host_api::admit))

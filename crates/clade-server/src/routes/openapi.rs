@@ -42,6 +42,7 @@ const API_KEY: &str = "api_key";
         (name = "ports", description = "Ports, the proxy into them, preview tokens (preview hosts `{port}-{id}.{suffix}` are served before the API)"),
         (name = "functions", description = "Code deployed once as a snapshot and invoked in a sandbox restored from it; runs and metrics (public functions answer at `{id}.{suffix}`)"),
         (name = "schedules", description = "Cron schedules that invoke functions, exactly once per due time"),
+        (name = "apps", description = "Services deployed from git: each deployment a sandbox, the live one served at `{name}.{suffix}`, the ones before kept hibernated for a rollback"),
     )
 )]
 pub(super) struct ApiDoc;

@@ -49,10 +49,17 @@ pub(crate) async fn route_host(State(state): State<AppState>, mut request: Reque
         let uri = request.uri().clone();
         request.extensions_mut().insert(super::functions::PublicRequest { function_id, uri });
         *request.uri_mut() = Uri::from_static(preview::FUNCTION_ROUTE);
-    } else if let Some(found) = host.and_then(|h| state.previews.recognise(&h)) {
+    } else if let Some(found) = host.as_deref().and_then(|h| state.previews.recognise(h)) {
         let uri = request.uri().clone();
         request.extensions_mut().insert(PreviewRequest { host: found, uri });
         *request.uri_mut() = Uri::from_static(PREVIEW_ROUTE);
+    } else if let Some(name) = host.as_deref().and_then(|h| state.previews.recognise_app(h)) {
+        // Only a name an app has: any other host (the API's own) is the API's.
+        if matches!(state.store.app_by_name(&name).await, Ok(Some(_))) {
+            let uri = request.uri().clone();
+            request.extensions_mut().insert(super::apps::AppRequest { name, uri });
+            *request.uri_mut() = Uri::from_static(preview::APP_ROUTE);
+        }
     }
     request
 }

@@ -10,6 +10,7 @@
 __version__ = "0.1.0"
 
 from ._async import (
+    AsyncApps,
     AsyncBuilds,
     AsyncClade,
     AsyncCodeContext,
@@ -32,6 +33,8 @@ from ._errors import (
     APIError,
     APIStatusError,
     APITimeoutError,
+    AppDeployError,
+    AppDeployTimeoutError,
     AuthenticationError,
     BadRequestError,
     CladeError,
@@ -53,9 +56,14 @@ from ._errors import (
     UnprocessableEntityError,
 )
 from ._generated import (
+    AppEnvImported,
+    AppEnvSet,
+    AppEnvVar,
+    AppInfo,
     CodeContext as CodeContextInfo,
     ConnectionInfo,
     DatabaseInfo,
+    DeploymentInfo,
     Event,
     ExecResult,
     FileEntry,
@@ -98,6 +106,7 @@ from ._models import (
 )
 from ._streams import AsyncStream, Stream
 from ._sync import (
+    Apps,
     Builds,
     Clade,
     CodeContext,
@@ -121,6 +130,14 @@ __all__ = [
     "APIError",
     "APIStatusError",
     "APITimeoutError",
+    "AppDeployError",
+    "AppDeployTimeoutError",
+    "AppEnvImported",
+    "AppEnvSet",
+    "AppEnvVar",
+    "AppInfo",
+    "Apps",
+    "AsyncApps",
     "AsyncBuilds",
     "AsyncClade",
     "AsyncCodeContext",
@@ -157,6 +174,7 @@ __all__ = [
     "DatabaseStats",
     "DatabaseTimeoutError",
     "Databases",
+    "DeploymentInfo",
     "Event",
     "ExecEvent",
     "ExecResult",

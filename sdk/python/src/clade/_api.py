@@ -115,6 +115,21 @@ OPERATIONS: Dict[str, str] = {
     "deleteSchedule": "schedules.delete",
     "triggerSchedule": "schedules.trigger",
     "listScheduleRuns": "schedules.runs",
+    "createApp": "apps.create",
+    "listApps": "apps.list",
+    "getApp": "apps.get",
+    "updateApp": "apps.update",
+    "deleteApp": "apps.delete",
+    "deployApp": "apps.deploy",
+    "listDeployments": "apps.deployments",
+    "getDeployment": "apps.deployment",
+    "deploymentLogs": "apps.deploy_logs",
+    "rollbackApp": "apps.rollback",
+    "listAppEnv": "apps.env",
+    "setAppEnv": "apps.set_env",
+    "unsetAppEnv": "apps.unset_env",
+    "importAppEnv": "apps.import_env",
+    "appRuntimeLogs": "apps.runtime_logs",
 }
 
 #: Operations the SDK does not call, and why.
@@ -683,6 +698,86 @@ def trigger_schedule(schedule_id: str, request_timeout: Optional[float]) -> Call
 
 def schedule_runs(schedule_id: str, limit: Optional[int]) -> Call[List[gen.FunctionRun]]:
     return Call("listScheduleRuns", "GET", schedule_path(schedule_id, "/runs"), _runs, params=without_none(limit=limit))
+
+
+# Apps --------------------------------------------------------------------
+
+#: Seconds a deployment's log stream may stay silent unless told (httpx
+#: times each read): its steps (fetch, install, build, start) may each take
+#: minutes under emulation, and a proxy between may hold back keep-alives.
+DEPLOY_LOGS_TIMEOUT = 1800.0
+
+
+def app_path(app_id: str, rest: str = "") -> str:
+    return f"/v1/apps/{_segment(app_id)}{rest}"
+
+
+def deployment_path(app_id: str, deployment_id: str, rest: str = "") -> str:
+    return app_path(app_id, f"/deploys/{_segment(deployment_id)}{rest}")
+
+
+def list_apps() -> Call[List[gen.AppInfo]]:
+    return Call("listApps", "GET", "/v1/apps", lambda r: gen.AppList.from_json(r.json()).items)
+
+
+def create_app(body: gen.AppBody) -> Call[gen.AppInfo]:
+    # No Idempotency-Key (the route takes none): a create is sent once.
+    return Call("createApp", "POST", "/v1/apps", _json(gen.AppInfo.from_json), json=body.to_json())
+
+
+def get_app(app_id: str) -> Call[gen.AppInfo]:
+    return Call("getApp", "GET", app_path(app_id), _json(gen.AppInfo.from_json))
+
+
+def update_app(app_id: str, body: gen.AppBody) -> Call[gen.AppInfo]:
+    return Call("updateApp", "PATCH", app_path(app_id), _json(gen.AppInfo.from_json), json=body.to_json())
+
+
+def delete_app(app_id: str) -> Call[None]:
+    return Call("deleteApp", "DELETE", app_path(app_id), _nothing)
+
+
+def deploy_app(app_id: str, git_ref: Optional[str]) -> Call[gen.DeploymentInfo]:
+    return Call("deployApp", "POST", app_path(app_id, "/deploys"), _json(gen.DeploymentInfo.from_json),
+                json=gen.DeployBody(git_ref=git_ref).to_json())
+
+
+def list_deployments(app_id: str) -> Call[List[gen.DeploymentInfo]]:
+    return Call("listDeployments", "GET", app_path(app_id, "/deploys"), lambda r: gen.DeploymentList.from_json(r.json()).items)
+
+
+def get_deployment(app_id: str, deployment_id: str) -> Call[gen.DeploymentInfo]:
+    return Call("getDeployment", "GET", deployment_path(app_id, deployment_id), _json(gen.DeploymentInfo.from_json))
+
+
+def deployment_logs(app_id: str, deployment_id: str, request_timeout: Optional[float]) -> Call[httpx.Response]:
+    return Call("deploymentLogs", "GET", deployment_path(app_id, deployment_id, "/logs"), _raw,
+                headers={"Accept": "text/event-stream"},
+                timeout=DEPLOY_LOGS_TIMEOUT if request_timeout is None else request_timeout)
+
+
+def rollback_app(app_id: str) -> Call[gen.DeploymentInfo]:
+    return Call("rollbackApp", "POST", app_path(app_id, "/rollback"), _json(gen.DeploymentInfo.from_json))
+
+
+def list_app_env(app_id: str) -> Call[List[gen.AppEnvVar]]:
+    return Call("listAppEnv", "GET", app_path(app_id, "/env"), lambda r: gen.AppEnvList.from_json(r.json()).env)
+
+
+def set_app_env(app_id: str, key: str, body: gen.SetEnvBody) -> Call[gen.AppEnvSet]:
+    return Call("setAppEnv", "PUT", app_path(app_id, f"/env/{_segment(key)}"), _json(gen.AppEnvSet.from_json), json=body.to_json())
+
+
+def unset_app_env(app_id: str, key: str) -> Call[None]:
+    return Call("unsetAppEnv", "DELETE", app_path(app_id, f"/env/{_segment(key)}"), _nothing)
+
+
+def import_app_env(app_id: str, body: gen.ImportEnvBody) -> Call[gen.AppEnvImported]:
+    return Call("importAppEnv", "POST", app_path(app_id, "/env/import"), _json(gen.AppEnvImported.from_json), json=body.to_json())
+
+
+def app_runtime_logs(app_id: str, limit: Optional[int]) -> Call[str]:
+    return Call("appRuntimeLogs", "GET", app_path(app_id, "/runtime-logs"), _text, params=without_none(limit=limit))
 
 
 # Forks -------------------------------------------------------------------

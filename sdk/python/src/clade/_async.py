@@ -23,6 +23,8 @@ from ._async_io import INTERRUPTIONS, run_blocking, run_shielded, sleep
 from ._async_transport import AsyncTransport, async_sse_events
 from ._bundles import BundleSource, function_bundle
 from ._errors import (
+    AppDeployError,
+    AppDeployTimeoutError,
     CommandFailedError,
     ConflictError,
     DatabaseFailedError,
@@ -48,7 +50,11 @@ DATABASE_WAIT_TIMEOUT = 300.0
 #: sandbox booted, the dependencies installed, a snapshot taken (and, the
 #: first time a template is used on a host, its image made).
 FUNCTION_WAIT_TIMEOUT = 600.0
-#: Polling a database or a function being made: the first look soon, then less often.
+#: Seconds an app's deploy waits for its deployment by default: a fetch, an
+#: install and a build (each may take minutes under emulation), a sandbox
+#: made and the app started.
+APP_DEPLOY_WAIT_TIMEOUT = 1800.0
+#: Polling a database, a function or a deployment being made: the first look soon, then less often.
 POLL_FIRST = 0.25
 POLL_MAX = 2.0
 
@@ -59,9 +65,9 @@ class AsyncClade:
     Settings come from the arguments, then `CLADE_API_URL` / `CLADE_API_KEY`,
     then `~/.config/clade/config.json`. `timeout` (seconds) and
     `max_retries` apply to every request but the long ones (a create, which
-    may bake its template first: 10 minutes; an invoke: 16; a command or a
-    cell: its own timeout and a margin); `with_options` changes them for
-    some calls."""
+    may bake its template first: 10 minutes; an invoke: 16; a deployment's
+    log: 30; a command or a cell: its own timeout and a margin);
+    `with_options` changes them for some calls."""
 
     def __init__(
         self,
@@ -85,6 +91,7 @@ class AsyncClade:
         self.databases = AsyncDatabases(self._transport)
         self.functions = AsyncFunctions(self._transport)
         self.schedules = AsyncSchedules(self._transport)
+        self.apps = AsyncApps(self._transport)
 
     @property
     def base_url(self) -> str:
@@ -1124,3 +1131,192 @@ class AsyncSchedules:
     async def delete(self, schedule_id: str) -> None:
         """Deletes it; its runs stay with its function."""
         await self._transport.request(api.delete_schedule(schedule_id))
+
+
+class AsyncApps:
+    """Apps: services deployed from git. Each deployment fetches a branch,
+    tag or commit, builds it in a sandbox of its own and goes live when its
+    port answers HTTP; the app's host name, `{name}.{suffix}` (its `url`),
+    then serves it. Earlier deployments keep their sandbox, hibernated, so
+    that a rollback is a switch, not a rebuild. `app_id` is an app's id or
+    its name."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+
+    async def create(
+        self,
+        name: str,
+        git_url: str,
+        *,
+        git_branch: Optional[str] = None,
+        framework: Optional[str] = None,
+        install_command: Optional[str] = None,
+        build_command: Optional[str] = None,
+        start_command: Optional[str] = None,
+        root_directory: Optional[str] = None,
+        port: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        template: Optional[str] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        auto_hibernate: Optional[bool] = None,
+        idle_timeout_seconds: Optional[int] = None,
+        keep_deployments: Optional[int] = None,
+    ) -> gen.AppInfo:
+        """A new app, `created`: nothing runs until `deploy`. `name` is the
+        first label of its host name (1 to 40 lowercase letters, digits and
+        `-`), unique on the server: a `ConflictError` when taken, whoever
+        has it. `git_url` is https, http, ssh or `user@host:path`. The
+        branch defaults to `main`, the `port` its process listens on (it
+        gets it as `$PORT`) to 3000; `framework` (`nextjs`, `vite`, `node`,
+        `python`, `static`, `custom`) is detected at each deployment unless
+        given, and with it the commands and the template. `env` holds plain
+        variables (`set_env` for secrets). `auto_hibernate` puts the live
+        deployment to sleep after `idle_timeout_seconds` (600) without
+        requests; `keep_deployments` (3) earlier ones stay for `rollback`."""
+        body = gen.AppBody(
+            name=name, git_url=git_url, git_branch=git_branch, framework=framework, install_command=install_command,
+            build_command=build_command, start_command=start_command, root_directory=root_directory, port=port,
+            env=dict(env) if env is not None else None, template=template, cpu=cpu, memory_mb=memory_mb,
+            auto_hibernate=auto_hibernate, idle_timeout_seconds=idle_timeout_seconds, keep_deployments=keep_deployments,
+        )
+        return await self._transport.request(api.create_app(body))
+
+    async def list(self) -> List[gen.AppInfo]:
+        """The workspace's apps, oldest first."""
+        return await self._transport.request(api.list_apps())
+
+    async def get(self, app_id: str) -> gen.AppInfo:
+        """An app: its `status` (`created`, `deploying`, `live`, `failed`),
+        and its `url` and live deployment once one is live."""
+        return await self._transport.request(api.get_app(app_id))
+
+    async def update(
+        self,
+        app_id: str,
+        *,
+        name: Optional[str] = None,
+        git_url: Optional[str] = None,
+        git_branch: Optional[str] = None,
+        framework: Optional[str] = None,
+        install_command: Optional[str] = None,
+        build_command: Optional[str] = None,
+        start_command: Optional[str] = None,
+        root_directory: Optional[str] = None,
+        port: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        template: Optional[str] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        auto_hibernate: Optional[bool] = None,
+        idle_timeout_seconds: Optional[int] = None,
+        keep_deployments: Optional[int] = None,
+    ) -> gen.AppInfo:
+        """Changes what is given (`None` keeps it; `""` clears a command,
+        the template, the root directory or the framework, detected again).
+        `env` sets those plain variables; the others stay. The settings
+        apply from the next deployment."""
+        body = gen.AppBody(
+            name=name, git_url=git_url, git_branch=git_branch, framework=framework, install_command=install_command,
+            build_command=build_command, start_command=start_command, root_directory=root_directory, port=port,
+            env=dict(env) if env is not None else None, template=template, cpu=cpu, memory_mb=memory_mb,
+            auto_hibernate=auto_hibernate, idle_timeout_seconds=idle_timeout_seconds, keep_deployments=keep_deployments,
+        )
+        return await self._transport.request(api.update_app(app_id, body))
+
+    async def delete(self, app_id: str) -> None:
+        """Deletes it: its host name stops answering and its deployments' sandboxes are removed."""
+        await self._transport.request(api.delete_app(app_id))
+
+    async def deploy(
+        self, app_id: str, git_ref: Optional[str] = None, *, wait: bool = True, timeout: float = APP_DEPLOY_WAIT_TIMEOUT
+    ) -> gen.DeploymentInfo:
+        """A new deployment of `git_ref` (a branch, tag or commit; the app's
+        branch by default), built beside the live one. With `wait` it is
+        returned once over (`wait` says how); without, `queued`: follow it
+        with `deploy_logs` or `deployment`. A failed deployment leaves the
+        live one serving."""
+        deployment = await self._transport.request(api.deploy_app(app_id, git_ref))
+        if not wait:
+            return deployment
+        return await self.wait(app_id, deployment.id, timeout=timeout)
+
+    async def wait(self, app_id: str, deployment_id: str, *, timeout: float = APP_DEPLOY_WAIT_TIMEOUT) -> gen.DeploymentInfo:
+        """The deployment, with its `build_logs`, once it is over: `live`
+        (or `superseded`, when a newer one went live first). Polls with a
+        growing interval; `AppDeployError` if it failed, with its `error`
+        and `build_logs`; `AppDeployTimeoutError` after `timeout` seconds
+        (it goes on)."""
+        deadline = time.monotonic() + timeout
+        interval = POLL_FIRST
+        while True:
+            deployment = await self.deployment(app_id, deployment_id)
+            if deployment.status == "failed":
+                raise AppDeployError(deployment)
+            if deployment.status not in ("queued", "building", "deploying"):
+                return deployment
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AppDeployTimeoutError(deployment, timeout)
+            await sleep(min(interval, left))
+            interval = min(interval * 1.5, POLL_MAX)
+
+    async def deployments(self, app_id: str) -> List[gen.DeploymentInfo]:
+        """Its deployments, newest first, without their logs."""
+        return await self._transport.request(api.list_deployments(app_id))
+
+    async def deployment(self, app_id: str, deployment_id: str) -> gen.DeploymentInfo:
+        """A deployment, with its `build_logs` so far."""
+        return await self._transport.request(api.get_deployment(app_id, deployment_id))
+
+    def deploy_logs(self, app_id: str, deployment_id: str, *, request_timeout: Optional[float] = None) -> AsyncStream[str]:
+        """The deployment's log lines: those written so far, then each as it
+        is written, until the deployment is over. Leaving the loop early
+        closes the stream, not the deployment. `request_timeout`: seconds
+        the stream may stay silent (1800 by default)."""
+        call = api.deployment_logs(app_id, deployment_id, request_timeout)
+
+        async def lines() -> AsyncEvents[str]:
+            async with self._transport.stream(call) as response:
+                yield None
+                async for sse in async_sse_events(response):
+                    if sse.event == "done":
+                        return
+                    if sse.event == "message":
+                        yield sse.data
+            raise StreamError("the deployment's log ended before the deployment did")
+
+        return AsyncStream(lines())
+
+    async def rollback(self, app_id: str) -> gen.DeploymentInfo:
+        """Puts the newest earlier deployment that kept its sandbox back
+        live, in one switch (no rebuild; its sandbox wakes), and returns it;
+        the one it replaces becomes `rolled_back`. A `ConflictError` when
+        nothing is live or nothing earlier is kept."""
+        return await self._transport.request(api.rollback_app(app_id))
+
+    async def env(self, app_id: str) -> List[gen.AppEnvVar]:
+        """Its variables; a secret's `value` is masked (`••••••••`)."""
+        return await self._transport.request(api.list_app_env(app_id))
+
+    async def set_env(self, app_id: str, key: str, value: str, *, secret: bool = False, scope: Optional[str] = None) -> gen.AppEnvSet:
+        """Sets a variable for its next deployments. A `secret` is never
+        shown again; `scope` `all` (the default) or `production` reach
+        deployments, `preview` none."""
+        return await self._transport.request(api.set_app_env(app_id, key, gen.SetEnvBody(value=value, secret=secret, scope=scope)))
+
+    async def unset_env(self, app_id: str, key: str) -> None:
+        """Removes a variable (`NotFoundError` when it has none of that name)."""
+        await self._transport.request(api.unset_app_env(app_id, key))
+
+    async def import_env(self, app_id: str, dotenv: str, *, secret: bool = False, scope: Optional[str] = None) -> gen.AppEnvImported:
+        """Sets every variable of a `.env` file's text (`KEY=value` lines;
+        comments, `export` and quotes as shells read them)."""
+        return await self._transport.request(api.import_app_env(app_id, gen.ImportEnvBody(dotenv=dotenv, secret=secret, scope=scope)))
+
+    async def runtime_logs(self, app_id: str, *, limit: Optional[int] = None) -> str:
+        """The end of what the live deployment's process printed: at most
+        `limit` bytes (64 KiB by default, 1 MiB at most).
+        `ConflictError` when nothing is live."""
+        return await self._transport.request(api.app_runtime_logs(app_id, limit))

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type
 
 if TYPE_CHECKING:
-    from ._generated import DatabaseInfo, FunctionInfo
+    from ._generated import DatabaseInfo, DeploymentInfo, FunctionInfo
 
 
 class CladeError(Exception):
@@ -183,6 +183,33 @@ class FunctionDeployTimeoutError(CladeError):
         self.function = function
         self.timeout = timeout
         super().__init__(f"function {function.id} is still {function.status} after {timeout:g} s")
+
+
+class AppDeployError(CladeError):
+    """An app's deployment ended `failed`. `deployment` is what the server
+    said of it, `error` why, and `build_logs` what its steps printed. The
+    deployment live before it, if any, still serves the app."""
+
+    def __init__(self, deployment: DeploymentInfo) -> None:
+        self.deployment = deployment
+        self.error = deployment.error
+        self.build_logs = deployment.build_logs
+        message = f"deployment {deployment.id} of app {deployment.app_id} failed: {deployment.error or 'no reason given'}"
+        tail = (deployment.build_logs or "").strip().splitlines()[-5:]
+        if tail:
+            message += "\n" + "\n".join(tail)
+        super().__init__(message)
+
+
+class AppDeployTimeoutError(CladeError):
+    """An app's deployment had not ended within the wait's timeout. It goes
+    on: `deployment` is what the server last said of it, and waiting again
+    may still see it live."""
+
+    def __init__(self, deployment: DeploymentInfo, timeout: float) -> None:
+        self.deployment = deployment
+        self.timeout = timeout
+        super().__init__(f"deployment {deployment.id} of app {deployment.app_id} is still {deployment.status} after {timeout:g} s")
 
 
 _BY_STATUS: Dict[int, Type[APIStatusError]] = {

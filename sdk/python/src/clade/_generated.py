@@ -45,6 +45,224 @@ class AddPort(Model):
 
 
 @dataclasses.dataclass
+class AppBody(Model):
+    """An app's settings: a create's (`name` and `git_url` required) or a
+    `PATCH`'s (each field given replaces the app's).
+    """
+
+    #: The first label of its host name: 1 to 40 lowercase letters, digits and `-`.
+    name: Optional[str] = None
+    #: `https://`, `ssh://` or `user@host:path` (`file://` where the server allows it).
+    git_url: Optional[str] = None
+    #: Default `main`.
+    git_branch: Optional[str] = None
+    #: `nextjs`, `vite`, `node`, `python`, `static` or `custom`; empty or absent: detected.
+    framework: Optional[str] = None
+    install_command: Optional[str] = None
+    build_command: Optional[str] = None
+    #: Run under `sh` in the app's directory with `$PORT` set.
+    start_command: Optional[str] = None
+    root_directory: Optional[str] = None
+    #: Default 3000.
+    port: Optional[int] = None
+    #: Plain variables to set (secrets: `PUT …/env/{key}`).
+    env: Optional[Dict[str, str]] = None
+    template: Optional[str] = None
+    cpu: Optional[int] = None
+    memory_mb: Optional[int] = None
+    #: Hibernate the live deployment after `idle_timeout_seconds` without requests (default false).
+    auto_hibernate: Optional[bool] = None
+    #: 10 to 604800 (default 600).
+    idle_timeout_seconds: Optional[int] = None
+    #: 0 to 20 (default 3).
+    keep_deployments: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppBody:
+        return cls(
+            name=data.get("name"),
+            git_url=data.get("git_url"),
+            git_branch=data.get("git_branch"),
+            framework=data.get("framework"),
+            install_command=data.get("install_command"),
+            build_command=data.get("build_command"),
+            start_command=data.get("start_command"),
+            root_directory=data.get("root_directory"),
+            port=data.get("port"),
+            env=None if data.get("env") is None else dict(data["env"]),
+            template=data.get("template"),
+            cpu=data.get("cpu"),
+            memory_mb=data.get("memory_mb"),
+            auto_hibernate=data.get("auto_hibernate"),
+            idle_timeout_seconds=data.get("idle_timeout_seconds"),
+            keep_deployments=data.get("keep_deployments"),
+        )
+
+
+@dataclasses.dataclass
+class AppEnvImported(Model):
+    """`AppEnvImported` in docs/openapi.json."""
+
+    #: The variables the text set.
+    imported: int
+    #: The variables the app has now.
+    total: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppEnvImported:
+        return cls(
+            imported=data["imported"],
+            total=data["total"],
+        )
+
+
+@dataclasses.dataclass
+class AppEnvList(Model):
+    """`AppEnvList` in docs/openapi.json."""
+
+    env: List[AppEnvVar]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppEnvList:
+        return cls(
+            env=[AppEnvVar.from_json(item) for item in data["env"]],
+        )
+
+
+@dataclasses.dataclass
+class AppEnvSet(Model):
+    """What setting a variable answers."""
+
+    key: str
+    secret: bool
+    scope: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppEnvSet:
+        return cls(
+            key=data["key"],
+            secret=data["secret"],
+            scope=data["scope"],
+        )
+
+
+@dataclasses.dataclass
+class AppEnvVar(Model):
+    """One variable of an app's environment."""
+
+    key: str
+    #: A secret's is masked (`••••••••`).
+    value: str
+    secret: bool
+    #: `all`, `production` or `preview` (which no deployment gets: there are no previews).
+    scope: str
+    #: RFC 3339.
+    updated_at: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppEnvVar:
+        return cls(
+            key=data["key"],
+            value=data["value"],
+            secret=data["secret"],
+            scope=data["scope"],
+            updated_at=data["updated_at"],
+        )
+
+
+@dataclasses.dataclass
+class AppInfo(Model):
+    """An app (PandaStack's AppInfo)."""
+
+    id: str
+    #: The workspace's name.
+    workspace: str
+    #: Its host name's first label: unique on the server.
+    name: str
+    git_url: str
+    git_branch: str
+    #: The port its process listens on (it gets it as `$PORT`).
+    port: int
+    #: Its plain variables; a secret's value is masked.
+    env: Dict[str, str]
+    #: `created` (never deployed), `deploying`, `live` or `failed`.
+    status: str
+    #: Always false: deployments start from the API, the CLI or an SDK.
+    auto_deploy: bool
+    auto_hibernate: bool
+    idle_timeout_seconds: int
+    #: How many deployments before the live one keep their sandbox for a rollback.
+    keep_deployments: int
+    #: Always false: there are no pull-request previews.
+    is_preview: bool
+    #: RFC 3339.
+    created_at: str
+    updated_at: str
+    #: Set by its owner (`nextjs`, `vite`, `node`, `python`, `static`, `custom`); absent: detected at each
+    #: deployment.
+    framework: Optional[str] = None
+    install_command: Optional[str] = None
+    build_command: Optional[str] = None
+    start_command: Optional[str] = None
+    root_directory: Optional[str] = None
+    #: Its deployments' template; absent: the framework's (`agent` for Node.js, `base` otherwise).
+    template: Optional[str] = None
+    cpu: Optional[int] = None
+    memory_mb: Optional[int] = None
+    #: The live deployment's sandbox.
+    sandbox_id: Optional[str] = None
+    active_deployment_id: Optional[str] = None
+    #: Its stable address, `http://{name}.{suffix}`, once a deployment is live.
+    url: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppInfo:
+        return cls(
+            id=data["id"],
+            workspace=data["workspace"],
+            name=data["name"],
+            git_url=data["git_url"],
+            git_branch=data["git_branch"],
+            port=data["port"],
+            env=dict(data["env"]),
+            status=data["status"],
+            auto_deploy=data["auto_deploy"],
+            auto_hibernate=data["auto_hibernate"],
+            idle_timeout_seconds=data["idle_timeout_seconds"],
+            keep_deployments=data["keep_deployments"],
+            is_preview=data["is_preview"],
+            created_at=data["created_at"],
+            updated_at=data["updated_at"],
+            framework=data.get("framework"),
+            install_command=data.get("install_command"),
+            build_command=data.get("build_command"),
+            start_command=data.get("start_command"),
+            root_directory=data.get("root_directory"),
+            template=data.get("template"),
+            cpu=data.get("cpu"),
+            memory_mb=data.get("memory_mb"),
+            sandbox_id=data.get("sandbox_id"),
+            active_deployment_id=data.get("active_deployment_id"),
+            url=data.get("url"),
+        )
+
+
+@dataclasses.dataclass
+class AppList(Model):
+    """`AppList` in docs/openapi.json."""
+
+    items: List[AppInfo]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AppList:
+        return cls(
+            items=[AppInfo.from_json(item) for item in data["items"]],
+            count=data["count"],
+        )
+
+
+@dataclasses.dataclass
 class Attachment(Model):
     """A sandbox that has the volume."""
 
@@ -507,6 +725,20 @@ class DatabaseLogs(Model):
 
 
 @dataclasses.dataclass
+class DeployBody(Model):
+    """`DeployBody` in docs/openapi.json."""
+
+    #: A branch, tag or commit; default the app's branch.
+    git_ref: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeployBody:
+        return cls(
+            git_ref=data.get("git_ref"),
+        )
+
+
+@dataclasses.dataclass
 class DeployForm(Model):
     """The multipart form of a deploy: the schema of its body only."""
 
@@ -520,6 +752,66 @@ class DeployForm(Model):
         return cls(
             bundle=data["bundle"],
             entrypoint=data.get("entrypoint"),
+        )
+
+
+@dataclasses.dataclass
+class DeploymentInfo(Model):
+    """A deployment of an app (PandaStack's DeploymentInfo)."""
+
+    id: str
+    app_id: str
+    workspace: str
+    #: `queued`, `building`, `deploying`, then `live`, `failed`, `superseded` or `rolled_back`.
+    status: str
+    #: The branch, tag or commit it was asked for.
+    git_ref: str
+    #: RFC 3339.
+    created_at: str
+    updated_at: str
+    #: The commit it cloned.
+    git_commit: Optional[str] = None
+    #: The framework it was built as.
+    framework: Optional[str] = None
+    #: The sandbox that runs it, while it is kept.
+    sandbox_id: Optional[str] = None
+    #: What its clone, install, build and start printed (only in `GET …/deploys/{dep}`).
+    build_logs: Optional[str] = None
+    #: Why it failed.
+    error: Optional[str] = None
+    finished_at: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeploymentInfo:
+        return cls(
+            id=data["id"],
+            app_id=data["app_id"],
+            workspace=data["workspace"],
+            status=data["status"],
+            git_ref=data["git_ref"],
+            created_at=data["created_at"],
+            updated_at=data["updated_at"],
+            git_commit=data.get("git_commit"),
+            framework=data.get("framework"),
+            sandbox_id=data.get("sandbox_id"),
+            build_logs=data.get("build_logs"),
+            error=data.get("error"),
+            finished_at=data.get("finished_at"),
+        )
+
+
+@dataclasses.dataclass
+class DeploymentList(Model):
+    """`DeploymentList` in docs/openapi.json."""
+
+    items: List[DeploymentInfo]
+    count: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeploymentList:
+        return cls(
+            items=[DeploymentInfo.from_json(item) for item in data["items"]],
+            count=data["count"],
         )
 
 
@@ -948,6 +1240,24 @@ class HibernateBody(Model):
     def from_json(cls, data: Mapping[str, Any]) -> HibernateBody:
         return cls(
             memory=data.get("memory"),
+        )
+
+
+@dataclasses.dataclass
+class ImportEnvBody(Model):
+    """`ImportEnvBody` in docs/openapi.json."""
+
+    #: `KEY=value` lines (`#` comments, blank lines, `export` and quotes as in shells). Required.
+    dotenv: Optional[str] = None
+    secret: Optional[bool] = None
+    scope: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ImportEnvBody:
+        return cls(
+            dotenv=data.get("dotenv"),
+            secret=data.get("secret"),
+            scope=data.get("scope"),
         )
 
 
@@ -1584,6 +1894,25 @@ class ScheduleList(Model):
 
 
 @dataclasses.dataclass
+class SetEnvBody(Model):
+    """`SetEnvBody` in docs/openapi.json."""
+
+    #: Required.
+    value: Optional[str] = None
+    secret: Optional[bool] = None
+    #: Default `all`.
+    scope: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SetEnvBody:
+        return cls(
+            value=data.get("value"),
+            secret=data.get("secret"),
+            scope=data.get("scope"),
+        )
+
+
+@dataclasses.dataclass
 class Snapshot(Model):
     """A snapshot of a sandbox (§3.8)."""
 
@@ -1927,6 +2256,13 @@ class Written(Model):
 
 MODELS = {
     "AddPort": AddPort,
+    "AppBody": AppBody,
+    "AppEnvImported": AppEnvImported,
+    "AppEnvList": AppEnvList,
+    "AppEnvSet": AppEnvSet,
+    "AppEnvVar": AppEnvVar,
+    "AppInfo": AppInfo,
+    "AppList": AppList,
     "Attachment": Attachment,
     "ChildError": ChildError,
     "CloneBody": CloneBody,
@@ -1945,7 +2281,10 @@ MODELS = {
     "DatabaseInfo": DatabaseInfo,
     "DatabaseList": DatabaseList,
     "DatabaseLogs": DatabaseLogs,
+    "DeployBody": DeployBody,
     "DeployForm": DeployForm,
+    "DeploymentInfo": DeploymentInfo,
+    "DeploymentList": DeploymentList,
     "DirListing": DirListing,
     "ErrorBody": ErrorBody,
     "Event": Event,
@@ -1963,6 +2302,7 @@ MODELS = {
     "FunctionRunList": FunctionRunList,
     "Health": Health,
     "HibernateBody": HibernateBody,
+    "ImportEnvBody": ImportEnvBody,
     "InvokeBody": InvokeBody,
     "KeyRef": KeyRef,
     "LifecyclePatch": LifecyclePatch,
@@ -1991,6 +2331,7 @@ MODELS = {
     "SandboxPatch": SandboxPatch,
     "ScheduleInfo": ScheduleInfo,
     "ScheduleList": ScheduleList,
+    "SetEnvBody": SetEnvBody,
     "Snapshot": Snapshot,
     "Snapshots": Snapshots,
     "SseEvent": SseEvent,

@@ -8,6 +8,183 @@ export interface AddPort {
   label?: string | null;
 }
 
+/**
+ * An app's settings: a create's (`name` and `git_url` required) or a
+ * `PATCH`'s (each field given replaces the app's).
+ */
+export interface AppBody {
+  /** The first label of its host name: 1 to 40 lowercase letters, digits and `-`. */
+  name?: string | null;
+  /**
+   * `https://`, `ssh://` or `user@host:path` (`file://` where the server allows it).
+   *
+   * Wire name: `git_url`.
+   */
+  gitUrl?: string | null;
+  /**
+   * Default `main`.
+   *
+   * Wire name: `git_branch`.
+   */
+  gitBranch?: string | null;
+  /** `nextjs`, `vite`, `node`, `python`, `static` or `custom`; empty or absent: detected. */
+  framework?: string | null;
+  /** Wire name: `install_command`. */
+  installCommand?: string | null;
+  /** Wire name: `build_command`. */
+  buildCommand?: string | null;
+  /**
+   * Run under `sh` in the app's directory with `$PORT` set.
+   *
+   * Wire name: `start_command`.
+   */
+  startCommand?: string | null;
+  /** Wire name: `root_directory`. */
+  rootDirectory?: string | null;
+  /** Default 3000. */
+  port?: number | null;
+  /** Plain variables to set (secrets: `PUT …/env/{key}`). */
+  env?: Record<string, string> | null;
+  template?: string | null;
+  cpu?: number | null;
+  /** Wire name: `memory_mb`. */
+  memoryMb?: number | null;
+  /**
+   * Hibernate the live deployment after `idle_timeout_seconds` without requests (default false).
+   *
+   * Wire name: `auto_hibernate`.
+   */
+  autoHibernate?: boolean | null;
+  /**
+   * 10 to 604800 (default 600).
+   *
+   * Wire name: `idle_timeout_seconds`.
+   */
+  idleTimeoutSeconds?: number | null;
+  /**
+   * 0 to 20 (default 3).
+   *
+   * Wire name: `keep_deployments`.
+   */
+  keepDeployments?: number | null;
+}
+
+export interface AppEnvImported {
+  /** The variables the text set. */
+  imported: number;
+  /** The variables the app has now. */
+  total: number;
+}
+
+export interface AppEnvList {
+  env: AppEnvVar[];
+}
+
+/** What setting a variable answers. */
+export interface AppEnvSet {
+  key: string;
+  secret: boolean;
+  scope: string;
+}
+
+/** One variable of an app's environment. */
+export interface AppEnvVar {
+  key: string;
+  /** A secret's is masked (`••••••••`). */
+  value: string;
+  secret: boolean;
+  /** `all`, `production` or `preview` (which no deployment gets: there are no previews). */
+  scope: string;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `updated_at`.
+   */
+  updatedAt: string;
+}
+
+/** An app (PandaStack's AppInfo). */
+export interface AppInfo {
+  id: string;
+  /** The workspace's name. */
+  workspace: string;
+  /** Its host name's first label: unique on the server. */
+  name: string;
+  /** Wire name: `git_url`. */
+  gitUrl: string;
+  /** Wire name: `git_branch`. */
+  gitBranch: string;
+  /**
+   * Set by its owner (`nextjs`, `vite`, `node`, `python`, `static`,
+   * `custom`); absent: detected at each deployment.
+   */
+  framework?: string | null;
+  /** Wire name: `install_command`. */
+  installCommand?: string | null;
+  /** Wire name: `build_command`. */
+  buildCommand?: string | null;
+  /** Wire name: `start_command`. */
+  startCommand?: string | null;
+  /** Wire name: `root_directory`. */
+  rootDirectory?: string | null;
+  /** The port its process listens on (it gets it as `$PORT`). */
+  port: number;
+  /** Its plain variables; a secret's value is masked. */
+  env: Record<string, string>;
+  /** Its deployments' template; absent: the framework's (`agent` for Node.js, `base` otherwise). */
+  template?: string | null;
+  cpu?: number | null;
+  /** Wire name: `memory_mb`. */
+  memoryMb?: number | null;
+  /**
+   * The live deployment's sandbox.
+   *
+   * Wire name: `sandbox_id`.
+   */
+  sandboxId?: string | null;
+  /** Wire name: `active_deployment_id`. */
+  activeDeploymentId?: string | null;
+  /** `created` (never deployed), `deploying`, `live` or `failed`. */
+  status: string;
+  /** Its stable address, `http://{name}.{suffix}`, once a deployment is live. */
+  url?: string | null;
+  /**
+   * Always false: deployments start from the API, the CLI or an SDK.
+   *
+   * Wire name: `auto_deploy`.
+   */
+  autoDeploy: boolean;
+  /** Wire name: `auto_hibernate`. */
+  autoHibernate: boolean;
+  /** Wire name: `idle_timeout_seconds`. */
+  idleTimeoutSeconds: number;
+  /**
+   * How many deployments before the live one keep their sandbox for a rollback.
+   *
+   * Wire name: `keep_deployments`.
+   */
+  keepDeployments: number;
+  /**
+   * Always false: there are no pull-request previews.
+   *
+   * Wire name: `is_preview`.
+   */
+  isPreview: boolean;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `created_at`.
+   */
+  createdAt: string;
+  /** Wire name: `updated_at`. */
+  updatedAt: string;
+}
+
+export interface AppList {
+  items: AppInfo[];
+  count: number;
+}
+
 /** A sandbox that has the volume. */
 export interface Attachment {
   /** Wire name: `sandbox_id`. */
@@ -366,12 +543,74 @@ export interface DatabaseLogs {
   logs: string;
 }
 
+export interface DeployBody {
+  /**
+   * A branch, tag or commit; default the app's branch.
+   *
+   * Wire name: `git_ref`.
+   */
+  gitRef?: string | null;
+}
+
 /** The multipart form of a deploy: the schema of its body only. */
 export interface DeployForm {
   /** The code: a tar.gz, at most 16 MiB. */
   bundle: Bundle;
   /** Another entrypoint in the bundle. */
   entrypoint?: string | null;
+}
+
+/** A deployment of an app (PandaStack's DeploymentInfo). */
+export interface DeploymentInfo {
+  id: string;
+  /** Wire name: `app_id`. */
+  appId: string;
+  workspace: string;
+  /** `queued`, `building`, `deploying`, then `live`, `failed`, `superseded` or `rolled_back`. */
+  status: string;
+  /**
+   * The commit it cloned.
+   *
+   * Wire name: `git_commit`.
+   */
+  gitCommit?: string | null;
+  /**
+   * The branch, tag or commit it was asked for.
+   *
+   * Wire name: `git_ref`.
+   */
+  gitRef: string;
+  /** The framework it was built as. */
+  framework?: string | null;
+  /**
+   * The sandbox that runs it, while it is kept.
+   *
+   * Wire name: `sandbox_id`.
+   */
+  sandboxId?: string | null;
+  /**
+   * What its clone, install, build and start printed (only in `GET …/deploys/{dep}`).
+   *
+   * Wire name: `build_logs`.
+   */
+  buildLogs?: string | null;
+  /** Why it failed. */
+  error?: string | null;
+  /**
+   * RFC 3339.
+   *
+   * Wire name: `created_at`.
+   */
+  createdAt: string;
+  /** Wire name: `updated_at`. */
+  updatedAt: string;
+  /** Wire name: `finished_at`. */
+  finishedAt?: string | null;
+}
+
+export interface DeploymentList {
+  items: DeploymentInfo[];
+  count: number;
 }
 
 export interface DirListing {
@@ -659,6 +898,13 @@ export interface HibernateBody {
    * (a 503 otherwise, and the sandbox runs on).
    */
   memory?: boolean | null;
+}
+
+export interface ImportEnvBody {
+  /** `KEY=value` lines (`#` comments, blank lines, `export` and quotes as in shells). Required. */
+  dotenv?: string | null;
+  secret?: boolean;
+  scope?: string | null;
 }
 
 export interface InvokeBody {
@@ -1132,6 +1378,14 @@ export interface ScheduleList {
   count: number;
 }
 
+export interface SetEnvBody {
+  /** Required. */
+  value?: string | null;
+  secret?: boolean;
+  /** Default `all`. */
+  scope?: string | null;
+}
+
 /** A snapshot of a sandbox (§3.8). */
 export interface Snapshot {
   id: string;
@@ -1375,6 +1629,13 @@ export interface PropertyShape {
 
 export type SchemaName =
   | 'AddPort'
+  | 'AppBody'
+  | 'AppEnvImported'
+  | 'AppEnvList'
+  | 'AppEnvSet'
+  | 'AppEnvVar'
+  | 'AppInfo'
+  | 'AppList'
   | 'Attachment'
   | 'Bundle'
   | 'ChildError'
@@ -1394,7 +1655,10 @@ export type SchemaName =
   | 'DatabaseInfo'
   | 'DatabaseList'
   | 'DatabaseLogs'
+  | 'DeployBody'
   | 'DeployForm'
+  | 'DeploymentInfo'
+  | 'DeploymentList'
   | 'DirListing'
   | 'ErrorBody'
   | 'Event'
@@ -1413,6 +1677,7 @@ export type SchemaName =
   | 'FunctionRunList'
   | 'Health'
   | 'HibernateBody'
+  | 'ImportEnvBody'
   | 'InvokeBody'
   | 'KeyRef'
   | 'LifecyclePatch'
@@ -1441,6 +1706,7 @@ export type SchemaName =
   | 'SandboxPatch'
   | 'ScheduleInfo'
   | 'ScheduleList'
+  | 'SetEnvBody'
   | 'Snapshot'
   | 'Snapshots'
   | 'SseEvent'
@@ -1462,6 +1728,75 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   AddPort: {
     port: { wire: 'port' },
     label: { wire: 'label' },
+  },
+  AppBody: {
+    name: { wire: 'name' },
+    gitUrl: { wire: 'git_url' },
+    gitBranch: { wire: 'git_branch' },
+    framework: { wire: 'framework' },
+    installCommand: { wire: 'install_command' },
+    buildCommand: { wire: 'build_command' },
+    startCommand: { wire: 'start_command' },
+    rootDirectory: { wire: 'root_directory' },
+    port: { wire: 'port' },
+    env: { wire: 'env' },
+    template: { wire: 'template' },
+    cpu: { wire: 'cpu' },
+    memoryMb: { wire: 'memory_mb' },
+    autoHibernate: { wire: 'auto_hibernate' },
+    idleTimeoutSeconds: { wire: 'idle_timeout_seconds' },
+    keepDeployments: { wire: 'keep_deployments' },
+  },
+  AppEnvImported: {
+    imported: { wire: 'imported' },
+    total: { wire: 'total' },
+  },
+  AppEnvList: {
+    env: { wire: 'env', ref: 'AppEnvVar', array: true },
+  },
+  AppEnvSet: {
+    key: { wire: 'key' },
+    secret: { wire: 'secret' },
+    scope: { wire: 'scope' },
+  },
+  AppEnvVar: {
+    key: { wire: 'key' },
+    value: { wire: 'value' },
+    secret: { wire: 'secret' },
+    scope: { wire: 'scope' },
+    updatedAt: { wire: 'updated_at' },
+  },
+  AppInfo: {
+    id: { wire: 'id' },
+    workspace: { wire: 'workspace' },
+    name: { wire: 'name' },
+    gitUrl: { wire: 'git_url' },
+    gitBranch: { wire: 'git_branch' },
+    framework: { wire: 'framework' },
+    installCommand: { wire: 'install_command' },
+    buildCommand: { wire: 'build_command' },
+    startCommand: { wire: 'start_command' },
+    rootDirectory: { wire: 'root_directory' },
+    port: { wire: 'port' },
+    env: { wire: 'env' },
+    template: { wire: 'template' },
+    cpu: { wire: 'cpu' },
+    memoryMb: { wire: 'memory_mb' },
+    sandboxId: { wire: 'sandbox_id' },
+    activeDeploymentId: { wire: 'active_deployment_id' },
+    status: { wire: 'status' },
+    url: { wire: 'url' },
+    autoDeploy: { wire: 'auto_deploy' },
+    autoHibernate: { wire: 'auto_hibernate' },
+    idleTimeoutSeconds: { wire: 'idle_timeout_seconds' },
+    keepDeployments: { wire: 'keep_deployments' },
+    isPreview: { wire: 'is_preview' },
+    createdAt: { wire: 'created_at' },
+    updatedAt: { wire: 'updated_at' },
+  },
+  AppList: {
+    items: { wire: 'items', ref: 'AppInfo', array: true },
+    count: { wire: 'count' },
   },
   Attachment: {
     sandboxId: { wire: 'sandbox_id' },
@@ -1592,9 +1927,31 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   DatabaseLogs: {
     logs: { wire: 'logs' },
   },
+  DeployBody: {
+    gitRef: { wire: 'git_ref' },
+  },
   DeployForm: {
     bundle: { wire: 'bundle', ref: 'Bundle' },
     entrypoint: { wire: 'entrypoint' },
+  },
+  DeploymentInfo: {
+    id: { wire: 'id' },
+    appId: { wire: 'app_id' },
+    workspace: { wire: 'workspace' },
+    status: { wire: 'status' },
+    gitCommit: { wire: 'git_commit' },
+    gitRef: { wire: 'git_ref' },
+    framework: { wire: 'framework' },
+    sandboxId: { wire: 'sandbox_id' },
+    buildLogs: { wire: 'build_logs' },
+    error: { wire: 'error' },
+    createdAt: { wire: 'created_at' },
+    updatedAt: { wire: 'updated_at' },
+    finishedAt: { wire: 'finished_at' },
+  },
+  DeploymentList: {
+    items: { wire: 'items', ref: 'DeploymentInfo', array: true },
+    count: { wire: 'count' },
   },
   DirListing: {
     path: { wire: 'path' },
@@ -1718,6 +2075,11 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   },
   HibernateBody: {
     memory: { wire: 'memory' },
+  },
+  ImportEnvBody: {
+    dotenv: { wire: 'dotenv' },
+    secret: { wire: 'secret' },
+    scope: { wire: 'scope' },
   },
   InvokeBody: {
     input: { wire: 'input' },
@@ -1894,6 +2256,11 @@ export const SCHEMAS: { readonly [S in SchemaName]?: { readonly [property: strin
   ScheduleList: {
     items: { wire: 'items', ref: 'ScheduleInfo', array: true },
     count: { wire: 'count' },
+  },
+  SetEnvBody: {
+    value: { wire: 'value' },
+    secret: { wire: 'secret' },
+    scope: { wire: 'scope' },
   },
   Snapshot: {
     id: { wire: 'id' },
