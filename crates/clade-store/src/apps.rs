@@ -4,7 +4,7 @@
 
 use sqlx::any::AnyRow;
 
-use crate::{col, is_unique_violation, now_ms, Store, StoreError, UnixMillis};
+use crate::{col, now_ms, or_conflict, Store, StoreError, UnixMillis};
 
 /// Where a deployment stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,7 +238,7 @@ impl Store {
         .bind(app.updated_at)
         .execute(&self.pool)
         .await;
-        inserted.map(drop).map_err(|e| if is_unique_violation(&e) { StoreError::Conflict(format!("app {:?}", app.name)) } else { e.into() })
+        or_conflict(inserted, || format!("app {:?}", app.name)).map(drop)
     }
 
     /// The workspace's app with this id, else with this name.
@@ -306,9 +306,7 @@ impl Store {
         .bind(now_ms())
         .execute(&self.pool)
         .await;
-        let updated =
-            updated.map_err(|e| if is_unique_violation(&e) { StoreError::Conflict(format!("app {:?}", app.name)) } else { e.into() })?;
-        Ok(updated.rows_affected() > 0)
+        Ok(or_conflict(updated, || format!("app {:?}", app.name))?.rows_affected() > 0)
     }
 
     /// Deletes an app with its environment; its deployments' rows stay for

@@ -4,7 +4,7 @@
 
 use sqlx::any::AnyRow;
 
-use crate::{col, is_unique_violation, now_ms, Store, StoreError, UnixMillis};
+use crate::{col, now_ms, or_conflict, Store, StoreError, UnixMillis};
 
 /// Where a function's deployment stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,11 +198,6 @@ impl ScheduleRow {
             updated_at: col(row, "updated_at")?,
         })
     }
-}
-
-/// A write's outcome, a unique index's refusal as a [`StoreError::Conflict`] naming `what`.
-fn or_conflict<T>(outcome: Result<T, sqlx::Error>, what: impl FnOnce() -> String) -> Result<T, StoreError> {
-    outcome.map_err(|e| if is_unique_violation(&e) { StoreError::Conflict(what()) } else { e.into() })
 }
 
 /// The runs of a function kept: older ones are dropped as new ones come.

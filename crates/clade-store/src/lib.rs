@@ -182,6 +182,11 @@ fn random_hex(bytes: usize) -> String {
 }
 
 /// Whether an error is a unique-constraint violation (on either backend).
+/// A write's outcome, a unique index's refusal as a [`StoreError::Conflict`] naming `what`.
+fn or_conflict<T>(outcome: Result<T, sqlx::Error>, what: impl FnOnce() -> String) -> Result<T, StoreError> {
+    outcome.map_err(|e| if is_unique_violation(&e) { StoreError::Conflict(what()) } else { e.into() })
+}
+
 fn is_unique_violation(err: &sqlx::Error) -> bool {
     match err {
         sqlx::Error::Database(db) => db.is_unique_violation(),
